@@ -1,0 +1,145 @@
+"""The `vllm-nvext` command: `serve`, `tiny-model`, `parity`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+from .config import ENV_MODE, Mode
+
+DEFAULT_PORT = 8000
+
+
+def _serve_command(model: str, port: int, host: str, tiny: bool, extra: Sequence[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm_nvext._vllm_cli", "serve", model, "--host", host, "--port", str(port)]
+    cmd += ["--middleware", "vllm_nvext.NvextMiddleware"]
+    if tiny:
+        cmd += ["--dtype", "float32", "--max-model-len", "1024", "--served-model-name", "tiny"]
+    return cmd + list(extra)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def _banner(base: str, model_name: str, mode: str) -> str:
+    vllm_req = {"model": model_name, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    nvext_req = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "nvext": {"extra_fields": ["completion_token_ids"]},
+    }
+    lines = [
+        f"vllm-nvext: serving on {base} (mode {mode})",
+        "  vLLM dialect:",
+        f"    curl -s {base}/v1/completions -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(vllm_req))}",
+        "  Dynamo nvext dialect:",
+        f"    curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(nvext_req))}",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    tiny = args.model is None
+    if tiny:
+        from . import tiny_model
+
+        model = str(tiny_model.ensure())
+    else:
+        model = args.model
+    env = dict(os.environ)
+    env[ENV_MODE] = Mode.parse(args.mode).value
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    cmd = _serve_command(model, args.port, args.host, tiny, extra)
+    print("vllm-nvext: starting", " ".join(shlex.quote(c) for c in cmd), flush=True)
+    proc = subprocess.Popen(cmd, env=env)
+
+    def _forward(signum: int, _frame: object) -> None:
+        proc.send_signal(signum)
+
+    signal.signal(signal.SIGINT, _forward)
+    signal.signal(signal.SIGTERM, _forward)
+    shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    base = f"http://{shown_host}:{args.port}"
+    if _wait_healthy(base, proc, args.startup_timeout):
+        served = "tiny" if tiny else next((extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--served-model-name"), model)
+        print(_banner(base, served, env[ENV_MODE]), flush=True)
+    return proc.wait()
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from . import tiny_model
+
+    path = tiny_model.write(args.dir)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-nvext", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve",
+        help="run a vLLM OpenAI server with the middleware mounted",
+        description="Run vLLM's OpenAI server with vllm-nvext mounted. Arguments after `--` go to `vllm serve`.",
+    )
+    serve.add_argument("--model", help="model directory or name (default: the embedded tiny model)")
+    serve.add_argument("--mode", default=os.environ.get(ENV_MODE, "auto"), choices=[m.value for m in Mode])
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--startup-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
+
+    tiny = sub.add_parser("tiny-model", help="write the deterministic tiny model into DIR")
+    tiny.add_argument("dir")
+
+    try:
+        from . import parity
+    except ImportError:  # pragma: no cover - parity lands with its own module
+        parity = None  # type: ignore[assignment]
+    if parity is not None:
+        p = sub.add_parser("parity", help="A/B-check both dialects against a running server")
+        parity.add_arguments(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return cmd_serve(args, extra)
+    if args.command == "tiny-model":
+        return cmd_tiny_model(args)
+    from . import parity
+
+    return parity.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

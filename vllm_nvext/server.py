@@ -1,0 +1,112 @@
+"""Start and stop real vLLM OpenAI servers (used by tests, benchmarks, examples and `serve`).
+
+Each server runs vLLM's own CLI in a subprocess on a free loopback port, with its output in
+a log file; `stop()` ends the whole process group, engine processes included.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MIDDLEWARE = "vllm_nvext.NvextMiddleware"
+TINY_ARGS = ("--dtype", "float32", "--max-model-len", "1024")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class VllmServer:
+    """A vLLM server subprocess; `start()` returns at once, `wait_ready()` blocks until /health."""
+
+    model: str
+    args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    name: str = "vllm"
+    host: str = "127.0.0.1"
+    port: int = 0
+    log_path: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "vllm_nvext._vllm_cli", "serve", self.model,
+            "--host", self.host, "--port", str(self.port), *self.args,
+        ]  # fmt: skip
+
+    def start(self) -> VllmServer:
+        if not self.port:
+            self.port = free_port()
+        if self.log_path is None:
+            fd, path = tempfile.mkstemp(prefix=f"vllm-nvext-{self.name}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(path)
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.update(self.env)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return self
+
+    def wait_ready(self, timeout: float = 600.0) -> VllmServer:
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server {self.name!r} exited during start-up:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM server {self.name!r} not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=timeout)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+
+    def __enter__(self) -> VllmServer:
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
