@@ -84,7 +84,11 @@ def cmd_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
     shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     base = f"http://{shown_host}:{args.port}"
     if _wait_healthy(base, proc, args.startup_timeout):
-        served = "tiny" if tiny else next((extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--served-model-name"), model)
+        served = (
+            "tiny"
+            if tiny
+            else next((extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--served-model-name"), model)
+        )
         print(_banner(base, served, env[ENV_MODE]), flush=True)
     return proc.wait()
 

@@ -321,7 +321,5 @@ def _auth_refuses(scope: Scope) -> bool:
             if scheme.lower() != "bearer":
                 return True
             digest = hashlib.sha256(param.encode()).digest()
-            return not any(
-                secrets.compare_digest(digest, hashlib.sha256(t.encode()).digest()) for t in tokens
-            )
+            return not any(secrets.compare_digest(digest, hashlib.sha256(t.encode()).digest()) for t in tokens)
     return True

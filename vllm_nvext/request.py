@@ -267,9 +267,7 @@ def _validate_object(obj: dict[str, Any], fields: dict[str, _Check], where: str)
         spec = fields.get(key)
         if spec is None:
             expected = ", ".join(f"`{k}`" for k in fields)
-            raise RequestError(
-                f"invalid {where}: unknown field `{key}`, expected one of {expected}", f"{where}.{key}"
-            )
+            raise RequestError(f"invalid {where}: unknown field `{key}`, expected one of {expected}", f"{where}.{key}")
         check, kind = spec
         if value is not None and not check(value):
             raise RequestError(f"`{where}.{key}` must be {kind}, got {_json_type(value)}", f"{where}.{key}")

@@ -70,11 +70,7 @@ def _strip_vllm_ids(obj: dict[str, Any], choices: list[Any], plan: Plan) -> None
         if isinstance(choice, dict):
             if choice.get("token_ids") is not None:
                 choice["token_ids"] = None
-            if (
-                plan.endpoint is Endpoint.COMPLETIONS
-                and not plan.echo
-                and choice.get("prompt_token_ids") is not None
-            ):
+            if plan.endpoint is Endpoint.COMPLETIONS and not plan.echo and choice.get("prompt_token_ids") is not None:
                 choice["prompt_token_ids"] = None
     if plan.endpoint is Endpoint.CHAT and obj.get("prompt_token_ids") is not None:
         obj["prompt_token_ids"] = None
@@ -234,7 +230,5 @@ class StreamReshaper:
         if "error" not in obj or self._finished or ENGINE_DATA not in self.plan.selectors:
             return False
         self._finished = True
-        obj["nvext"] = {
-            "engine_data": _engine_data(self._ids, False, self._logprobs, self._prompt_ids)
-        }
+        obj["nvext"] = {"engine_data": _engine_data(self._ids, False, self._logprobs, self._prompt_ids)}
         return True

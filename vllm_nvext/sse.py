@@ -82,7 +82,7 @@ def data_payload(event: bytes) -> tuple[int, int] | None:
     if not event.startswith(_DATA):
         return None
     m = _EOL.search(event)
-    if m is None or event[m.start():].strip(b"\r\n"):
+    if m is None or event[m.start() :].strip(b"\r\n"):
         return None
     start = 6 if event[5:6] == b" " else 5
     return start, m.start()

@@ -1,0 +1,185 @@
+"""Request normalization: both dialects fold into one nvext form; bad input is named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_nvext.config import Mode
+from vllm_nvext.request import Endpoint, RequestError, might_opt_in, plan_request
+
+CHAT, COMPLETIONS = Endpoint.CHAT, Endpoint.COMPLETIONS
+
+
+def _body(**fields) -> bytes:
+    return json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+
+
+def _upstream(plan) -> dict:
+    assert plan is not None and plan.body is not None
+    return json.loads(plan.body)
+
+
+def test_request_without_opt_in_passes_untouched():
+    body = _body(max_tokens=3)
+    assert not might_opt_in(body)
+    assert plan_request(body, CHAT, Mode.NVEXT) is None
+
+
+def test_escaped_key_spelling_still_triggers_a_parse():
+    body = b'{"\\u0072eturn_token_ids": true}'
+    assert might_opt_in(body)
+    plan = plan_request(body, COMPLETIONS, Mode.NVEXT)
+    assert plan is not None and plan.nvext_trio and not plan.vllm_ids
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'"nvext"', b'{"nvext": NaN}'])
+def test_unparseable_or_non_object_bodies_pass_through(body):
+    assert plan_request(body, CHAT, Mode.AUTO) is None
+
+
+def test_vllm_dialect_in_auto_mode_needs_no_response_work():
+    plan = plan_request(_body(return_token_ids=True), CHAT, Mode.AUTO)
+    assert plan is not None
+    assert plan.vllm_ids and not plan.nvext_trio and not plan.reshapes_response
+    assert plan.body is None  # vLLM gets the client's bytes
+
+
+def test_nvext_dialect_becomes_return_token_ids_without_nvext():
+    plan = plan_request(_body(nvext={"extra_fields": ["completion_token_ids"]}), CHAT, Mode.AUTO)
+    up = _upstream(plan)
+    assert up["return_token_ids"] is True and "nvext" not in up
+    assert plan.nvext_trio and not plan.vllm_ids and plan.strip_vllm_ids
+
+
+def test_alias_folds_idempotently_into_extra_fields():
+    both = plan_request(
+        _body(return_token_ids=True, nvext={"extra_fields": ["completion_token_ids", "completion_token_ids"]}),
+        CHAT,
+        Mode.AUTO,
+    )
+    assert both is not None and both.vllm_ids and both.nvext_trio and not both.strip_vllm_ids
+    assert _upstream(both)["return_token_ids"] is True
+
+
+@pytest.mark.parametrize(
+    ("mode", "fields", "vllm_ids", "trio"),
+    [
+        (Mode.AUTO, {"return_token_ids": True}, True, False),
+        (Mode.AUTO, {"nvext": {"extra_fields": ["completion_token_ids"]}}, False, True),
+        (Mode.AUTO, {"return_token_ids": True, "nvext": {"extra_fields": ["completion_token_ids"]}}, True, True),
+        (Mode.VLLM, {"nvext": {"extra_fields": ["completion_token_ids"]}}, True, False),
+        (Mode.VLLM, {"return_token_ids": True}, True, False),
+        (Mode.NVEXT, {"return_token_ids": True}, False, True),
+        (Mode.NVEXT, {"nvext": {"extra_fields": ["completion_token_ids"]}}, False, True),
+        (Mode.BOTH, {"return_token_ids": True}, True, True),
+        (Mode.BOTH, {"nvext": {"extra_fields": ["completion_token_ids"]}}, True, True),
+    ],
+)
+def test_mode_decides_placement(mode, fields, vllm_ids, trio):
+    plan = plan_request(_body(**fields), CHAT, mode)
+    assert plan is not None
+    assert (plan.vllm_ids, plan.nvext_trio) == (vllm_ids, trio)
+    assert plan.strip_vllm_ids == (not vllm_ids)
+
+
+def test_prompt_token_ids_selector_alone_is_not_the_trio():
+    plan = plan_request(_body(nvext={"extra_fields": ["prompt_token_ids"]}), CHAT, Mode.AUTO)
+    assert plan is not None and plan.nvext_prompt_ids and not plan.nvext_trio
+
+
+def test_unknown_extra_fields_strings_are_ignored():
+    plan = plan_request(_body(nvext={"extra_fields": ["no_such_selector"]}), CHAT, Mode.NVEXT)
+    assert plan is not None and not plan.reshapes_response
+    assert "nvext" not in _upstream(plan)
+
+
+def test_return_token_ids_false_in_vllm_mode_asks_nothing():
+    plan = plan_request(_body(return_token_ids=False), CHAT, Mode.BOTH)
+    assert plan is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "endpoint", "param"),
+    [
+        ({"n": 2, "nvext": {"extra_fields": ["completion_token_ids"]}}, CHAT, "n"),
+        ({"prompt": ["a", "b"], "nvext": {"extra_fields": ["completion_token_ids"]}}, COMPLETIONS, "n"),
+        ({"prompt": [[1, 2], [3]], "nvext": {"extra_fields": ["engine_data"]}}, COMPLETIONS, "n"),
+    ],
+)
+def test_more_than_one_choice_in_nvext_placement_is_refused(fields, endpoint, param):
+    with pytest.raises(RequestError) as err:
+        plan_request(_body(**fields), endpoint, Mode.AUTO)
+    assert err.value.param == param and "requires exactly one generated choice" in err.value.message
+
+
+def test_dynamo_message_for_completion_token_ids_with_n():
+    with pytest.raises(RequestError) as err:
+        plan_request(_body(n=3, return_token_ids=True), CHAT, Mode.NVEXT)
+    assert err.value.message == '`nvext.extra_fields=["completion_token_ids"]` requires exactly one generated choice'
+
+
+def test_n_greater_than_one_in_vllm_placement_is_allowed():
+    plan = plan_request(_body(n=2, return_token_ids=True), CHAT, Mode.VLLM)
+    assert plan is not None and plan.vllm_ids
+
+
+def test_single_prompt_as_token_list_is_one_choice():
+    body = json.dumps({"prompt": [1, 2, 3], "nvext": {"extra_fields": ["completion_token_ids"]}}).encode()
+    plan = plan_request(body, COMPLETIONS, Mode.AUTO)
+    assert plan is not None and plan.nvext_trio
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"return_token_ids": "yes"}, "return_token_ids"),
+        ({"return_token_ids": 1}, "return_token_ids"),
+        ({"nvext": []}, "nvext"),
+        ({"nvext": "completion_token_ids"}, "nvext"),
+        ({"nvext": {"extra_fields": "completion_token_ids"}}, "nvext.extra_fields"),
+        ({"nvext": {"extra_fields": [1]}}, "nvext.extra_fields"),
+        ({"nvext": {"bogus": 1}}, "nvext.bogus"),
+        ({"nvext": {"greed_sampling": "true"}}, "nvext.greed_sampling"),
+        ({"nvext": {"token_data": [1, -2]}}, "nvext.token_data"),
+        ({"nvext": {"token_data": "1 2"}}, "nvext.token_data"),
+        ({"nvext": {"dp_rank": 1.5}}, "nvext.dp_rank"),
+        ({"nvext": {"cache_salt": 5}}, "nvext.cache_salt"),
+        ({"nvext": {"agent_hints": {"priority": "high"}}}, "nvext.agent_hints.priority"),
+        ({"nvext": {"agent_hints": {"mood": 1}}}, "nvext.agent_hints.mood"),
+        ({"nvext": {"metadata_upload": {"url": " "}}}, "nvext.metadata_upload.url"),
+        ({"nvext": {"router": []}}, "nvext.router"),
+    ],
+)
+def test_bad_fields_are_refused_naming_the_field(fields, param):
+    with pytest.raises(RequestError) as err:
+        plan_request(_body(**fields), CHAT, Mode.AUTO)
+    assert err.value.status == 400 and err.value.param == param
+    assert param.split(".")[-1] in err.value.message
+
+
+def test_nvext_request_fields_map_to_vllm():
+    plan = plan_request(
+        _body(
+            temperature=0.9,
+            cache_salt="root",
+            nvext={"greed_sampling": True, "cache_salt": "salt", "max_thinking_tokens": 16, "dp_rank": 1},
+        ),
+        CHAT,
+        Mode.AUTO,
+    )
+    up = _upstream(plan)
+    assert up["temperature"] == 0.0 and up["cache_salt"] == "salt" and up["thinking_token_budget"] == 16
+    assert (b"x-data-parallel-rank", b"1") in plan.headers
+
+
+def test_token_data_becomes_the_completions_prompt():
+    body = json.dumps({"prompt": "placeholder", "nvext": {"token_data": [5, 6, 7]}}).encode()
+    assert _upstream(plan_request(body, COMPLETIONS, Mode.AUTO))["prompt"] == [5, 6, 7]
+
+
+def test_big_integers_survive_the_rewrite_exactly():
+    body = b'{"prompt": "x", "seed": 123456789012345678901234567890, "nvext": {"extra_fields": []}}'
+    up = _upstream(plan_request(body, COMPLETIONS, Mode.AUTO))
+    assert up["seed"] == 123456789012345678901234567890
