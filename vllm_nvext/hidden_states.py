@@ -99,36 +99,24 @@ def _read(path: str) -> dict[str, torch.Tensor]:
         raise HiddenStatesError(f"{path}: not a readable safetensors file: {exc}") from exc
 
 
-def _validate(
-    path: str, tensors: dict[str, torch.Tensor], expect_token_ids: Sequence[int] | None
-) -> HiddenStates:
+def _validate(path: str, tensors: dict[str, torch.Tensor], expect_token_ids: Sequence[int] | None) -> HiddenStates:
     import torch
 
     for key in ("hidden_states", "token_ids"):
         if key not in tensors:
-            raise HiddenStatesError(
-                f"{path}: missing tensor {key!r} (found {sorted(tensors) or 'none'})"
-            )
+            raise HiddenStatesError(f"{path}: missing tensor {key!r} (found {sorted(tensors) or 'none'})")
     hs, ids = tensors["hidden_states"], tensors["token_ids"]
     if hs.ndim != 3:
         raise HiddenStatesError(
-            f"{path}: 'hidden_states' must be [num_tokens, num_layers, hidden_size], "
-            f"got shape {list(hs.shape)}"
+            f"{path}: 'hidden_states' must be [num_tokens, num_layers, hidden_size], got shape {list(hs.shape)}"
         )
     if ids.ndim != 1:
-        raise HiddenStatesError(
-            f"{path}: 'token_ids' must be [num_tokens], got shape {list(ids.shape)}"
-        )
+        raise HiddenStatesError(f"{path}: 'token_ids' must be [num_tokens], got shape {list(ids.shape)}")
     num_tokens, num_layers, hidden_size = hs.shape
     if ids.shape[0] != num_tokens:
-        raise HiddenStatesError(
-            f"{path}: 'hidden_states' has {num_tokens} tokens but 'token_ids' has "
-            f"{ids.shape[0]}"
-        )
+        raise HiddenStatesError(f"{path}: 'hidden_states' has {num_tokens} tokens but 'token_ids' has {ids.shape[0]}")
     if num_layers == 0 or hidden_size == 0:
-        raise HiddenStatesError(
-            f"{path}: 'hidden_states' has an empty dimension: shape {list(hs.shape)}"
-        )
+        raise HiddenStatesError(f"{path}: 'hidden_states' has an empty dimension: shape {list(hs.shape)}")
     if not hs.is_floating_point():
         raise HiddenStatesError(f"{path}: 'hidden_states' has non-float dtype {hs.dtype}")
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
@@ -139,7 +127,7 @@ def _validate(
         expected = [int(t) for t in expect_token_ids]
         if token_ids != expected:
             i = next(
-                (k for k, (a, b) in enumerate(zip(token_ids, expected)) if a != b),
+                (k for k, (a, b) in enumerate(zip(token_ids, expected, strict=False)) if a != b),
                 min(len(token_ids), len(expected)),
             )
             got = token_ids[i] if i < len(token_ids) else "<end>"

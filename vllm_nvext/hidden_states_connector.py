@@ -62,9 +62,7 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
         offsets = torch.arange(self._block_size, dtype=torch.long)
         slot_mapping = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()
         num_tokens = pending.token_ids.shape[0]
-        hidden_states = extract_from_kv_cache(
-            self._kv_cache, slot_mapping.to(self._kv_cache.device), num_tokens
-        )
+        hidden_states = extract_from_kv_cache(self._kv_cache, slot_mapping.to(self._kv_cache.device), num_tokens)
         tensors = {
             # Fancy indexing already copied; `.cpu()` is a no-op on CPU.
             "hidden_states": hidden_states.cpu().contiguous(),
@@ -76,9 +74,7 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
             os.makedirs(os.path.dirname(pending.filename) or ".", exist_ok=True)
             if lock_fd is None and self.use_lock:
                 # Normally pre-created by `wait_for_save`; same fallback as upstream.
-                lock_fd = os.open(
-                    pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644
-                )
+                lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
                 fcntl.flock(lock_fd, fcntl.LOCK_EX)
             save_file(tensors, pending.filename)
         except Exception as exc:  # keep the engine alive, like upstream's thread pool

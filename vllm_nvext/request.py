@@ -11,8 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import _json
+import logging
+
+from . import _json, _vllm_compat
 from .config import Mode
+
+logger = logging.getLogger("vllm_nvext")
 
 
 class Endpoint(str, enum.Enum):
@@ -284,14 +288,58 @@ def _apply_nvext_fields(
         upstream["cache_salt"] = salt  # nvext wins over a root cache_salt, as in Dynamo
     budget = nvext.get("max_thinking_tokens")
     if budget is not None and "thinking_token_budget" not in upstream:
-        upstream["thinking_token_budget"] = budget
+        # A root thinking_token_budget wins, as in Dynamo.
+        if _vllm_compat.has_thinking_token_budget():
+            upstream["thinking_token_budget"] = budget
+        else:
+            logger.debug("nvext.max_thinking_tokens ignored: this vLLM has no thinking_token_budget")
     token_data = nvext.get("token_data")
-    if token_data is not None and endpoint is Endpoint.COMPLETIONS:
-        upstream["prompt"] = token_data
+    if token_data is not None:
+        if not token_data:
+            raise RequestError("`nvext.token_data` must not be empty", "nvext.token_data")
+        if endpoint is Endpoint.COMPLETIONS:
+            upstream["prompt"] = token_data
+        else:
+            _chat_from_token_ids(upstream, token_data)
     dp_rank = nvext.get("dp_rank")
     if dp_rank is not None:
         return ((b"x-data-parallel-rank", str(dp_rank).encode()),)
     return ()
+
+
+def _chat_from_token_ids(upstream: dict[str, Any], token_data: list[int]) -> None:
+    """Serve a chat request from pre-tokenized ids; the messages are the client's placeholder.
+
+    vLLM's chat endpoint takes `kv_transfer_params.prompt_token_ids` as the prompt (the ids a
+    disaggregated prefill stage hands to decode), so the answer stays a real chat completion.
+    """
+    if not _vllm_compat.chat_accepts_prompt_token_ids():
+        raise RequestError(
+            "`nvext.token_data` on /v1/chat/completions needs a vLLM whose chat endpoint accepts "
+            "`kv_transfer_params.prompt_token_ids`; send it to /v1/completions instead",
+            "nvext.token_data",
+        )
+    if upstream.get("echo") or _has_non_text_content(upstream.get("messages")):
+        # vLLM would then render the messages and silently ignore the ids.
+        raise RequestError(
+            "`nvext.token_data` cannot be combined with `echo` or non-text message content", "nvext.token_data"
+        )
+    kv = upstream.get("kv_transfer_params")
+    if kv is not None and not isinstance(kv, dict):
+        raise RequestError("`kv_transfer_params` must be an object", "kv_transfer_params")
+    upstream["kv_transfer_params"] = {**(kv or {}), "prompt_token_ids": token_data}
+
+
+def _has_non_text_content(messages: Any) -> bool:
+    if not isinstance(messages, list):
+        return False
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(
+            not (isinstance(part, dict) and part.get("type") == "text") for part in content
+        ):
+            return True
+    return False
 
 
 def _num_choices(data: dict[str, Any], endpoint: Endpoint) -> int:
