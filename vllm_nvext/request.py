@@ -229,7 +229,8 @@ def plan_request(body: bytes, endpoint: Endpoint, mode: Mode) -> Plan | None:
             "n",
         )
 
-    needs_ids = vllm_ids or nvext_trio or nvext_prompt_ids or ENGINE_DATA in selectors
+    # timing's ttft_ms is the first chunk carrying a token id: ask for ids to see them.
+    needs_ids = vllm_ids or nvext_trio or nvext_prompt_ids or bool(selectors & {ENGINE_DATA, TIMING})
     upstream = dict(data)
     upstream.pop("nvext", None)
     if needs_ids:
