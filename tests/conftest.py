@@ -6,7 +6,9 @@ The servers boot in the background as soon as collection finds an `e2e` test, so
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +21,27 @@ API_KEY = "nvext-test-key"
 MODEL_NAME = "tiny"
 ROOT = Path(__file__).resolve().parent.parent
 
+HIDDEN_STATES_DIR = tempfile.mkdtemp(prefix="vllm-nvext-hs-")
+HIDDEN_STATES_ARGS = (
+    "--speculative-config",
+    json.dumps(
+        {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}},
+        }
+    ),
+    "--kv-transfer-config",
+    json.dumps(
+        {
+            "kv_connector": "CPUHiddenStatesConnector",
+            "kv_connector_module_path": "vllm_nvext.hidden_states_connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": HIDDEN_STATES_DIR},
+        }
+    ),
+)
+
 # name -> (extra vLLM args, extra environment). All serve the tiny model as "tiny".
 SERVER_SPECS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     # Stock vLLM: the baseline every translated answer is compared with.
@@ -27,6 +50,10 @@ SERVER_SPECS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "mw": (("--middleware", MIDDLEWARE, "--api-key", API_KEY), {}),
     # The endpoint plugin: mounted inside vLLM's auth.
     "plugin": (("--api-key", API_KEY), {"VLLM_PLUGINS": "nvext"}),
+    # Scale-out: several API-server processes, each with its own middleware instance.
+    "scale": (("--middleware", MIDDLEWARE, "--api-key", API_KEY, "--api-server-count", "2"), {}),
+    # Hidden-state capture on CPU with the package's connector, behind the middleware.
+    "hs": (("--middleware", MIDDLEWARE, "--api-key", API_KEY, *HIDDEN_STATES_ARGS), {}),
 }
 
 _servers: dict[str, VllmServer] = {}
@@ -90,6 +117,12 @@ def mw(servers: dict[str, VllmServer]) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="session")
 def plugin(servers: dict[str, VllmServer]) -> Iterator[httpx.Client]:
     with _client(servers["plugin"], auth=True) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def scale(servers: dict[str, VllmServer]) -> Iterator[httpx.Client]:
+    with _client(servers["scale"], auth=True) as client:
         yield client
 
 

@@ -58,9 +58,14 @@ def test_any_split_of_a_recorded_stream_yields_the_same_events(name, eol, data):
     assert whole_tail == split_tail == b""
 
 
+def _json_safe(text: str) -> bytes:
+    """Raw UTF-8 as it stands inside a JSON string: no quotes, backslashes or line ends."""
+    return text.encode("utf-8").translate(None, b'\\"\r\n')
+
+
 _json_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20)
 _event = st.one_of(
-    _json_text.map(lambda t: b'data: {"t": "' + t.encode("utf-8").replace(b"\\", b"").replace(b'"', b"") + b'"}'),
+    _json_text.map(lambda t: b'data: {"t": "' + _json_safe(t) + b'"}'),
     st.just(b": keep-alive"),
     st.just(b":"),
     st.just(b"data: [DONE]"),

@@ -15,15 +15,16 @@ import urllib.request
 from collections.abc import Sequence
 
 from .config import ENV_MODE, Mode
+from .server import MIDDLEWARE, TINY_ARGS
 
 DEFAULT_PORT = 8000
 
 
 def _serve_command(model: str, port: int, host: str, tiny: bool, extra: Sequence[str]) -> list[str]:
     cmd = [sys.executable, "-m", "vllm_nvext._vllm_cli", "serve", model, "--host", host, "--port", str(port)]
-    cmd += ["--middleware", "vllm_nvext.NvextMiddleware"]
+    cmd += ["--middleware", MIDDLEWARE]
     if tiny:
-        cmd += ["--dtype", "float32", "--max-model-len", "1024", "--served-model-name", "tiny"]
+        cmd += [*TINY_ARGS, "--served-model-name", "tiny"]
     return cmd + list(extra)
 
 
@@ -54,9 +55,11 @@ def _banner(base: str, model_name: str, mode: str) -> str:
     lines = [
         f"vllm-nvext: serving on {base} (mode {mode})",
         "  vLLM dialect:",
-        f"    curl -s {base}/v1/completions -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(vllm_req))}",
+        f"    curl -s {base}/v1/completions -H 'Content-Type: application/json' \\\n"
+        f"      -d {shlex.quote(json.dumps(vllm_req))}",
         "  Dynamo nvext dialect:",
-        f"    curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(nvext_req))}",
+        f"    curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f"      -d {shlex.quote(json.dumps(nvext_req))}",
     ]
     return "\n".join(lines)
 

@@ -82,4 +82,4 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # releases LOCK_EX: readers may now read the file
-        self._req_copy_events[pending.req_id] = _Written()
+        self._req_copy_events[pending.req_id] = _Written()  # type: ignore[assignment]

@@ -7,11 +7,10 @@ then receives `return_token_ids: true` and no `nvext`. See PROTOCOL §1 and §3.
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import logging
+from typing import Any, TypeGuard
 
 from . import _json, _vllm_compat
 from .config import Mode
@@ -58,7 +57,7 @@ class RequestError(Exception):
         self.status = status
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 

@@ -147,7 +147,7 @@ def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
     completion_ids = choice.get("token_ids")
     nv: dict[str, Any] = {}
     if plan.nvext_trio:
-        nv["completion_token_ids"] = completion_ids if completion_ids is not None else []
+        nv["completion_token_ids"] = list(completion_ids or ())  # a copy: never aliased with vLLM's
         if prompt_ids is not None:
             nv["prompt_token_ids"] = prompt_ids
         _place_kv(nv, obj, plan)

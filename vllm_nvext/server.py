@@ -6,6 +6,7 @@ a log file; `stop()` ends the whole process group, engine processes included.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -99,10 +100,8 @@ class VllmServer:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=timeout)
         except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             proc.wait(timeout=10)
 
     def __enter__(self) -> VllmServer:

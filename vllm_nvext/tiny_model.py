@@ -59,7 +59,7 @@ def write(directory: str | os.PathLike[str]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer()
     vocab_size = len(tokenizer)
-    config = Qwen2Config(
+    config = Qwen2Config(  # type: ignore[call-arg]
         vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=256,
@@ -81,7 +81,7 @@ def write(directory: str | os.PathLike[str]) -> Path:
             if param.dim() > 1:
                 param.normal_(0.0, 0.2)
     # bfloat16 on disk keeps the files under 1 MB; serve with `--dtype float32` (exact upcast).
-    model = model.to(torch.bfloat16)
+    model = model.to(torch.bfloat16)  # type: ignore[arg-type]
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / "generation_config.json").unlink(missing_ok=True)

@@ -1,0 +1,221 @@
+"""End to end: nothing lost, nothing garbled, nobody let in; under load, disconnects and scale-out."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import time
+
+import httpx
+import pytest
+
+from .conftest import API_KEY
+from .test_e2e_translation import BASE, CHAT, COMPLETIONS, post, strip_volatile
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    f"Prompt number {i}: tell a story about {w}."
+    for i, w in enumerate(["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"])
+]
+DIALECTS = {
+    "vllm": {"return_token_ids": True},
+    "nvext": {"nvext": {"extra_fields": ["completion_token_ids"]}},
+    "both": {"return_token_ids": True, "nvext": {"extra_fields": ["completion_token_ids"]}},
+}
+MAX_TOKENS = 12
+
+
+def _body(path: str, prompt: str, stream: bool) -> dict:
+    body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0}
+    if path == CHAT:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def _stream_ids(events: list[dict], mode: str, dialect: str) -> list[int]:
+    nvext_placed = mode in ("nvext", "both") or (mode == "auto" and dialect != "vllm")
+    ids: list[int] = []
+    for event in events:
+        if not event.get("choices"):
+            continue
+        if nvext_placed:
+            ids += event["nvext"]["completion_token_ids"]
+        else:
+            ids += event["choices"][0].get("token_ids") or []
+    return ids
+
+
+@pytest.fixture(scope="session")
+def reference_ids(servers) -> dict[tuple[str, str], list[int]]:
+    """Unary greedy ids of every (endpoint, prompt) from stock vLLM."""
+    out = {}
+    with httpx.Client(base_url=servers["raw"].url, timeout=120) as client:
+        for path in (CHAT, COMPLETIONS):
+            for prompt in PROMPTS:
+                got = post(client, path, {**_body(path, prompt, False), "return_token_ids": True})
+                out[(path, prompt)] = got["choices"][0]["token_ids"]
+    return out
+
+
+async def _load(url: str, reference, requests: int, concurrency: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    jobs = [
+        (rng.choice((CHAT, COMPLETIONS)), rng.choice(PROMPTS), rng.choice(list(DIALECTS)),
+         rng.choice(("auto", "vllm", "nvext", "both")))
+        for _ in range(requests)
+    ]  # fmt: skip
+    failures: list[str] = []
+    gate = asyncio.Semaphore(concurrency)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=300, headers=headers, limits=limits) as client:
+
+        async def one(path, prompt, dialect, mode):
+            async with gate:
+                body = {**_body(path, prompt, True), **DIALECTS[dialect]}
+                resp = await client.post(path, json=body, headers={"x-nvext-mode": mode})
+                if resp.status_code != 200:
+                    failures.append(f"{path} {dialect}/{mode}: HTTP {resp.status_code} {resp.text[:200]}")
+                    return
+                blocks = resp.content.split(b"\n\n")
+                events = [json.loads(b[6:]) for b in blocks if b.startswith(b"data: {")]
+                ids = _stream_ids(events, mode, dialect)
+                if ids != reference[(path, prompt)]:
+                    failures.append(f"{path} {dialect}/{mode} {prompt!r}: {ids} != {reference[(path, prompt)]}")
+
+        await asyncio.gather(*(one(*job) for job in jobs))
+    return failures
+
+
+def test_64_concurrent_streams_mixing_dialects_and_modes_have_no_cross_talk(servers, reference_ids):
+    failures = asyncio.run(_load(servers["mw"].url, reference_ids, requests=320, concurrency=64, seed=1))
+    assert failures == [], f"{len(failures)} of 320 streams wrong; first: {failures[:3]}"
+
+
+def test_scale_out_with_two_api_server_processes(servers, reference_ids, scale):
+    failures = asyncio.run(_load(servers["scale"].url, reference_ids, requests=128, concurrency=32, seed=2))
+    assert failures == [], f"{len(failures)} of 128 streams wrong; first: {failures[:3]}"
+    bad = scale.post(CHAT, json={**BASE[CHAT], "nvext": {"extra_fields": 3}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "nvext.extra_fields"
+    assert httpx.post(servers["scale"].url + CHAT, json={**BASE[CHAT], "return_token_ids": True}).status_code == 401
+
+
+# --- client disconnects ---------------------------------------------------------------------
+
+
+def _running_requests(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+async def _cut_streams(host: str, port: int, count: int, seed: int) -> None:
+    rng = random.Random(seed)
+
+    async def one(i: int) -> None:
+        path = CHAT if i % 2 else COMPLETIONS
+        body = json.dumps(
+            {**_body(path, PROMPTS[i % len(PROMPTS)], True), "max_tokens": 300, "ignore_eos": True,
+             **DIALECTS[("vllm", "nvext", "both")[i % 3]]}
+        ).encode()  # fmt: skip
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        want = rng.randint(0, 6000)  # cut anywhere: before the headers, mid-event, mid-stream
+        got = 0
+        while got < want:
+            chunk = await reader.read(rng.randint(1, 512))
+            if not chunk:
+                break
+            got += len(chunk)
+        writer.transport.abort()
+
+    for start in range(0, count, 20):
+        await asyncio.gather(*(one(i) for i in range(start, min(count, start + 20))))
+
+
+def test_client_disconnects_abort_requests_and_leak_nothing(servers, mw):
+    server = servers["mw"]
+    asyncio.run(_cut_streams(server.host, server.port, 40, seed=3))  # warm-up
+    time.sleep(2)
+    before = _rss_kib(server.proc.pid)
+    log_start = len(server.log_text())
+    asyncio.run(_cut_streams(server.host, server.port, 100, seed=4))
+    deadline = time.monotonic() + 60
+    while _running_requests(server.url) > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _running_requests(server.url) == 0, "vLLM must abort the requests of clients that went away"
+    grown = _rss_kib(server.proc.pid) - before
+    assert grown < 64 * 1024, f"API server grew by {grown} KiB over 100 cut streams"
+    log = server.log_text()[log_start:]
+    assert "vllm_nvext" not in log and "Traceback" not in log, log[-3000:]
+    ok = post(mw, COMPLETIONS, {**_body(COMPLETIONS, PROMPTS[0], False), "return_token_ids": True})
+    assert len(ok["choices"][0]["token_ids"]) == MAX_TOKENS
+
+
+# --- security ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["mw", "plugin"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"return_token_ids": True},
+        {"nvext": {"extra_fields": ["completion_token_ids"]}},
+        {"nvext": {"extra_fields": "garbage"}},  # would be our 400: auth must come first
+        {"nvext": "garbage"},
+    ],
+)
+def test_requests_without_the_api_key_are_refused_untranslated(servers, name, body):
+    url = servers[name].url + COMPLETIONS
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"}):
+        resp = httpx.post(url, json={**BASE[COMPLETIONS], **body}, headers=headers, timeout=30)
+        assert resp.status_code == 401 and resp.json() == {"error": "Unauthorized"}
+    bad_header = httpx.post(url, json=BASE[COMPLETIONS], headers={"x-nvext-mode": "nope"}, timeout=30)
+    assert bad_header.status_code == 401
+
+
+def test_prompts_and_ids_are_never_logged(servers, mw):
+    marker = "secret-prompt-4f1d9"
+    got = post(mw, COMPLETIONS, {**_body(COMPLETIONS, marker, False), "nvext": {"extra_fields": ["engine_data"]}})
+    ids = got["nvext"]["engine_data"]["completion_token_ids"]
+    log = servers["mw"].log_text()
+    assert marker not in log
+    assert json.dumps(ids) not in log and ",".join(map(str, ids)) not in log
+
+
+def test_other_routes_are_identical_to_raw_vllm(servers, mw, raw):
+    for path in ("/v1/models", "/version", "/health"):
+        got, expected = mw.get(path), raw.get(path)
+        assert got.status_code == expected.status_code == 200
+        if path == "/v1/models":  # ids and timestamps differ per server; the listing must not
+            keep = ("id", "object", "owned_by", "root", "max_model_len")
+            assert [{k: m[k] for k in keep} for m in got.json()["data"]] == [
+                {k: m[k] for k in keep} for m in expected.json()["data"]
+            ]
+        else:
+            assert got.content == expected.content
+    tokenize = {"model": "tiny", "prompt": "hello", "return_token_ids": True}
+    assert mw.post("/tokenize", json=tokenize).json() == raw.post("/tokenize", json=tokenize).json()
+
+
+def test_body_size_cap_is_enforced_on_the_real_server(mw, servers):
+    huge = {**BASE[COMPLETIONS], "prompt": "x" * (33 * 1024 * 1024), "return_token_ids": True}
+    resp = mw.post(COMPLETIONS, json=huge)
+    assert resp.status_code == 413 and "limit" in resp.json()["error"]["message"]
+    assert strip_volatile(post(mw, COMPLETIONS, {**BASE[COMPLETIONS], "temperature": 0}))["choices"]
