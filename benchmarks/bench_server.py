@@ -239,6 +239,45 @@ def _run_loop(coro: Any) -> Any:
     return uvloop.run(coro)
 
 
+class ServerGone(RuntimeError):
+    """A server process exited during the benchmark (another job stopped it: the machine is shared)."""
+
+
+def _serve_and_measure(
+    two: bool, variants: tuple[Variant, ...], levels: list[int], rounds: int, max_tokens: int
+) -> dict[int, dict[str, Runs]]:
+    model = str(tiny_model.ensure())
+    servers = {"mw": VllmServer(model=model, args=(*SERVER_ARGS, "--middleware", MIDDLEWARE), name="bench-mw")}
+    if two:
+        servers["raw"] = VllmServer(model=model, args=SERVER_ARGS, name="bench-raw")
+    ok = False
+    try:
+        t0 = time.perf_counter()
+        for server in servers.values():
+            server.start()
+        for server in servers.values():
+            server.wait_ready(timeout=float(os.environ.get("VLLM_NVEXT_STARTUP_TIMEOUT", "600")))
+        print(f"  servers ready in {time.perf_counter() - t0:.0f} s", flush=True)
+        try:
+            results = _run_loop(_bench(servers, variants, levels, rounds, max_tokens))
+        except (httpx.HTTPError, RuntimeError) as exc:
+            gone = [
+                f"{s.name} (exit {s.proc.returncode})" for s in servers.values() if s.proc and s.proc.poll() is not None
+            ]
+            if gone:
+                raise ServerGone(f"vLLM server {', '.join(gone)} exited mid-run ({type(exc).__name__})") from exc
+            raise
+        ok = True
+        return results
+    finally:
+        for server in servers.values():
+            server.stop()
+            if ok and server.log_path is not None:
+                server.log_path.unlink(missing_ok=True)
+            elif server.log_path is not None:
+                print(f"  server log kept: {server.log_path}", flush=True)
+
+
 def run(
     quick: bool = False, single: bool = False, levels: list[int] | None = None, wait_s: float = 60.0
 ) -> list[Target]:
@@ -261,28 +300,15 @@ def run(
                   "opts into nothing on the same server (bytes pass through), not with stock vLLM")  # fmt: skip
     print(f"  layout: {layout}", flush=True)
 
-    model = str(tiny_model.ensure())
-    servers = {"mw": VllmServer(model=model, args=(*SERVER_ARGS, "--middleware", MIDDLEWARE), name="bench-mw")}
-    if two:
-        servers["raw"] = VllmServer(model=model, args=SERVER_ARGS, name="bench-raw")
     variants = TWO_SERVERS if two else ONE_SERVER
-    ok = False
-    try:
-        t0 = time.perf_counter()
-        for server in servers.values():
-            server.start()
-        for server in servers.values():
-            server.wait_ready(timeout=float(os.environ.get("VLLM_NVEXT_STARTUP_TIMEOUT", "600")))
-        print(f"  servers ready in {time.perf_counter() - t0:.0f} s", flush=True)
-        results = _run_loop(_bench(servers, variants, levels, rounds, max_tokens))
-        ok = True
-    finally:
-        for server in servers.values():
-            server.stop()
-            if ok and server.log_path is not None:
-                server.log_path.unlink(missing_ok=True)
-            elif server.log_path is not None:
-                print(f"  server log kept: {server.log_path}", flush=True)
+    for attempt in (1, 2):
+        try:
+            results = _serve_and_measure(two, variants, levels, rounds, max_tokens)
+            break
+        except ServerGone as exc:
+            if attempt == 2:
+                raise
+            print(f"  {exc}; starting the server(s) again, once", flush=True)
 
     notes = [
         layout,

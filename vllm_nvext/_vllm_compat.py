@@ -1,35 +1,41 @@
-"""What the vLLM in this process supports, probed once and lazily (vLLM is an optional dependency).
+"""What the installed vLLM supports, probed once from its source without importing it.
 
-Without vLLM importable (pure unit tests, a middleware in front of a remote server) the
-newest behaviour is assumed.
+vLLM is an optional dependency and heavy to import; a probe reads the one file that decides.
+Without vLLM installed (pure unit tests, a middleware in front of a remote server) the newest
+behaviour is assumed.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from functools import cache
+from pathlib import Path
+
+
+@cache
+def _vllm_root() -> Path | None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).parent
+
+
+def _source_mentions(relative: str, needle: str) -> bool:
+    root = _vllm_root()
+    if root is None:
+        return True
+    try:
+        return needle in (root / relative).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
 
 
 @cache
 def chat_accepts_prompt_token_ids() -> bool:
     """Chat serves `kv_transfer_params.prompt_token_ids` as the prompt (vLLM's decode-side reuse)."""
-    try:
-        module = importlib.import_module("vllm.renderers.online_renderer")
-    except ImportError:
-        return not _vllm_installed()
-    return hasattr(module, "_reused_prompt_token_ids")
+    return _source_mentions("renderers/online_renderer.py", "_reused_prompt_token_ids")
 
 
 @cache
 def has_thinking_token_budget() -> bool:
-    try:
-        protocol = importlib.import_module("vllm.entrypoints.openai.completion.protocol")
-    except ImportError:
-        return not _vllm_installed()
-    fields = getattr(getattr(protocol, "CompletionRequest", None), "model_fields", {})
-    return "thinking_token_budget" in fields
-
-
-def _vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
+    return _source_mentions("entrypoints/openai/completion/protocol.py", "thinking_token_budget")
