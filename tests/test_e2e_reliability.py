@@ -219,3 +219,76 @@ def test_body_size_cap_is_enforced_on_the_real_server(mw, servers):
     resp = mw.post(COMPLETIONS, json=huge)
     assert resp.status_code == 413 and "limit" in resp.json()["error"]["message"]
     assert strip_volatile(post(mw, COMPLETIONS, {**BASE[COMPLETIONS], "temperature": 0}))["choices"]
+
+
+# --- bad input matrix -------------------------------------------------------------------------
+
+_GOOD = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 0}
+# (json body or raw bytes, extra headers, expected status, the field the error must name)
+BAD_INPUTS = [
+    ({"return_token_ids": "true"}, {}, 400, "return_token_ids"),
+    ({"return_token_ids": 1}, {}, 400, "return_token_ids"),
+    ({"return_token_ids": []}, {}, 400, "return_token_ids"),
+    ({"nvext": "x"}, {}, 400, "nvext"),
+    ({"nvext": 5}, {}, 400, "nvext"),
+    ({"nvext": []}, {}, 400, "nvext"),
+    ({"nvext": {"extra_fields": "completion_token_ids"}}, {}, 400, "nvext.extra_fields"),
+    ({"nvext": {"extra_fields": [None]}}, {}, 400, "nvext.extra_fields"),
+    ({"nvext": {"extra_fields": [["completion_token_ids"]]}}, {}, 400, "nvext.extra_fields"),
+    ({"nvext": {"greed_sampling": "yes"}}, {}, 400, "nvext.greed_sampling"),
+    ({"nvext": {"use_raw_prompt": 0}}, {}, 400, "nvext.use_raw_prompt"),
+    ({"nvext": {"annotations": [1]}}, {}, 400, "nvext.annotations"),
+    ({"nvext": {"backend_instance_id": -1}}, {}, 400, "nvext.backend_instance_id"),
+    ({"nvext": {"token_data": [1.5]}}, {}, 400, "nvext.token_data"),
+    ({"nvext": {"token_data": []}}, {}, 400, "nvext.token_data"),
+    ({"nvext": {"max_thinking_tokens": "10"}}, {}, 400, "nvext.max_thinking_tokens"),
+    ({"nvext": {"cache_salt": ["a"]}}, {}, 400, "nvext.cache_salt"),
+    ({"nvext": {"metadata_upload": {"url": ""}}}, {}, 400, "nvext.metadata_upload.url"),
+    ({"nvext": {"metadata_upload": {"uri": "x"}}}, {}, 400, "nvext.metadata_upload.uri"),
+    ({"nvext": {"prefill_worker_id": "1"}}, {}, 400, "nvext.prefill_worker_id"),
+    ({"nvext": {"decode_worker_id": True}}, {}, 400, "nvext.decode_worker_id"),
+    ({"nvext": {"dp_rank": -2}}, {}, 400, "nvext.dp_rank"),
+    ({"nvext": {"prefill_dp_rank": 0.5}}, {}, 400, "nvext.prefill_dp_rank"),
+    ({"nvext": {"agent_hints": {"osl": "long"}}}, {}, 400, "nvext.agent_hints.osl"),
+    ({"nvext": {"agent_hints": {"nested": {"deep": [1, {"x": None}]}}}}, {}, 400, "nvext.agent_hints.nested"),
+    ({"nvext": {"request_timestamp_ms": "now"}}, {}, 400, "nvext.request_timestamp_ms"),
+    (
+        {"nvext": {"routing_constraints": {"required_taints": "gpu"}}},
+        {},
+        400,
+        "nvext.routing_constraints.required_taints",
+    ),
+    ({"nvext": {"router": {"ttft_target": "fast"}}}, {}, 400, "nvext.router.ttft_target"),
+    ({"nvext": {"completion_token_ids": True}}, {}, 400, "nvext.completion_token_ids"),
+    ({"n": 3, "temperature": 1, "nvext": {"extra_fields": ["completion_token_ids"]}}, {}, 400, "n"),
+    ({"prompt": ["a", "b"], "return_token_ids": True}, {"x-nvext-mode": "nvext"}, 400, "n"),
+    ({"return_token_ids": True}, {"x-nvext-mode": "dynamo"}, 400, "x-nvext-mode"),
+    ({"return_token_ids": True, "prompt": "x" * (33 * 1024 * 1024)}, {}, 413, None),
+    (b'{"model": "tiny", "prompt": "hi", "nvext": {"extra_fields": ["completion_token_ids"]', {}, 400, "body"),
+    (b"\xff\xfe not json at all", {}, 400, "body"),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "param"), BAD_INPUTS, ids=[str(i) for i in range(len(BAD_INPUTS))]
+)
+def test_bad_input_matrix_on_the_real_server(mw, body, headers, status, param):
+    if isinstance(body, bytes):
+        resp = mw.post(COMPLETIONS, content=body, headers={"Content-Type": "application/json", **headers})
+    else:
+        resp = mw.post(COMPLETIONS, json={**_GOOD, **body}, headers=headers)
+    assert resp.status_code == status, resp.text[:500]
+    error = resp.json()["error"]
+    assert error["code"] == status and error["message"]
+    if param is not None:
+        assert error["param"] is not None and error["param"].startswith(param), error
+    good = post(mw, COMPLETIONS, {**_GOOD, "return_token_ids": True})
+    assert len(good["choices"][0]["token_ids"]) == 2, "the next good request is answered correctly"
+
+
+def test_non_json_content_type_reaches_vllm_untouched(mw, raw):
+    body = json.dumps({**_GOOD, "nvext": {"extra_fields": ["completion_token_ids"]}})
+    got = mw.post(COMPLETIONS, content=body, headers={"Content-Type": "text/plain"})
+    expected = raw.post(COMPLETIONS, content=body, headers={"Content-Type": "text/plain"})
+    assert got.status_code == expected.status_code
+    assert strip_volatile(got.json()) == strip_volatile(expected.json())

@@ -313,3 +313,48 @@ async def test_mid_stream_error_reaches_the_client_and_engine_data_says_unfinish
     app = NvextMiddleware(upstream, settings=Settings(mode=Mode.NVEXT))
     plain = await call(app, rec.path, _nvext_request(rec))
     assert error + b"\n\n" in plain.body, "without engine_data the error event is forwarded untouched"
+
+
+@pytest.mark.parametrize("status", [204, 206, 304])
+async def test_bodiless_and_partial_statuses_pass_through(status):
+    upstream = Upstream(status=status, body=b"")
+    app = NvextMiddleware(upstream, settings=Settings(mode=Mode.NVEXT))
+    result = await call(app, "/v1/completions", b'{"return_token_ids": true}')
+    assert result.status == status and result.body == b""
+
+
+async def test_head_request_is_not_touched(no_json_parse):
+    rec = recording("chat_unary_ids")
+    app, upstream = _app(rec, mode=Mode.NVEXT)
+    result = await call(app, rec.path, b"", method="HEAD")
+    assert upstream.calls == 1 and result.body == rec.body
+
+
+async def test_memoryview_bodies_are_read_as_bytes():
+    rec = recording("chat_unary_ids")
+    app, upstream = _app(rec)
+    body = _nvext_request(rec)
+    pending = [{"type": "http.request", "body": memoryview(body), "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive():
+        return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": rec.path, "headers": [(b"content-type", b"application/json")]}
+    await app(scope, receive, send)
+    assert json.loads(upstream.received)["return_token_ids"] is True
+    assert "nvext" in json.loads(sent[-1]["body"])
+
+
+async def test_both_mounts_translate_once():
+    rec = recording("chat_unary_ids")
+    upstream = Upstream(body=rec.body)
+    inner = NvextMiddleware(upstream, settings=Settings(mode=Mode.NVEXT))
+    outer = NvextMiddleware(inner, settings=Settings(mode=Mode.NVEXT))
+    got = json.loads((await call(outer, rec.path, _nvext_request(rec))).body)
+    raw = rec.json()
+    assert got["nvext"]["completion_token_ids"] == raw["choices"][0]["token_ids"]
+    assert got["choices"][0]["token_ids"] is None
