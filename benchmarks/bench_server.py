@@ -92,6 +92,7 @@ class Runs:
     itl: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
     tokens: int = 0
+    server_cpu_s: float = 0.0  # CPU time of the API-server process (where the middleware runs) over the runs
 
 
 def request_json(opt_in: bool, max_tokens: int) -> dict[str, Any]:
@@ -135,17 +136,34 @@ async def one_stream(
     return tokens, stamps[0] - t0, gaps, tpot
 
 
-async def one_run(client: httpx.AsyncClient, variant: Variant, concurrency: int, per_worker: int,
-                  max_tokens: int, runs: Runs) -> None:  # fmt: skip
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (all its threads), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def one_run(server: tuple[str, int], variant: Variant, concurrency: int, per_worker: int, max_tokens: int,
+                  runs: Runs) -> None:  # fmt: skip
+    url, pid = server
     body = request_json(variant.opt_in, max_tokens)
     headers = {"x-nvext-mode": variant.mode} if variant.mode else {}
+    # A client per run: a connection left idle while the other server runs would hit uvicorn's 5 s
+    # keep-alive timeout, and reusing one the server is closing fails with a ReadError.
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits) as client:
 
-    async def worker() -> list[tuple[int, float, list[float], float]]:
-        return [await one_stream(client, body, headers) for _ in range(per_worker)]
+        async def worker() -> list[tuple[int, float, list[float], float]]:
+            return [await one_stream(client, body, headers) for _ in range(per_worker)]
 
-    t0 = time.perf_counter()
-    results = await asyncio.gather(*(worker() for _ in range(concurrency)))
-    wall = time.perf_counter() - t0
+        cpu0 = process_cpu_s(pid)
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+        runs.server_cpu_s += process_cpu_s(pid) - cpu0
     total = 0
     for worker_results in results:
         for tokens, ttft, gaps, tpot in worker_results:
@@ -158,11 +176,11 @@ async def one_run(client: httpx.AsyncClient, variant: Variant, concurrency: int,
     runs.positions.append(next(_SEQUENCE))
 
 
-async def measure(clients: dict[str, httpx.AsyncClient], variants: tuple[Variant, ...], levels: list[int],
+async def measure(servers: dict[str, tuple[str, int]], variants: tuple[Variant, ...], levels: list[int],
                   rounds: int, max_tokens: int) -> dict[int, dict[str, Runs]]:  # fmt: skip
     # Warm-up: every request shape once on its server, a few at a time.
     for v in {(v.server, v.opt_in, v.mode): v for v in variants}.values():
-        await one_run(clients[v.server], v, 4, 1, max_tokens, Runs())
+        await one_run(servers[v.server], v, 4, 1, max_tokens, Runs())
     results: dict[int, dict[str, Runs]] = {}
     for c in levels:
         per_worker = max(1, 4 // c)  # a few sequential streams at low concurrency: more ITL samples
@@ -171,7 +189,7 @@ async def measure(clients: dict[str, httpx.AsyncClient], variants: tuple[Variant
         for r in range(rounds):
             order = variants if r % 2 == 0 else variants[::-1]  # ABAB then BABA: no side always goes first
             for v in order:
-                await one_run(clients[v.server], v, c, per_worker, max_tokens, by_label.setdefault(v.label, Runs()))
+                await one_run(servers[v.server], v, c, per_worker, max_tokens, by_label.setdefault(v.label, Runs()))
         results[c] = by_label
         print(f"  concurrency {c}: {rounds} rounds in {time.perf_counter() - t0:.0f} s", flush=True)
     return results
@@ -195,11 +213,14 @@ def _table(results: dict[int, dict[str, Runs]], variants: tuple[Variant, ...], m
             base = by_label.get(base_of[label] or "")
             tps = median(runs.tokens_per_s)
             itl50, itl99 = percentile(runs.itl, 50) * 1e3, percentile(runs.itl, 99) * 1e3
-            ratio = itl_ratio = float("nan")
-            spread = "-"
+            ratio = itl_ratio = tpot_ratio = float("nan")
+            spread = added_cpu = "-"
+            cpu_us = runs.server_cpu_s / max(runs.tokens, 1) * 1e6
             if base is not None:
                 ratio = tps / median(base.tokens_per_s)
                 itl_ratio = itl99 / (percentile(base.itl, 99) * 1e3)
+                tpot_ratio = percentile(runs.tpot, 50) / percentile(base.tpot, 50)
+                added_cpu = fmt(cpu_us - base.server_cpu_s / max(base.tokens, 1) * 1e6, 1)
                 paired = [tps_i / _nearest(base, pos) for tps_i, pos in zip(runs.tokens_per_s, runs.positions,
                                                                              strict=True)]  # fmt: skip
                 spread = f"{min(paired):.2f}..{max(paired):.2f}"
@@ -207,27 +228,17 @@ def _table(results: dict[int, dict[str, Runs]], variants: tuple[Variant, ...], m
                     top[label] = (ratio, itl_ratio)
             rows.append([str(c), label, str(len(runs.tokens_per_s)), fmt(tps, 0), fmt_ratio(ratio), spread,
                          fmt(percentile(runs.ttft, 50) * 1e3, 1), fmt(percentile(runs.ttft, 99) * 1e3, 1),
-                         fmt(percentile(runs.tpot, 50) * 1e3, 2), fmt(itl50, 2), fmt(itl99, 2),
-                         fmt_ratio(itl_ratio)])  # fmt: skip
+                         fmt(percentile(runs.tpot, 50) * 1e3, 2), fmt_ratio(tpot_ratio), fmt(itl50, 2),
+                         fmt(itl99, 2), fmt_ratio(itl_ratio), fmt(cpu_us, 1), added_cpu])  # fmt: skip
     print_table(
         f"Real server: tiny model on vLLM (CPU), {max_tokens} tokens per stream (ignore_eos)",
         ["streams", "variant", "runs", "tokens/s", "vs base", "per-round", "TTFT p50 ms", "TTFT p99 ms",
-         "TPOT p50 ms", "ITL p50 ms", "ITL p99 ms", "ITL p99 vs base"],
+         "TPOT p50 ms", "TPOT vs base", "ITL p50 ms", "ITL p99 ms", "ITL p99 vs base", "API CPU us/token",
+         "added us/token"],
         rows,
         notes=notes,
     )  # fmt: skip
     return top
-
-
-async def _bench(servers: dict[str, VllmServer], variants: tuple[Variant, ...], levels: list[int], rounds: int,
-                 max_tokens: int) -> dict[int, dict[str, Runs]]:  # fmt: skip
-    limits = httpx.Limits(max_connections=max(levels) + 8, max_keepalive_connections=max(levels) + 8)
-    clients = {name: httpx.AsyncClient(base_url=s.url, timeout=600.0, limits=limits) for name, s in servers.items()}
-    try:
-        return await measure(clients, variants, levels, rounds, max_tokens)
-    finally:
-        for client in clients.values():
-            await client.aclose()
 
 
 def _run_loop(coro: Any) -> Any:
@@ -259,7 +270,8 @@ def _serve_and_measure(
             server.wait_ready(timeout=float(os.environ.get("VLLM_NVEXT_STARTUP_TIMEOUT", "600")))
         print(f"  servers ready in {time.perf_counter() - t0:.0f} s", flush=True)
         try:
-            results = _run_loop(_bench(servers, variants, levels, rounds, max_tokens))
+            targets = {name: (server.url, server.proc.pid) for name, server in servers.items() if server.proc}
+            results = _run_loop(measure(targets, variants, levels, rounds, max_tokens))
         except (httpx.HTTPError, RuntimeError) as exc:
             gone = [
                 f"{s.name} (exit {s.proc.returncode})" for s in servers.values() if s.proc and s.proc.poll() is not None
@@ -282,7 +294,7 @@ def run(
     quick: bool = False, single: bool = False, levels: list[int] | None = None, wait_s: float = 60.0
 ) -> list[Target]:
     levels = levels or [1, 16, 64]
-    rounds = 2 if quick else 3
+    rounds = 2 if quick else 4
     max_tokens = 32 if quick else 64
 
     available = mem_available_bytes()
@@ -317,8 +329,12 @@ def run(
         "tokens/s: usage.completion_tokens of all streams / run wall time, median over runs; per-round = range of "
         "run-by-run ratios (the noise floor on this shared 2-core machine)",
         "client (httpx on uvloop, this process), both servers and other engineers' jobs share the same 2 cores",
-        "TTFT: request sent -> first token event; TPOT: per stream (last - first token event) / (tokens - 1); "
+        "TTFT: request sent -> first token event (a fresh client per run: includes a loopback connect); "
+        "TPOT: per stream (last - first token event) / (tokens - 1); "
         "ITL: gaps between token events as the client reads them (events read together give ~0 gaps)",
+        "API CPU us/token: CPU time of the API-server process (where the middleware runs; not the engine core) "
+        "over all runs / tokens; added = minus the baseline's: the middleware's in-server cost, immune to other "
+        "jobs' load (10 ms tick resolution, summed over runs)",
     ]
     top = _table(results, variants, max_tokens, notes)
     c = max(levels)

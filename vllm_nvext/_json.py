@@ -7,13 +7,15 @@ decoded and encoded with the standard library instead, which keeps them exact.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import orjson
 
 # 19 digits reach past the signed 64-bit range; fractional digits merely take the exact path.
-_LONG_DIGITS = re.compile(rb"\d{19}")
+# Found by mapping every digit to "0" and searching for 19 zeros: two C passes, ~1 ns/byte,
+# where a `\d{19}` regex costs ~12 ns/byte on digit-heavy bodies (ids, logprobs).
+_DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_LONG_RUN = b"0" * 19
 
 
 def _reject_constant(name: str) -> Any:
@@ -22,7 +24,7 @@ def _reject_constant(name: str) -> Any:
 
 def loads(data: bytes) -> Any:
     """Decode JSON; raises ValueError on anything that is not strict JSON."""
-    if _LONG_DIGITS.search(data) is None:
+    if _LONG_RUN not in data.translate(_DIGITS_TO_ZERO):
         return orjson.loads(data)
     return json.loads(data, parse_constant=_reject_constant)
 

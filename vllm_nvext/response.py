@@ -65,15 +65,21 @@ def _prompt_ids(obj: dict[str, Any], choice: dict[str, Any] | None, endpoint: En
     return choice.get("prompt_token_ids") if choice is not None else None
 
 
-def _strip_vllm_ids(obj: dict[str, Any], choices: list[Any], plan: Plan) -> None:
+def _strip_vllm_ids(obj: dict[str, Any], choices: list[Any], plan: Plan) -> bool:
+    """Set vLLM's copies back to null; True if there was one."""
+    stripped = False
     for choice in choices:
         if isinstance(choice, dict):
             if choice.get("token_ids") is not None:
                 choice["token_ids"] = None
+                stripped = True
             if plan.endpoint is Endpoint.COMPLETIONS and not plan.echo and choice.get("prompt_token_ids") is not None:
                 choice["prompt_token_ids"] = None
+                stripped = True
     if plan.endpoint is Endpoint.CHAT and obj.get("prompt_token_ids") is not None:
         obj["prompt_token_ids"] = None
+        stripped = True
+    return stripped
 
 
 def _move_prompt_logprobs(obj: dict[str, Any], choice: dict[str, Any], plan: Plan) -> Any:
@@ -214,16 +220,19 @@ class StreamReshaper:
                 _place_kv(nv, obj, plan)  # vLLM >= 0.33 sends it on the finish chunk
         elif plan.nvext_prompt_ids and finished and self._prompt_ids is not None:
             nv["prompt_token_ids"] = self._prompt_ids
+        changed = False
         if finished and not self._finished:
             self._finished = True
             if engine:
                 nv["engine_data"] = _engine_data(self._ids, True, self._logprobs, self._prompt_ids)
             _final_selectors(nv, obj, choice, plan, self.clock, self._ttft_ms)
-        if plan.strip_vllm_ids:
-            _strip_vllm_ids(obj, choices, plan)
+            changed = True  # the final selectors may move values out of the chunk
+        if plan.strip_vllm_ids and _strip_vllm_ids(obj, choices, plan):
+            changed = True
         if nv:
             obj["nvext"] = nv
-        return True
+            changed = True
+        return changed  # an untouched chunk goes out as vLLM wrote it, without a re-encode
 
     def _error_event(self, obj: dict[str, Any]) -> bool:
         """A mid-stream error: engine_data says the generation did not finish."""
