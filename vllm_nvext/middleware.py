@@ -244,8 +244,7 @@ class _Reshaping:
     async def _on_stream_body(self, message: Message) -> None:
         assert self._framer is not None and self._stream is not None
         more = bool(message.get("more_body", False))
-        events = self._framer.feed(bytes(message.get("body", b"")))
-        out = b"".join([_reshape_event(event, self._stream) for event in events]) if events else b""
+        out = reshape_stream_bytes(bytes(message.get("body", b"")), self._framer, self._stream)
         if not more:
             out += self._framer.flush()  # an unterminated tail goes out as it came
         if out or not more:
@@ -274,24 +273,50 @@ class _Reshaping:
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+def reshape_stream_bytes(body: bytes, framer: EventFramer, stream: StreamReshaper) -> bytes:
+    """What the client gets for one body message of vLLM's stream (held-back bytes excepted)."""
+    if (
+        body.startswith(b"data: {")
+        and body.endswith(b"}\n\n")
+        and body.find(b"\n") == len(body) - 2
+        and b"\r" not in body
+        and not framer.buffered
+    ):  # vLLM's usual message: exactly one event (_is_plain_data_event, inlined on the hot path)
+        try:
+            return stream.reshape_event(body) or body
+        except Exception:
+            logger.exception("vllm-nvext could not reshape a stream event; forwarded unchanged")
+            return body
+    events = framer.feed(body)
+    return b"".join([_reshape_event(event, stream) for event in events]) if events else b""
+
+
+def _is_plain_data_event(event: bytes) -> bool:
+    """`data: {...}` on one LF-ended line and a blank line: the shape vLLM writes."""
+    return (
+        event.startswith(b"data: {")
+        and event.endswith(b"}\n\n")
+        and event.find(b"\n") == len(event) - 2
+        and b"\r" not in event
+    )
+
+
 def _reshape_event(event: bytes, stream: StreamReshaper) -> bytes:
-    span = data_payload(event)
-    if span is None:
-        return event
-    start, end = span
-    payload = event[start:end]
-    if payload == b"[DONE]":
-        return event
     try:
-        obj = _json.loads(payload)
-        if not stream.reshape(obj):
+        if _is_plain_data_event(event):
+            return stream.reshape_event(event) or event
+        span = data_payload(event)
+        if span is None:
             return event
-        return event[:start] + _json.dumps(obj) + event[end:]
-    except ValueError:
-        return event
+        start, end = span
+        payload = event[start:end]
+        if payload == b"[DONE]":
+            return event
+        new = stream.reshape_payload(payload)
     except Exception:
         logger.exception("vllm-nvext could not reshape a stream event; forwarded unchanged")
         return event
+    return event if new is None else event[:start] + new + event[end:]
 
 
 def _set_header(scope: Scope, name: bytes, value: bytes) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from . import _json
 from .request import (
     DETAILED_FINISH_REASON,
     ENGINE_DATA,
@@ -170,10 +171,18 @@ def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
     return True
 
 
+_FINISH_KEY = b'"finish_reason":'
+_NOT_FINISHED = b'"finish_reason":null'
+_TOKEN_IDS_KEY = b',"token_ids":'
+_TOKEN_IDS_KEY_LEN = len(_TOKEN_IDS_KEY)
+_PROMPT_IDS_LIST = b'"prompt_token_ids":['
+_ID_LIST_BYTES = b"0123456789,"
+
+
 class StreamReshaper:
     """Per-stream state for reshaping `chat.completion.chunk` / streamed `text_completion` events."""
 
-    __slots__ = ("plan", "clock", "_prompt_ids", "_ids", "_logprobs", "_ttft_ms", "_finished")
+    __slots__ = ("plan", "clock", "_prompt_ids", "_ids", "_logprobs", "_ttft_ms", "_finished", "_fast", "_engine")
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
         self.plan = plan
@@ -183,6 +192,58 @@ class StreamReshaper:
         self._logprobs: list[Any] | None = [] if plan.logprobs else None
         self._ttft_ms: float | None = None
         self._finished = False
+        self._engine = ENGINE_DATA in plan.selectors
+        self._fast = False  # the byte-level path serves deltas once the first chunk was decoded
+
+    def reshape_event(self, event: bytes) -> bytes | None:
+        """The new bytes for one whole `data: {...}\\n\\n` event, or None to forward it as sent.
+
+        Mid-stream deltas take a byte-level path: vLLM ends such a chunk with its only choice's
+        `,"token_ids":[...]}]}`, and inside a JSON string every quote is escaped, so the key
+        tokens matched here cannot come from text. Everything else is decoded.
+        """
+        if self._fast and event.endswith(b"}]}\n\n"):
+            key = event.rfind(_TOKEN_IDS_KEY)
+            if (
+                key > 0
+                and event.count(_FINISH_KEY) == 1
+                and _NOT_FINISHED in event
+                and _PROMPT_IDS_LIST not in event
+            ):
+                start = key + _TOKEN_IDS_KEY_LEN
+                ids = event[start:-5]
+                if ids == b"null":
+                    ids = b"[]"
+                elif ids[:1] != b"[" or ids[-1:] != b"]" or ids[1:-1].translate(None, _ID_LIST_BYTES):
+                    return self._decoded_event(event)
+                plan = self.plan
+                if len(ids) > 2:
+                    if self._ttft_ms is None:
+                        self._ttft_ms = self.clock.elapsed_ms()
+                    if self._engine:
+                        self._ids.extend(_json.loads(ids))
+                    if plan.strip_vllm_ids:
+                        event = event[:start] + b"null}]}\n\n"
+                if plan.nvext_trio:
+                    return event[:-3] + b',"nvext":{"completion_token_ids":' + ids + b"}}\n\n"
+                return event if plan.strip_vllm_ids and len(ids) > 2 else None
+        return self._decoded_event(event)
+
+    def _decoded_event(self, event: bytes) -> bytes | None:
+        new = self.reshape_payload(event[6:-2])
+        return None if new is None else b"data: " + new + b"\n\n"
+
+    def reshape_payload(self, payload: bytes) -> bytes | None:
+        """The new bytes for one `data:` JSON payload, decoded, or None to forward it as sent."""
+        try:
+            obj = _json.loads(payload)
+        except ValueError:
+            return None  # not JSON: forwarded untouched
+        changed = self.reshape(obj)
+        if isinstance(obj, dict) and obj.get("choices"):
+            # engine_data with logprobs needs each chunk's logprobs, so it always decodes.
+            self._fast = not (self._engine and self._logprobs is not None)
+        return _json.dumps(obj) if changed else None
 
     def reshape(self, obj: Any) -> bool:
         """Reshape one decoded chunk in place; False if it is to be forwarded as it came."""
