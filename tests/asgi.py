@@ -65,6 +65,7 @@ async def call(
     method: str = "POST",
     headers: Sequence[tuple[bytes, bytes]] = ((b"content-type", b"application/json"),),
     request_cuts: Sequence[int] = (),
+    root_path: str = "",
 ) -> Result:
     """Send one request through `app`, the body split at `request_cuts`; collect the response."""
     hdrs = [*headers, (b"content-length", str(len(body)).encode())]
@@ -75,6 +76,7 @@ async def call(
         "method": method,
         "scheme": "http",
         "path": path,
+        "root_path": root_path,
         "raw_path": path.encode(),
         "query_string": b"",
         "headers": hdrs,

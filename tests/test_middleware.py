@@ -358,3 +358,11 @@ async def test_both_mounts_translate_once():
     raw = rec.json()
     assert got["nvext"]["completion_token_ids"] == raw["choices"][0]["token_ids"]
     assert got["choices"][0]["token_ids"] is None
+
+
+async def test_root_path_prefix_is_understood():
+    rec = recording("chat_unary_ids")
+    app, upstream = _app(rec)
+    scope_path = "/api" + rec.path
+    result = await call(app, scope_path, _nvext_request(rec), root_path="/api")
+    assert "nvext" in json.loads(result.body) and "nvext" not in json.loads(upstream.received)

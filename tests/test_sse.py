@@ -74,7 +74,7 @@ _event = st.one_of(
 )
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=3000, deadline=None)
 @given(
     events=st.lists(_event, max_size=12),
     eols=st.lists(st.sampled_from([b"\n", b"\r\n", b"\r"]), min_size=1, max_size=3),

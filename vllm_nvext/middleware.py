@@ -61,7 +61,11 @@ class NvextMiddleware:
         if scope["type"] != "http" or scope.get("method") != "POST" or _HANDLED in scope:
             await self.app(scope, receive, send)
             return
-        endpoint = ENDPOINT_PATHS.get(scope.get("path", ""))
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]  # `vllm serve --root-path` behind a proxy
+        endpoint = ENDPOINT_PATHS.get(path)
         if endpoint is None:
             await self.app(scope, receive, send)
             return

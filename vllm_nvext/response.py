@@ -204,12 +204,7 @@ class StreamReshaper:
         """
         if self._fast and event.endswith(b"}]}\n\n"):
             key = event.rfind(_TOKEN_IDS_KEY)
-            if (
-                key > 0
-                and event.count(_FINISH_KEY) == 1
-                and _NOT_FINISHED in event
-                and _PROMPT_IDS_LIST not in event
-            ):
+            if key > 0 and event.count(_FINISH_KEY) == 1 and _NOT_FINISHED in event and _PROMPT_IDS_LIST not in event:
                 start = key + _TOKEN_IDS_KEY_LEN
                 ids = event[start:-5]
                 if ids == b"null":
