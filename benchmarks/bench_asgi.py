@@ -218,19 +218,17 @@ def run(quick: bool = False) -> list[Target]:
         unary_rows,
         notes=["direct and middleware alternate; medians", *fit_notes],
     )  # fmt: skip
-    # The middleware's own work: what it adds beyond the one parse + serialize any reshaping needs.
-    # (orjson itself grows faster than linear on multi-MB trees here: allocator, GC and cache.)
-    floor_at = dict(added[FLOOR[0]])
-    own = {
-        label: loglog_slope([(size, cost - floor_at[size]) for size, cost in added[label] if size >= 10_000])
-        for label in ("nvext", "both")
-    }
-    ok = all(0.85 <= own[label] <= 1.15 for label in own)
+    # Reshaping a unary body needs one parse and one serialize: the floor. orjson itself grows
+    # faster than linear on multi-MB trees here (allocator, GC, cache), so the middleware is held
+    # to "linear, or no faster-growing than that floor": exponent <= max(1.15, floor's + 0.05).
+    floor_slope = slopes[FLOOR[0]]
+    limit = max(1.15, floor_slope + 0.05)
+    ok = all(slopes[label] <= limit for label in ("nvext", "both"))
     detail = (
-        ", ".join(f"{label} own size^{own[label]:.2f} (total size^{slopes[label]:.2f})" for label in own)
-        + f", floor size^{slopes[FLOOR[0]]:.2f}; >= 10 KB, linear: 0.85..1.15"
+        ", ".join(f"{label} size^{slopes[label]:.2f}" for label in ("nvext", "both"))
+        + f"; floor (orjson round trip) size^{floor_slope:.2f}; >= 10 KB, limit size^{limit:.2f}"
     )
-    print(f"  unary: own cost = added - floor; {detail}")
+    print(f"  unary: {detail}")
     return [Target(TARGET_LINEAR, ok, detail)]
 
 
