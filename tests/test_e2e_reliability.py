@@ -292,3 +292,4 @@ def test_non_json_content_type_reaches_vllm_untouched(mw, raw):
     expected = raw.post(COMPLETIONS, content=body, headers={"Content-Type": "text/plain"})
     assert got.status_code == expected.status_code
     assert strip_volatile(got.json()) == strip_volatile(expected.json())
+
