@@ -366,3 +366,22 @@ async def test_root_path_prefix_is_understood():
     scope_path = "/api" + rec.path
     result = await call(app, scope_path, _nvext_request(rec), root_path="/api")
     assert "nvext" in json.loads(result.body) and "nvext" not in json.loads(upstream.received)
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "nvext", "both"])
+@pytest.mark.parametrize("mode", list(Mode))
+async def test_mid_stream_error_event_is_forwarded_unchanged_in_every_mode(mode, dialect):
+    rec = recording("completions_stream_ids")
+    blocks = rec.body.split(b"\n\n")
+    error = b'data: {"error":{"message":"engine died","type":"InternalServerError","param":null,"code":500}}'
+    body = b"\n\n".join([*blocks[:2], error, b"data: [DONE]", b""])
+    upstream = Upstream(content_type=rec.content_type, body=body, cuts=(len(body) - 30,))
+    app = NvextMiddleware(upstream, settings=Settings(mode=mode))
+    request = {k: v for k, v in rec.request.items() if k != "return_token_ids"}
+    if dialect != "nvext":
+        request["return_token_ids"] = True
+    if dialect != "vllm":
+        request["nvext"] = NVEXT_IDS
+    result = await call(app, rec.path, json.dumps(request).encode())
+    assert result.status == 200
+    assert result.body.endswith(error + b"\n\ndata: [DONE]\n\n")
