@@ -248,7 +248,10 @@ class _Reshaping:
     async def _on_stream_body(self, message: Message) -> None:
         assert self._framer is not None and self._stream is not None
         more = bool(message.get("more_body", False))
-        out = reshape_stream_bytes(bytes(message.get("body", b"")), self._framer, self._stream)
+        body = message.get("body", b"")
+        if type(body) is not bytes:
+            body = bytes(body)  # memoryview or bytearray: `in` and find() need real bytes
+        out = reshape_stream_bytes(body, self._framer, self._stream)
         if not more:
             out += self._framer.flush()  # an unterminated tail goes out as it came
         if out or not more:

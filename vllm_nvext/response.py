@@ -182,7 +182,10 @@ _ID_LIST_BYTES = b"0123456789,"
 class StreamReshaper:
     """Per-stream state for reshaping `chat.completion.chunk` / streamed `text_completion` events."""
 
-    __slots__ = ("plan", "clock", "_prompt_ids", "_ids", "_logprobs", "_ttft_ms", "_finished", "_fast", "_engine")
+    __slots__ = (
+        "plan", "clock", "_prompt_ids", "_ids", "_logprobs", "_ttft_ms", "_finished", "_fast", "_engine",
+        "_strip", "_trio",
+    )  # fmt: skip
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
         self.plan = plan
@@ -193,6 +196,8 @@ class StreamReshaper:
         self._ttft_ms: float | None = None
         self._finished = False
         self._engine = ENGINE_DATA in plan.selectors
+        self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
+        self._trio = plan.nvext_trio
         self._fast = False  # the byte-level path serves deltas once the first chunk was decoded
 
     def reshape_event(self, event: bytes) -> bytes | None:
@@ -211,17 +216,16 @@ class StreamReshaper:
                     ids = b"[]"
                 elif ids[:1] != b"[" or ids[-1:] != b"]" or ids[1:-1].translate(None, _ID_LIST_BYTES):
                     return self._decoded_event(event)
-                plan = self.plan
                 if len(ids) > 2:
                     if self._ttft_ms is None:
                         self._ttft_ms = self.clock.elapsed_ms()
                     if self._engine:
                         self._ids.extend(_json.loads(ids))
-                    if plan.strip_vllm_ids:
+                    if self._strip:
                         event = event[:start] + b"null}]}\n\n"
-                if plan.nvext_trio:
+                if self._trio:
                     return event[:-3] + b',"nvext":{"completion_token_ids":' + ids + b"}}\n\n"
-                return event if plan.strip_vllm_ids and len(ids) > 2 else None
+                return event if self._strip and len(ids) > 2 else None
         return self._decoded_event(event)
 
     def _decoded_event(self, event: bytes) -> bytes | None:
