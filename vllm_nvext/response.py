@@ -7,6 +7,7 @@ vLLM placement (PROTOCOL §1) is what vLLM writes; nvext placement (PROTOCOL §3
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -172,11 +173,10 @@ def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
 
 
 _FINISH_KEY = b'"finish_reason":'
-_NOT_FINISHED = b'"finish_reason":null'
-_TOKEN_IDS_KEY = b',"token_ids":'
-_TOKEN_IDS_KEY_LEN = len(_TOKEN_IDS_KEY)
-_PROMPT_IDS_LIST = b'"prompt_token_ids":['
-_ID_LIST_BYTES = b"0123456789,"
+# The tail vLLM writes for a mid-stream delta of its only choice: an unfinished finish_reason,
+# then only null-valued keys (stop_reason, prompt_token_ids, ...), then the delta's ids, then
+# the end of the choice, of `choices` and of the chunk. Anything else is decoded.
+_DELTA_TAIL = re.compile(rb'"finish_reason":null(?:,"[a-z_]+":null)*,"token_ids":(null|\[[0-9,]*\])\}\]\}\n\n\Z')
 
 
 class StreamReshaper:
@@ -203,19 +203,23 @@ class StreamReshaper:
     def reshape_event(self, event: bytes) -> bytes | None:
         """The new bytes for one whole `data: {...}\\n\\n` event, or None to forward it as sent.
 
-        Mid-stream deltas take a byte-level path: vLLM ends such a chunk with its only choice's
-        `,"token_ids":[...]}]}`, and inside a JSON string every quote is escaped, so the key
-        tokens matched here cannot come from text. Everything else is decoded.
+        Mid-stream deltas take a byte-level path (_DELTA_TAIL): inside a JSON string every quote
+        is escaped, so the key tokens matched here cannot come from text. Everything else,
+        the first and final chunks among them, is decoded.
         """
-        if self._fast and event.endswith(b"}]}\n\n"):
-            key = event.rfind(_TOKEN_IDS_KEY)
-            if key > 0 and event.count(_FINISH_KEY) == 1 and _NOT_FINISHED in event and _PROMPT_IDS_LIST not in event:
-                start = key + _TOKEN_IDS_KEY_LEN
-                ids = event[start:-5]
+        if self._fast:
+            pos = event.rfind(_FINISH_KEY)
+            # first == last occurrence: exactly one choice in this chunk
+            m = (
+                _DELTA_TAIL.match(event, pos)
+                if pos > 0 and event.find(_FINISH_KEY) == pos and event[6:7] == b"{"
+                else None
+            )
+            if m is not None:
+                ids = m.group(1)
+                start = m.start(1)
                 if ids == b"null":
                     ids = b"[]"
-                elif ids[:1] != b"[" or ids[-1:] != b"]" or ids[1:-1].translate(None, _ID_LIST_BYTES):
-                    return self._decoded_event(event)
                 if len(ids) > 2:
                     if self._ttft_ms is None:
                         self._ttft_ms = self.clock.elapsed_ms()
