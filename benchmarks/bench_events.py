@@ -288,7 +288,7 @@ def run(quick: bool = False) -> list[Target]:
             f"~{samples:,} samples per variant and fixture, timer overhead {overhead:.0f} ns subtracted",
             "events = JSON data events (the usage chunk included); [DONE] goes through the framer but is not sampled",
             "reshape_stream_bytes = single-event check (else EventFramer.feed + payload location) "
-            "+ StreamReshaper.reshape_payload (byte-level for mid-stream deltas, else decode + reshape + encode)",
+            "+ StreamReshaper.reshape_event (byte-level for mid-stream deltas, else decode + reshape + encode)",
             "_Reshaping send = the wrapper vLLM's send goes through (adds message handling, bytes copy and join)",
         ],
     )
