@@ -265,7 +265,7 @@ class StreamReshaper:
         delta_ids = delta if isinstance(delta, list) else []
         if delta_ids and self._ttft_ms is None:
             self._ttft_ms = self.clock.elapsed_ms()
-        engine = ENGINE_DATA in plan.selectors
+        engine = self._engine
         if engine:
             self._ids.extend(delta_ids)
             if self._logprobs is not None:
@@ -300,7 +300,7 @@ class StreamReshaper:
 
     def _error_event(self, obj: dict[str, Any]) -> bool:
         """A mid-stream error: engine_data says the generation did not finish."""
-        if "error" not in obj or self._finished or ENGINE_DATA not in self.plan.selectors:
+        if "error" not in obj or self._finished or not self._engine:
             return False
         self._finished = True
         obj["nvext"] = {"engine_data": _engine_data(self._ids, False, self._logprobs, self._prompt_ids)}
