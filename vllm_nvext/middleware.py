@@ -288,7 +288,7 @@ def reshape_stream_bytes(body: bytes, framer: EventFramer, stream: StreamReshape
         and body.find(b"\r") < 0
         and body.startswith(b"data: ")
         and not framer.buffered
-    ):  # vLLM's usual message: exactly one single-line `data: ` event (cheapest checks first)
+    ):  # vLLM's usual message, exactly one event: _is_plain_data_event inlined on the hot path
         try:
             return stream.reshape_event(body) or body
         except Exception:
