@@ -129,7 +129,6 @@ class Plan:
     """What to send upstream and how to reshape what comes back, for one request."""
 
     endpoint: Endpoint
-    stream: bool
     # The client gets vLLM's own placement of the ids (PROTOCOL §1).
     vllm_ids: bool
     # The PR #13588 trio under `nvext`: completion_token_ids, prompt_token_ids, kv_transfer_params.
@@ -152,10 +151,6 @@ class Plan:
     @property
     def reshapes_response(self) -> bool:
         return bool(self.nvext_trio or self.nvext_prompt_ids or self.selectors or self.strip_vllm_ids)
-
-    @property
-    def emits_nvext(self) -> bool:
-        return bool(self.nvext_trio or self.nvext_prompt_ids or self.selectors)
 
 
 def might_opt_in(body: bytes) -> bool:
@@ -237,12 +232,10 @@ def plan_request(body: bytes, endpoint: Endpoint, mode: Mode) -> Plan | None:
     headers = _apply_nvext_fields(upstream, nvext, endpoint)
     strip = needs_ids and not vllm_ids
     echo = endpoint is Endpoint.COMPLETIONS and bool(data.get("echo"))
-    stream = data.get("stream") is True
     logprobs = _logprobs_requested(data, endpoint)
     new_body = None if upstream == data else _json.dumps(upstream)
     return Plan(
         endpoint=endpoint,
-        stream=stream,
         vllm_ids=vllm_ids,
         nvext_trio=nvext_trio,
         nvext_prompt_ids=nvext_prompt_ids,
