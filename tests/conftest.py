@@ -79,12 +79,15 @@ def _start_servers() -> None:
         _servers[name] = server.start()
 
 
+@pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselection: start servers only for e2e tests that run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if any(item.get_closest_marker("e2e") for item in items):
         _start_servers()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for server in _servers.values():
+        server.terminate()  # all at once; then wait for each
     for server in _servers.values():
         server.stop()
 

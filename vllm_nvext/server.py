@@ -92,6 +92,12 @@ class VllmServer:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
 
+    def terminate(self) -> None:
+        """Ask the whole process group to exit, without waiting (see stop())."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+
     def stop(self, timeout: float = 30.0) -> None:
         proc = self.proc
         if proc is None or proc.poll() is not None:
