@@ -7,40 +7,13 @@ import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 
 from .config import ENV_MODE, Mode
-from .server import MIDDLEWARE, TINY_ARGS
+from .server import MIDDLEWARE, TINY_ARGS, VllmServer
 
 DEFAULT_PORT = 8000
-
-
-def _serve_command(model: str, port: int, host: str, tiny: bool, extra: Sequence[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "vllm_nvext._vllm_cli", "serve", model, "--host", host, "--port", str(port)]
-    cmd += ["--middleware", MIDDLEWARE]
-    if tiny:
-        cmd += [*TINY_ARGS, "--served-model-name", "tiny"]
-    return cmd + list(extra)
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return True
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.5)
-    return False
 
 
 def _banner(base: str, model_name: str, mode: str) -> str:
@@ -72,28 +45,38 @@ def cmd_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
         model = str(tiny_model.ensure())
     else:
         model = args.model
-    env = dict(os.environ)
-    env[ENV_MODE] = Mode.parse(args.mode).value
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cmd = _serve_command(model, args.port, args.host, tiny, extra)
-    print("vllm-nvext: starting", " ".join(shlex.quote(c) for c in cmd), flush=True)
-    proc = subprocess.Popen(cmd, env=env)
+    mode = Mode.parse(args.mode).value
+    server = VllmServer(
+        model=model,
+        args=(*((*TINY_ARGS, "--served-model-name", "tiny") if tiny else ()), "--middleware", MIDDLEWARE, *extra),
+        env={ENV_MODE: mode},
+        host=args.host,
+        port=args.port,
+        log_to_terminal=True,
+    )
+    print("vllm-nvext: starting", " ".join(shlex.quote(c) for c in server.command()), flush=True)
+    server.start()
+    assert server.proc is not None
 
-    def _forward(signum: int, _frame: object) -> None:
-        proc.send_signal(signum)
+    def _forward(_signum: int, _frame: object) -> None:
+        server.terminate()  # vLLM runs in its own process group: stop all of it
 
     signal.signal(signal.SIGINT, _forward)
     signal.signal(signal.SIGTERM, _forward)
-    shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    base = f"http://{shown_host}:{args.port}"
-    if _wait_healthy(base, proc, args.startup_timeout):
+    try:
+        server.wait_ready(args.startup_timeout)
+    except RuntimeError:  # exited during start-up; its output is already on the terminal
+        return server.proc.wait()
+    except TimeoutError:
+        pass  # still starting: keep serving it, without the banner
+    else:
         served = (
             "tiny"
             if tiny
             else next((extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--served-model-name"), model)
         )
-        print(_banner(base, served, env[ENV_MODE]), flush=True)
-    return proc.wait()
+        print(_banner(server.url, served, mode), flush=True)
+    return server.proc.wait()
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:

@@ -41,11 +41,15 @@ class VllmServer:
     host: str = "127.0.0.1"
     port: int = 0
     log_path: Path | None = None
+    # Output to this process's terminal instead of a log file (`vllm-nvext serve`).
+    log_to_terminal: bool = False
     proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """Where to reach it from this machine (a wildcard bind is reached on loopback)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
 
     def command(self) -> list[str]:
         return [
@@ -56,13 +60,16 @@ class VllmServer:
     def start(self) -> VllmServer:
         if not self.port:
             self.port = free_port()
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.update(self.env)
+        if self.log_to_terminal:
+            self.proc = subprocess.Popen(self.command(), env=env, start_new_session=True)
+            return self
         if self.log_path is None:
             fd, path = tempfile.mkstemp(prefix=f"vllm-nvext-{self.name}-", suffix=".log")
             os.close(fd)
             self.log_path = Path(path)
-        env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env.update(self.env)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
