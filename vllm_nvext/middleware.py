@@ -164,8 +164,7 @@ class _Exchange:
             body = plan.body
             _set_header(scope, b"content-length", str(len(body)).encode())
         for name, value in plan.headers:
-            if not any(n == name for n, _ in scope["headers"]):
-                _add_header(scope, name, value)
+            _set_header(scope, name, value, replace=False)
         send = _Reshaping(plan, self.clock, self.send) if plan.reshapes_response else self.send
         await self.app(scope, _Replay(body, False, self.receive), send)
 
@@ -326,18 +325,18 @@ def _reshape_event(event: bytes, stream: StreamReshaper) -> bytes:
     return event if new is None else event[:start] + new + event[end:]
 
 
-def _set_header(scope: Scope, name: bytes, value: bytes) -> None:
+def _set_header(scope: Scope, name: bytes, value: bytes, *, replace: bool = True) -> None:
+    """Set a request header in the scope's own list (never a copy of the scope).
+
+    With replace=False a header the client already sent is kept.
+    """
     headers = scope["headers"]
     if not isinstance(headers, list):
         headers = scope["headers"] = list(headers)
-    headers[:] = [(n, v) for n, v in headers if n != name]
-    headers.append((name, value))
-
-
-def _add_header(scope: Scope, name: bytes, value: bytes) -> None:
-    headers = scope["headers"]
-    if not isinstance(headers, list):
-        headers = scope["headers"] = list(headers)
+    if any(n == name for n, _ in headers):
+        if not replace:
+            return
+        headers[:] = [(n, v) for n, v in headers if n != name]
     headers.append((name, value))
 
 
