@@ -101,17 +101,64 @@ def test_return_token_ids_false_in_vllm_mode_asks_nothing():
 
 
 @pytest.mark.parametrize(
-    ("fields", "endpoint", "param"),
+    ("fields", "endpoint"),
     [
-        ({"n": 2, "nvext": {"extra_fields": ["completion_token_ids"]}}, CHAT, "n"),
-        ({"prompt": ["a", "b"], "nvext": {"extra_fields": ["completion_token_ids"]}}, COMPLETIONS, "n"),
-        ({"prompt": [[1, 2], [3]], "nvext": {"extra_fields": ["engine_data"]}}, COMPLETIONS, "n"),
+        ({"n": 2, "nvext": {"extra_fields": ["completion_token_ids"]}}, CHAT),
+        ({"n": 2, "nvext": {"extra_fields": ["engine_data", "completion_token_ids"]}}, COMPLETIONS),
+        ({"prompt": ["a", "b"], "nvext": {"extra_fields": ["completion_token_ids"]}}, COMPLETIONS),
     ],
 )
-def test_more_than_one_choice_in_nvext_placement_is_refused(fields, endpoint, param):
+def test_completion_token_ids_with_more_than_one_choice_is_refused(fields, endpoint):
     with pytest.raises(RequestError) as err:
         plan_request(_body(**fields), endpoint, Mode.AUTO)
-    assert err.value.param == param and "requires exactly one generated choice" in err.value.message
+    assert err.value.param == "n" and "requires exactly one generated choice" in err.value.message
+
+
+@pytest.mark.parametrize(
+    "selectors",
+    [["engine_data"], ["stop_reason"], ["detailed_finish_reason"], ["timing"], ["prompt_token_ids"]],
+)
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+def test_other_selectors_with_n_greater_than_one_are_answered(selectors, endpoint):
+    # Dynamo 1.6.1 answers these with n > 1 (one prompt): only the trio needs one choice.
+    plan = plan_request(_body(n=2, nvext={"extra_fields": selectors}), endpoint, Mode.AUTO)
+    assert plan is not None and plan.reshapes_response
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"nvext": {"extra_fields": ["prompt_token_ids"]}}, "prompt_token_ids"),
+        ({"nvext": {"extra_fields": ["engine_data"]}}, "engine_data"),
+        ({"nvext": {"extra_fields": ["prompt_logprobs"]}, "prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"nvext": {"extra_fields": ["timing", "engine_data"]}}, "engine_data"),
+    ],
+)
+@pytest.mark.parametrize("prompt", [["a", "b"], [[1, 2], [3]]])
+def test_single_prompt_selectors_on_a_completions_batch_are_refused(fields, name, prompt):
+    with pytest.raises(RequestError) as err:
+        plan_request(_body(prompt=prompt, **fields), COMPLETIONS, Mode.AUTO)
+    assert err.value.status == 400 and err.value.param == "prompt"
+    assert f'["{name}"]' in err.value.message and "single prompt" in err.value.message
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"nvext": {"extra_fields": ["timing", "stop_reason", "detailed_finish_reason"]}},
+        {"nvext": {"extra_fields": ["prompt_logprobs"]}},  # inert without vLLM's prompt_logprobs
+        {"return_token_ids": True},  # vLLM placement: per-choice prompt ids, as raw vLLM
+    ],
+)
+def test_a_completions_batch_is_served_when_nothing_describes_one_prompt(fields):
+    plan = plan_request(_body(prompt=["a", "b"], **fields), COMPLETIONS, Mode.AUTO)
+    assert plan is not None
+
+
+def test_prompt_token_ids_in_vllm_placement_allows_a_batch():
+    body = _body(prompt=["a", "b"], nvext={"extra_fields": ["prompt_token_ids"]})
+    plan = plan_request(body, COMPLETIONS, Mode.VLLM)
+    assert plan is not None and plan.vllm_ids and not plan.nvext_prompt_ids
 
 
 def test_dynamo_message_for_completion_token_ids_with_n():

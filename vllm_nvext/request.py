@@ -43,8 +43,10 @@ ID_SELECTORS = frozenset({COMPLETION_TOKEN_IDS, PROMPT_TOKEN_IDS})
 NVEXT_ONLY_SELECTORS = frozenset(
     {ENGINE_DATA, TIMING, STOP_REASON, DETAILED_FINISH_REASON, PROMPT_LOGPROBS, ROUTED_EXPERTS}
 )
-# Selectors that describe one generated choice and so need exactly one.
-SINGLE_CHOICE_SELECTORS = (COMPLETION_TOKEN_IDS, ENGINE_DATA, STOP_REASON, DETAILED_FINISH_REASON)
+# Dynamo 1.6.1 refuses n > 1 (and a completions batch) only for the nvext-placed trio; every
+# other selector is answered per choice. Selectors that describe one prompt are refused on a
+# completions batch: Dynamo documents them as single-prompt (1.6.1 answers the last prompt's ids).
+SINGLE_PROMPT_SELECTORS = (PROMPT_TOKEN_IDS, ENGINE_DATA, PROMPT_LOGPROBS)
 
 
 class RequestError(Exception):
@@ -213,15 +215,16 @@ def plan_request(body: bytes, endpoint: Endpoint, mode: Mode) -> Plan | None:
     if PROMPT_LOGPROBS in selectors and data.get("prompt_logprobs") is None:
         selectors = selectors - {PROMPT_LOGPROBS}  # only answered when vLLM's prompt_logprobs is set
 
-    single_choice = [s for s in SINGLE_CHOICE_SELECTORS if s in selectors]
-    if nvext_trio:
-        single_choice.insert(0, COMPLETION_TOKEN_IDS)
-    if single_choice and _num_choices(data, endpoint) > 1:
-        name = single_choice[0]
+    if nvext_trio and _num_choices(data, endpoint) > 1:
         raise RequestError(
-            f'`nvext.extra_fields=["{name}"]` requires exactly one generated choice',
-            "n",
+            f'`nvext.extra_fields=["{COMPLETION_TOKEN_IDS}"]` requires exactly one generated choice', "n"
         )
+    if endpoint is Endpoint.COMPLETIONS and _num_prompts(data) > 1:
+        asked = selectors | ({PROMPT_TOKEN_IDS} if nvext_prompt_ids else set())
+        single_prompt = [s for s in SINGLE_PROMPT_SELECTORS if s in asked]
+        if single_prompt:
+            name = single_prompt[0]
+            raise RequestError(f'`nvext.extra_fields=["{name}"]` requires a single prompt, got a batch', "prompt")
 
     # timing's ttft_ms is the first chunk carrying a token id: ask for ids to see them.
     needs_ids = vllm_ids or nvext_trio or nvext_prompt_ids or bool(selectors & {ENGINE_DATA, TIMING})
@@ -339,10 +342,15 @@ def _num_choices(data: dict[str, Any], endpoint: Endpoint) -> int:
     n = data.get("n")
     choices = n if _is_int(n) and n > 0 else 1
     if endpoint is Endpoint.COMPLETIONS:
-        prompt = data.get("prompt")
-        if isinstance(prompt, list) and prompt and not _is_int(prompt[0]):
-            choices *= len(prompt)  # a batch: a list of strings or of id lists
+        choices *= _num_prompts(data)
     return choices
+
+
+def _num_prompts(data: dict[str, Any]) -> int:
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt and not _is_int(prompt[0]):
+        return len(prompt)  # a batch: a list of strings or of id lists
+    return 1
 
 
 def _logprobs_requested(data: dict[str, Any], endpoint: Endpoint) -> bool:
