@@ -6,7 +6,7 @@
     with none; (with - without) / events is the marginal per-event cost, the empty call the fixed
     per-request cost. A `vllm` plan (`reshapes_response` False) takes the same path.
 (b) Each reshaping plan (`plan_request` on the fixture's request with that mode): per event, the
-    `reshape_stream_bytes` core (framing + reshaping), and the whole `_Reshaping` send wrapper vLLM calls
+    `StreamReshaper.feed` core (framing + reshaping), and the whole `_Reshaping` send wrapper vLLM calls
     (less what a plain `send` costs), against
 (c) the floor: one `orjson.loads` + `orjson.dumps` of the same event's payload.
 
@@ -29,10 +29,11 @@ import orjson
 
 from vllm_nvext import NvextMiddleware
 from vllm_nvext.config import Mode
-from vllm_nvext.middleware import _Reshaping, reshape_stream_bytes
+from vllm_nvext.middleware import _Reshaping
 from vllm_nvext.request import Plan, plan_request
-from vllm_nvext.response import Clock, StreamReshaper
-from vllm_nvext.sse import EventFramer, data_payload
+from vllm_nvext.response import Clock
+from vllm_nvext.sse import data_payload
+from vllm_nvext.stream import StreamReshaper
 
 from ._common import (
     SSE_HEADERS,
@@ -87,12 +88,11 @@ def _floor_pass(payloads: list[bytes], out: _Samples) -> None:
 def _reshape_pass(plan: Plan, events: list[bytes], sampled: list[bool], out: _Samples) -> None:
     """What `_on_stream_body` does with each message's bytes, minus the ASGI message handling."""
     clock = time.perf_counter_ns
-    framer = EventFramer()
-    stream = StreamReshaper(plan, Clock())
+    feed = StreamReshaper(plan, Clock()).feed
     ns = out.ns
     for event, keep in zip(events, sampled, strict=True):
         t0 = clock()
-        reshape_stream_bytes(event, framer, stream)
+        feed(event)
         t1 = clock()
         if keep:
             ns.append(t1 - t0)
@@ -135,8 +135,7 @@ def _timed(out: _Samples, events: int, fn: Callable[[], None]) -> None:
 def _check_reshaped(plan: Plan, events: list[bytes], mode: Mode) -> None:
     """Fail loudly if the plan would not actually reshape these events (a benchmark of nothing)."""
     stream = StreamReshaper(plan, Clock())
-    framer = EventFramer()
-    out = b"".join(reshape_stream_bytes(e, framer, stream) for e in events)
+    out = b"".join(stream.feed(e) for e in events)
     if mode is not Mode.VLLM and b'"nvext"' not in out:
         raise AssertionError(f"mode {mode.value}: the reshaped stream carries no nvext object")
 
@@ -194,7 +193,7 @@ def bench_reshaping(case: Case, samples: int, overhead: float) -> tuple[list[lis
         c_med, c_p99, c_cpu = stats(core[mode])
         s_med, s_p99, s_cpu = stats(path[mode], plain_med)
         ratios[mode.value] = c_med / f_med
-        rows.append(["", "", f"(b) {mode.value}: reshape_stream_bytes", fmt(c_med), fmt(c_p99), fmt(c_cpu),
+        rows.append(["", "", f"(b) {mode.value}: StreamReshaper.feed", fmt(c_med), fmt(c_p99), fmt(c_cpu),
                      fmt_ratio(c_med / f_med)])  # fmt: skip
         rows.append(["", "", f"(b) {mode.value}: _Reshaping send - plain send", fmt(s_med), fmt(s_p99), fmt(s_cpu),
                      fmt_ratio(s_med / f_med)])  # fmt: skip
@@ -287,7 +286,7 @@ def run(quick: bool = False) -> list[Target]:
         notes=[
             f"~{samples:,} samples per variant and fixture, timer overhead {overhead:.0f} ns subtracted",
             "events = JSON data events (the usage chunk included); [DONE] goes through the framer but is not sampled",
-            "reshape_stream_bytes = single-event check (else EventFramer.feed + payload location) "
+            "StreamReshaper.feed = single-event check (else EventFramer.feed + payload location) "
             "+ StreamReshaper.reshape_event (byte-level for mid-stream deltas, else decode + reshape + encode)",
             "_Reshaping send = the wrapper vLLM's send goes through (adds message handling, bytes copy and join)",
         ],
@@ -299,7 +298,7 @@ def run(quick: bool = False) -> list[Target]:
         Target(
             TARGET_RESHAPE,
             bool(ratios) and ratios[worst_key] <= 1.5,
-            f"worst {worst_key} {ratios[worst_key]:.2f}x (reshape_stream_bytes)" if ratios else "nothing measured",
+            f"worst {worst_key} {ratios[worst_key]:.2f}x (StreamReshaper.feed)" if ratios else "nothing measured",
         ),
     ]
 

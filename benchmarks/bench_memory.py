@@ -1,5 +1,5 @@
 """Memory: peak RSS and Python allocations of the middleware over long streams and a 10 MB unary body,
-and the per-stream SSE buffer (`EventFramer.buffered`, max over the stream).
+and the per-stream SSE buffer (`StreamReshaper.buffered`, max over the stream).
 
 Each scenario runs in a fresh child process: it builds its inputs, warms up, resets its RSS
 high-water mark (`/proc/self/clear_refs`), runs the scenario once plainly (peak RSS, `VmHWM`,
@@ -9,7 +9,7 @@ generates stream events lazily from the recorded long fixture and the client sid
 so whatever grows is the middleware's.
 
 Streams are driven through `_Reshaping`, the very send wrapper the middleware hands vLLM, so its
-`EventFramer` can be read after every message. `split` feeds the bytes in random-size pieces
+`StreamReshaper` can be read after every message. `split` feeds the bytes in random-size pieces
 (1 B .. 8 KB, crossing event boundaries) to make the framer hold partial events.
 
 Run: python -m benchmarks.bench_memory [--quick]
@@ -117,7 +117,7 @@ def _stream_scenario(mode: str, n_events: int, split: bool) -> Callable[[], dict
             await send({"type": "http.response.body", "body": piece, "more_body": True})
             messages += 1
             if plan is not None:
-                max_buffered = max(max_buffered, send._framer.buffered)
+                max_buffered = max(max_buffered, send._stream.buffered)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return {"max_buffered": max_buffered, "largest_event": largest, "messages": messages,
                 "client_bytes": sink.body_bytes}  # fmt: skip
@@ -245,7 +245,7 @@ def run(quick: bool = False) -> list[Target]:
          "tracemalloc peak", "peak RSS", "RSS growth"],
         rows,
         notes=[
-            "max buffered = EventFramer.buffered after each message: the partial event held back",
+            "max buffered = StreamReshaper.buffered after each message: the partial event held back",
             "peak RSS = VmHWM over the run (high-water mark reset just before it); RSS growth = peak - RSS before",
             *growth_notes,
         ],

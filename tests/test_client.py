@@ -29,7 +29,7 @@ from vllm_nvext.client import (
 )
 from vllm_nvext.config import Mode
 from vllm_nvext.request import ENDPOINT_PATHS, plan_request
-from vllm_nvext.response import Clock, StreamReshaper, reshape_unary
+from vllm_nvext.response import ChunkReshaper, Clock, reshape_unary
 
 from .recorded import Recording, recording
 
@@ -66,7 +66,7 @@ def reshaped(rec: Recording, dialect: dict[str, Any], mode: Mode = Mode.AUTO) ->
         body = rec.json()
         assert reshape_unary(body, plan, Clock())
         return body
-    reshaper = StreamReshaper(plan, Clock())
+    reshaper = ChunkReshaper(plan, Clock())
     events = rec.events()
     for event in events:
         reshaper.reshape(event)

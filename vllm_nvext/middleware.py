@@ -16,8 +16,8 @@ from typing import Any
 from . import _json
 from .config import MODE_HEADER, Mode, Settings
 from .request import ENDPOINT_PATHS, Endpoint, Plan, RequestError, error_body, might_opt_in, plan_request
-from .response import Clock, StreamReshaper, reshape_unary
-from .sse import EventFramer, data_payload
+from .response import Clock, reshape_unary
+from .stream import StreamReshaper
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -194,7 +194,7 @@ def _too_large(cap: int) -> RequestError:
 class _Reshaping:
     """The `send` handed to vLLM when the response has to be reshaped."""
 
-    __slots__ = ("plan", "clock", "send", "_kind", "_start", "_parts", "_framer", "_stream")
+    __slots__ = ("plan", "clock", "send", "_kind", "_start", "_parts", "_stream")
 
     _PASS, _UNARY, _STREAM = 0, 1, 2
 
@@ -205,7 +205,6 @@ class _Reshaping:
         self._kind = self._PASS
         self._start: Message | None = None
         self._parts: list[bytes] = []
-        self._framer: EventFramer | None = None
         self._stream: StreamReshaper | None = None
 
     async def __call__(self, message: Message) -> None:
@@ -235,7 +234,6 @@ class _Reshaping:
             self._kind = self._PASS
         elif content_type.startswith(b"text/event-stream"):
             self._kind = self._STREAM
-            self._framer = EventFramer()
             self._stream = StreamReshaper(self.plan, self.clock)
             message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]
         elif content_type.startswith(b"application/json"):
@@ -245,14 +243,15 @@ class _Reshaping:
         await self.send(message)
 
     async def _on_stream_body(self, message: Message) -> None:
-        assert self._framer is not None and self._stream is not None
+        stream = self._stream
+        assert stream is not None
         more = bool(message.get("more_body", False))
         body = message.get("body", b"")
         if type(body) is not bytes:
             body = bytes(body)  # memoryview or bytearray: `in` and find() need real bytes
-        out = reshape_stream_bytes(body, self._framer, self._stream)
+        out = stream.feed(body)
         if not more:
-            out += self._framer.flush()  # an unterminated tail goes out as it came
+            out += stream.flush()  # an unterminated tail goes out as it came
         if out or not more:
             await self.send({"type": "http.response.body", "body": out, "more_body": more})
 
@@ -277,52 +276,6 @@ class _Reshaping:
         start["headers"] = headers
         await self.send(start)
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def reshape_stream_bytes(body: bytes, framer: EventFramer, stream: StreamReshaper) -> bytes:
-    """What the client gets for one body message of vLLM's stream (held-back bytes excepted)."""
-    if (
-        body[-1:] == b"\n"
-        and body.find(b"\n") == len(body) - 2
-        and body.find(b"\r") < 0
-        and body.startswith(b"data: ")
-        and not framer.buffered
-    ):  # vLLM's usual message, exactly one event: _is_plain_data_event inlined on the hot path
-        try:
-            return stream.reshape_event(body) or body
-        except Exception:
-            logger.exception("vllm-nvext could not reshape a stream event; forwarded unchanged")
-            return body
-    events = framer.feed(body)
-    return b"".join([_reshape_event(event, stream) for event in events]) if events else b""
-
-
-def _is_plain_data_event(event: bytes) -> bool:
-    """`data: ...` on one LF-ended line and a blank line: the shape vLLM writes."""
-    return (
-        event[-1:] == b"\n"
-        and event.find(b"\n") == len(event) - 2
-        and event.find(b"\r") < 0
-        and event.startswith(b"data: ")
-    )
-
-
-def _reshape_event(event: bytes, stream: StreamReshaper) -> bytes:
-    try:
-        if _is_plain_data_event(event):
-            return stream.reshape_event(event) or event
-        span = data_payload(event)
-        if span is None:
-            return event
-        start, end = span
-        payload = event[start:end]
-        if payload == b"[DONE]":
-            return event
-        new = stream.reshape_payload(payload)
-    except Exception:
-        logger.exception("vllm-nvext could not reshape a stream event; forwarded unchanged")
-        return event
-    return event if new is None else event[:start] + new + event[end:]
 
 
 def _set_header(scope: Scope, name: bytes, value: bytes, *, replace: bool = True) -> None:

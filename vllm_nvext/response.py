@@ -1,4 +1,6 @@
-"""Pure response side: reshape vLLM's unary bodies and streamed chunks as a Plan says.
+"""Pure response side: reshape vLLM's decoded unary bodies and stream chunks as a Plan says.
+
+Bytes and SSE framing live in `stream.py`; this module only sees parsed JSON.
 
 vLLM placement (PROTOCOL §1) is what vLLM writes; nvext placement (PROTOCOL §3) is a root
 `nvext` object. Only what the middleware caused is removed: a vLLM copy is set back to
@@ -7,11 +9,9 @@ vLLM placement (PROTOCOL §1) is what vLLM writes; nvext placement (PROTOCOL §3
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
-from . import _json
 from .request import (
     DETAILED_FINISH_REASON,
     ENGINE_DATA,
@@ -172,81 +172,24 @@ def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
     return True
 
 
-_FINISH_KEY = b'"finish_reason":'
-# The tail vLLM writes for a mid-stream delta of its only choice: an unfinished finish_reason,
-# then only null-valued keys (stop_reason, prompt_token_ids, ...), then the delta's ids, then
-# the end of the choice, of `choices` and of the chunk. Anything else is decoded.
-_DELTA_TAIL = re.compile(rb'"finish_reason":null(?:,"[a-z_]+":null)*,"token_ids":(null|\[[0-9,]*\])\}\]\}\n\n\Z')
+class ChunkReshaper:
+    """Per-stream state for reshaping decoded `chat.completion.chunk` / streamed `text_completion` chunks.
 
+    `stream.StreamReshaper` drives it; its byte-level shortcut for mid-stream deltas updates
+    `ids` and `ttft_ms` itself, exactly as `reshape` would.
+    """
 
-class StreamReshaper:
-    """Per-stream state for reshaping `chat.completion.chunk` / streamed `text_completion` events."""
-
-    __slots__ = (
-        "plan", "clock", "_prompt_ids", "_ids", "_logprobs", "_ttft_ms", "_finished", "_fast", "_engine",
-        "_strip", "_trio",
-    )  # fmt: skip
+    __slots__ = ("plan", "clock", "prompt_ids", "ids", "logprobs", "ttft_ms", "_finished", "engine")
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
         self.plan = plan
         self.clock = clock
-        self._prompt_ids: Any = None
-        self._ids: list[int] = []
-        self._logprobs: list[Any] | None = [] if plan.logprobs else None
-        self._ttft_ms: float | None = None
+        self.prompt_ids: Any = None
+        self.ids: list[int] = []  # every completion id so far (engine_data only)
+        self.logprobs: list[Any] | None = [] if plan.logprobs else None
+        self.ttft_ms: float | None = None
         self._finished = False
-        self._engine = ENGINE_DATA in plan.selectors
-        self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
-        self._trio = plan.nvext_trio
-        self._fast = False  # the byte-level path serves deltas once the first chunk was decoded
-
-    def reshape_event(self, event: bytes) -> bytes | None:
-        """The new bytes for one whole `data: {...}\\n\\n` event, or None to forward it as sent.
-
-        Mid-stream deltas take a byte-level path (_DELTA_TAIL): inside a JSON string every quote
-        is escaped, so the key tokens matched here cannot come from text. Everything else,
-        the first and final chunks among them, is decoded.
-        """
-        if self._fast:
-            pos = event.rfind(_FINISH_KEY)
-            # first == last occurrence: exactly one choice in this chunk
-            m = (
-                _DELTA_TAIL.match(event, pos)
-                if pos > 0 and event.find(_FINISH_KEY) == pos and event[6:7] == b"{"
-                else None
-            )
-            if m is not None:
-                ids = m.group(1)
-                start = m.start(1)
-                if ids == b"null":
-                    ids = b"[]"
-                if len(ids) > 2:
-                    if self._ttft_ms is None:
-                        self._ttft_ms = self.clock.elapsed_ms()
-                    if self._engine:
-                        self._ids.extend(_json.loads(ids))
-                    if self._strip:
-                        event = event[:start] + b"null}]}\n\n"
-                if self._trio:
-                    return event[:-3] + b',"nvext":{"completion_token_ids":' + ids + b"}}\n\n"
-                return event if self._strip and len(ids) > 2 else None
-        return self._decoded_event(event)
-
-    def _decoded_event(self, event: bytes) -> bytes | None:
-        new = self.reshape_payload(event[6:-2])
-        return None if new is None else b"data: " + new + b"\n\n"
-
-    def reshape_payload(self, payload: bytes) -> bytes | None:
-        """The new bytes for one `data:` JSON payload, decoded, or None to forward it as sent."""
-        try:
-            obj = _json.loads(payload)
-        except ValueError:
-            return None  # not JSON: forwarded untouched
-        changed = self.reshape(obj)
-        if isinstance(obj, dict) and obj.get("choices"):
-            # engine_data with logprobs needs each chunk's logprobs, so it always decodes.
-            self._fast = not (self._engine and self._logprobs is not None)
-        return _json.dumps(obj) if changed else None
+        self.engine = ENGINE_DATA in plan.selectors
 
     def reshape(self, obj: Any) -> bool:
         """Reshape one decoded chunk in place; False if it is to be forwarded as it came."""
@@ -259,37 +202,37 @@ class StreamReshaper:
         if not choices or not isinstance(choices[0], dict):
             return False  # usage-only chunk: never carries nvext (PROTOCOL §3)
         choice = choices[0]
-        if self._prompt_ids is None:
-            self._prompt_ids = _prompt_ids(obj, choice, plan.endpoint)
+        if self.prompt_ids is None:
+            self.prompt_ids = _prompt_ids(obj, choice, plan.endpoint)
         delta = choice.get("token_ids")
         delta_ids = delta if isinstance(delta, list) else []
-        if delta_ids and self._ttft_ms is None:
-            self._ttft_ms = self.clock.elapsed_ms()
-        engine = self._engine
+        if delta_ids and self.ttft_ms is None:
+            self.ttft_ms = self.clock.elapsed_ms()
+        engine = self.engine
         if engine:
-            self._ids.extend(delta_ids)
-            if self._logprobs is not None:
+            self.ids.extend(delta_ids)
+            if self.logprobs is not None:
                 chunk_lp = _choice_logprobs(choice, plan.endpoint)
                 if chunk_lp is None and delta_ids:
-                    self._logprobs = None  # counts can no longer align
+                    self.logprobs = None  # counts can no longer align
                 elif chunk_lp:
-                    self._logprobs.extend(chunk_lp)
+                    self.logprobs.extend(chunk_lp)
         finished = choice.get("finish_reason") is not None
         nv: dict[str, Any] = {}
         if plan.nvext_trio:
             nv["completion_token_ids"] = delta_ids
             if finished:
-                if self._prompt_ids is not None:
-                    nv["prompt_token_ids"] = self._prompt_ids
+                if self.prompt_ids is not None:
+                    nv["prompt_token_ids"] = self.prompt_ids
                 _place_kv(nv, obj, plan)  # vLLM >= 0.33 sends it on the finish chunk
-        elif plan.nvext_prompt_ids and finished and self._prompt_ids is not None:
-            nv["prompt_token_ids"] = self._prompt_ids
+        elif plan.nvext_prompt_ids and finished and self.prompt_ids is not None:
+            nv["prompt_token_ids"] = self.prompt_ids
         changed = False
         if finished and not self._finished:
             self._finished = True
             if engine:
-                nv["engine_data"] = _engine_data(self._ids, True, self._logprobs, self._prompt_ids)
-            _final_selectors(nv, obj, choice, plan, self.clock, self._ttft_ms)
+                nv["engine_data"] = _engine_data(self.ids, True, self.logprobs, self.prompt_ids)
+            _final_selectors(nv, obj, choice, plan, self.clock, self.ttft_ms)
             changed = True  # the final selectors may move values out of the chunk
         if plan.strip_vllm_ids and _strip_vllm_ids(obj, choices, plan):
             changed = True
@@ -300,8 +243,8 @@ class StreamReshaper:
 
     def _error_event(self, obj: dict[str, Any]) -> bool:
         """A mid-stream error: engine_data says the generation did not finish."""
-        if "error" not in obj or self._finished or not self._engine:
+        if "error" not in obj or self._finished or not self.engine:
             return False
         self._finished = True
-        obj["nvext"] = {"engine_data": _engine_data(self._ids, False, self._logprobs, self._prompt_ids)}
+        obj["nvext"] = {"engine_data": _engine_data(self.ids, False, self.logprobs, self.prompt_ids)}
         return True

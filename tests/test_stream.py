@@ -1,4 +1,4 @@
-"""Stream reshaping: the byte-level delta path says exactly what decoding the chunk says."""
+"""Stream reshaping, bytes in and bytes out: every shortcut gives the bytes of the general path."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import json
 import pytest
 
 from vllm_nvext import Mode
-from vllm_nvext import response as response_module
+from vllm_nvext import stream as stream_module
 from vllm_nvext.request import plan_request
-from vllm_nvext.response import Clock, StreamReshaper
+from vllm_nvext.response import Clock
+from vllm_nvext.stream import StreamReshaper
 
 from .recorded import recordings
 
@@ -65,7 +66,7 @@ def test_byte_level_path_serves_mid_stream_deltas(monkeypatch):
     reshaper.reshape_event(events[0])
     delta = events[5]
     decoded = []
-    monkeypatch.setattr(response_module._json, "loads", lambda data: decoded.append(data) or json.loads(data))
+    monkeypatch.setattr(stream_module._json, "loads", lambda data: decoded.append(data) or json.loads(data))
     out = reshaper.reshape_event(delta)
     assert decoded == [] and isinstance(out, bytes), "a plain delta chunk must not need a decode"
     # everything vLLM wrote outside the changed spans is kept byte for byte
@@ -89,3 +90,45 @@ def test_key_lookalikes_inside_text_are_not_matched():
     assert got["choices"][0]["delta"]["content"] == event["choices"][0]["delta"]["content"]
     assert got["nvext"]["completion_token_ids"] == event["choices"][0]["token_ids"]
     assert got["choices"][0]["token_ids"] is None
+
+
+def _timing_free(body: bytes) -> list[dict]:
+    out = []
+    for block in body.split(b"\n\n"):
+        if block.startswith(b"data: {"):
+            event = json.loads(block[6:])
+            event.get("nvext", {}).pop("timing", None)  # wall-clock values differ run to run
+            out.append(event)
+        elif block:
+            out.append({"raw": block.decode()})
+    return out
+
+
+@pytest.mark.parametrize("selectors", SELECTOR_SETS, ids="+".join)
+@pytest.mark.parametrize("name", STREAMS)
+def test_feeding_whole_events_equals_feeding_split_bytes(name, selectors):
+    """The single-event shortcut in `feed` gives the bytes the framer gives for any split."""
+    rec = recordings()[name]
+    request = {**rec.request, "nvext": {"extra_fields": selectors}}
+    plan = plan_request(json.dumps(request).encode(), rec.endpoint, Mode.NVEXT)
+    assert plan is not None
+    whole = StreamReshaper(plan, Clock())
+    by_event = b"".join(whole.feed(e) for e in _events(rec.body) + [b"data: [DONE]\n\n"]) + whole.flush()
+    split = StreamReshaper(plan, Clock())
+    pieces = [rec.body[i : i + 7] for i in range(0, len(rec.body), 7)]
+    by_piece = b"".join(split.feed(p) for p in pieces) + split.flush()
+    assert by_event.endswith(b"data: [DONE]\n\n") and rec.body.endswith(b"data: [DONE]\n\n")
+    assert _timing_free(by_event) == _timing_free(by_piece)
+
+
+def test_unterminated_tail_is_flushed_as_it_came():
+    rec = recordings()["chat_stream_ids"]
+    plan = plan_request(
+        json.dumps({**rec.request, "nvext": {"extra_fields": ["completion_token_ids"]}}).encode(),
+        rec.endpoint,
+        Mode.NVEXT,
+    )
+    stream = StreamReshaper(plan, Clock())
+    assert stream.feed(b"data: {\"partial") == b""
+    assert stream.buffered == len(b"data: {\"partial")
+    assert stream.flush() == b"data: {\"partial" and stream.buffered == 0

@@ -1,0 +1,150 @@
+"""Pure stream side, bytes in and bytes out: one vLLM SSE response reshaped as a Plan says.
+
+`StreamReshaper` owns the SSE framer and every hot-path shortcut. The general path frames the
+bytes into events, decodes each `data:` payload, lets `response.ChunkReshaper` reshape the
+chunk and encodes it again; each shortcut below names the test that proves it gives the same
+bytes as that path. Nothing here knows ASGI.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from . import _json
+from .request import Plan
+from .response import ChunkReshaper, Clock
+from .sse import EventFramer, data_payload
+
+logger = logging.getLogger("vllm_nvext")
+
+_FINISH_KEY = b'"finish_reason":'
+# The tail vLLM writes for a mid-stream delta of its only choice: an unfinished finish_reason,
+# then only null-valued keys (stop_reason, prompt_token_ids, ...), then the delta's ids, then
+# the end of the choice, of `choices` and of the chunk. Anything else is decoded.
+_DELTA_TAIL = re.compile(rb'"finish_reason":null(?:,"[a-z_]+":null)*,"token_ids":(null|\[[0-9,]*\])\}\]\}\n\n\Z')
+
+
+def _is_plain_data_event(event: bytes) -> bool:
+    """`data: ...` on one LF-ended line and a blank line: the shape vLLM writes."""
+    return (
+        event[-1:] == b"\n"
+        and event.find(b"\n") == len(event) - 2
+        and event.find(b"\r") < 0
+        and event.startswith(b"data: ")
+    )
+
+
+class StreamReshaper:
+    """One streamed response: `feed` each body message's bytes, `flush` at the end of the stream.
+
+    What comes out is what the client gets; an event that cannot be reshaped goes out as vLLM
+    sent it, and at most one partial event is held back.
+    """
+
+    __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio")
+
+    def __init__(self, plan: Plan, clock: Clock) -> None:
+        self.chunks = ChunkReshaper(plan, clock)
+        self._framer = EventFramer()
+        self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
+        self._trio = plan.nvext_trio
+        self._fast = False  # the byte-level path serves deltas once the first chunk was decoded
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held back: at most one partial event."""
+        return self._framer.buffered
+
+    def feed(self, body: bytes) -> bytes:
+        """The bytes the client gets for one body message of vLLM's stream (held-back bytes excepted)."""
+        if (
+            body[-1:] == b"\n"
+            and body.find(b"\n") == len(body) - 2
+            and body.find(b"\r") < 0
+            and body.startswith(b"data: ")
+            and not self._framer.buffered
+        ):
+            # Shortcut: vLLM's usual message is exactly one event, so framing is skipped
+            # (_is_plain_data_event inlined). Same bytes as framing it:
+            # tests/test_stream.py::test_feeding_whole_events_equals_feeding_split_bytes.
+            try:
+                return self.reshape_event(body) or body
+            except Exception:
+                logger.exception("vllm-nvext could not reshape a stream event; forwarded unchanged")
+                return body
+        events = self._framer.feed(body)
+        return b"".join([self._reshape_framed(event) for event in events]) if events else b""
+
+    def flush(self) -> bytes:
+        """Whatever is held back at the end of the stream (an unterminated tail), as it came."""
+        return self._framer.flush()
+
+    def reshape_event(self, event: bytes) -> bytes | None:
+        """The new bytes for one whole `data: {...}\\n\\n` event, or None to forward it as sent.
+
+        Shortcut: mid-stream deltas take a byte-level path (_DELTA_TAIL): inside a JSON string
+        every quote is escaped, so the key tokens matched here cannot come from text. Same bytes
+        as decoding: tests/test_stream.py::test_byte_level_path_equals_decoding_every_chunk.
+        Everything else, the first and final chunks among them, is decoded.
+        """
+        if self._fast:
+            pos = event.rfind(_FINISH_KEY)
+            # first == last occurrence: exactly one choice in this chunk
+            m = (
+                _DELTA_TAIL.match(event, pos)
+                if pos > 0 and event.find(_FINISH_KEY) == pos and event[6:7] == b"{"
+                else None
+            )
+            if m is not None:
+                ids = m.group(1)
+                start = m.start(1)
+                if ids == b"null":
+                    ids = b"[]"
+                if len(ids) > 2:
+                    chunks = self.chunks
+                    if chunks.ttft_ms is None:
+                        chunks.ttft_ms = chunks.clock.elapsed_ms()
+                    if chunks.engine:
+                        chunks.ids.extend(_json.loads(ids))
+                    if self._strip:
+                        event = event[:start] + b"null}]}\n\n"
+                if self._trio:
+                    return event[:-3] + b',"nvext":{"completion_token_ids":' + ids + b"}}\n\n"
+                return event if self._strip and len(ids) > 2 else None
+        return self._decoded_event(event)
+
+    def _decoded_event(self, event: bytes) -> bytes | None:
+        new = self.reshape_payload(event[6:-2])
+        return None if new is None else b"data: " + new + b"\n\n"
+
+    def reshape_payload(self, payload: bytes) -> bytes | None:
+        """The general path for one `data:` JSON payload, or None to forward it as sent."""
+        try:
+            obj = _json.loads(payload)
+        except ValueError:
+            return None  # not JSON: forwarded untouched
+        chunks = self.chunks
+        changed = chunks.reshape(obj)
+        if isinstance(obj, dict) and obj.get("choices"):
+            # engine_data with logprobs needs each chunk's logprobs, so it always decodes.
+            self._fast = not (chunks.engine and chunks.logprobs is not None)
+        return _json.dumps(obj) if changed else None
+
+    def _reshape_framed(self, event: bytes) -> bytes:
+        """One event the framer delimited: any SSE shape, only single-line `data:` JSON is read."""
+        try:
+            if _is_plain_data_event(event):
+                return self.reshape_event(event) or event
+            span = data_payload(event)
+            if span is None:
+                return event  # comments, keep-alives, other fields, multi-line data
+            start, end = span
+            payload = event[start:end]
+            if payload == b"[DONE]":
+                return event
+            new = self.reshape_payload(payload)
+        except Exception:
+            logger.exception("vllm-nvext could not reshape a stream event; forwarded unchanged")
+            return event
+        return event if new is None else event[:start] + new + event[end:]
