@@ -1,4 +1,5 @@
-"""What the installed vLLM supports, probed once from its source without importing it.
+"""What the middleware knows of vLLM itself: version capabilities, probed once from its source
+without importing it, and a replica of its `--api-key` check.
 
 vLLM is an optional dependency and heavy to import; a probe reads the one file that decides.
 Without vLLM installed (pure unit tests, a middleware in front of a remote server) the newest
@@ -7,9 +8,14 @@ behaviour is assumed.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import os
+import secrets
+from collections.abc import MutableMapping
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 
 @cache
@@ -39,3 +45,23 @@ def chat_accepts_prompt_token_ids() -> bool:
 @cache
 def has_thinking_token_budget() -> bool:
     return _source_mentions("entrypoints/openai/completion/protocol.py", "thinking_token_budget")
+
+
+def auth_refuses(scope: MutableMapping[str, Any]) -> bool:
+    """Would vLLM's `--api-key` check refuse this request? (Only matters when mounted outside it.)
+
+    A replica of vLLM's `AuthenticationMiddleware`: the keys from `app.state.args.api_key` or
+    `VLLM_API_KEY`, a `Bearer` token compared in constant time.
+    """
+    args = getattr(getattr(scope.get("app"), "state", None), "args", None)
+    tokens = [t for t in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if t]
+    if not tokens:
+        return False
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, param = value.decode("latin-1").partition(" ")
+            if scheme.lower() != "bearer":
+                return True
+            digest = hashlib.sha256(param.encode()).digest()
+            return not any(secrets.compare_digest(digest, hashlib.sha256(t.encode()).digest()) for t in tokens)
+    return True

@@ -6,14 +6,11 @@ and every request that opts into nothing, reaches vLLM and the client byte for b
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from . import _json
+from . import _json, _vllm_compat
 from .config import MODE_HEADER, Mode, Settings
 from .request import ENDPOINT_PATHS, Endpoint, Plan, RequestError, error_body, might_opt_in, plan_request
 from .response import Clock, reshape_unary
@@ -169,7 +166,7 @@ class _Exchange:
         await self.app(scope, _Replay(body, False, self.receive), send)
 
     async def _refuse(self, error: RequestError, body: bytes, more_body: bool) -> None:
-        if _auth_refuses(self.scope):
+        if _vllm_compat.auth_refuses(self.scope):
             # Mounted outside vLLM's auth: an unauthenticated caller gets vLLM's 401, not our verdict.
             await self.app(self.scope, _Replay(body, more_body, self.receive), self.send)
             return
@@ -291,19 +288,3 @@ def _set_header(scope: Scope, name: bytes, value: bytes, *, replace: bool = True
             return
         headers[:] = [(n, v) for n, v in headers if n != name]
     headers.append((name, value))
-
-
-def _auth_refuses(scope: Scope) -> bool:
-    """Would vLLM's `--api-key` check refuse this request? (Only matters when mounted outside it.)"""
-    args = getattr(getattr(scope.get("app"), "state", None), "args", None)
-    tokens = [t for t in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if t]
-    if not tokens:
-        return False
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            scheme, _, param = value.decode("latin-1").partition(" ")
-            if scheme.lower() != "bearer":
-                return True
-            digest = hashlib.sha256(param.encode()).digest()
-            return not any(secrets.compare_digest(digest, hashlib.sha256(t.encode()).digest()) for t in tokens)
-    return True
