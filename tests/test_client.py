@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from typing import Any
 
 import httpx
 import pytest
 
-from vllm_nvext import _json
+from vllm_nvext import _json, sse
 from vllm_nvext.client import (
     ENGINE_DATA,
     NVEXT,
@@ -371,6 +372,35 @@ def test_parse_sse_lines_mode_takes_iter_lines_output():
 def test_parse_sse_non_json_payload_raises():
     with pytest.raises(TokenIdsError, match="not JSON"):
         list(parse_sse(b"data: hello\n\n"))
+
+
+def _big_event_in_small_chunks(size: int, chunk: int = 100) -> list[bytes]:
+    body = b'data: {"text": "' + b"x" * size + b'"}\n\ndata: [DONE]\n\n'
+    return [body[i : i + chunk] for i in range(0, len(body), chunk)]
+
+
+class _CountingEol:
+    """Stands in for the framer's line-end pattern and counts the bytes each search reads."""
+
+    def __init__(self, pattern: re.Pattern[bytes]) -> None:
+        self.pattern = pattern
+        self.scanned = 0
+
+    def search(self, buf: bytearray, pos: int) -> re.Match[bytes] | None:
+        m = self.pattern.search(buf, pos)
+        self.scanned += (m.end() if m else len(buf)) - pos
+        return m
+
+
+@pytest.mark.parametrize("size", [100_000, 1_000_000])
+def test_parse_sse_reads_each_byte_of_a_big_event_once(monkeypatch, size):
+    """Work, not time, is measured: a 1 MB event in 100-byte chunks costs what 10 x 100 KB do."""
+    counter = _CountingEol(sse._EOL)
+    monkeypatch.setattr(sse, "_EOL", counter)
+    chunks = _big_event_in_small_chunks(size)
+    assert [len(e["text"]) for e in parse_sse(chunks)] == [size]
+    # Every byte read by the one framer, once: a rescan per chunk would read ~size**2 / 200 bytes.
+    assert size < counter.scanned <= sum(map(len, chunks))
 
 
 # --- first_difference --------------------------------------------------------------------------

@@ -25,12 +25,14 @@ Works for chat and completions, unary bodies and streams, plain dicts and OpenAI
 
 from __future__ import annotations
 
-import codecs
 import json
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from ._shapes import choice_logprobs, first_difference
+from .sse import EventFramer, data_payload
 
 __all__ = [
     "ENGINE_DATA",
@@ -49,6 +51,7 @@ NVEXT = "nvext"
 ENGINE_DATA = "engine_data"
 # When a response carries several placements, the one reported first (all are cross-checked).
 _PRECEDENCE = (NVEXT, ENGINE_DATA, VLLM)
+_EOL = re.compile(rb"\r\n|\r|\n")
 
 
 class TokenIdsError(ValueError):
@@ -109,77 +112,66 @@ def parse_sse(source: bytes | str | Iterable[bytes | str], *, lines: bool = Fals
     `iter_bytes()`); with `lines=True` it is an iterable of lines without their line ends
     (e.g. httpx's `iter_lines()`). LF, CRLF and CR line ends, comments (`: keep-alive`) and
     multi-line `data:` fields are handled as the SSE spec says. Non-JSON payloads raise
-    TokenIdsError.
+    TokenIdsError. Framing is the middleware's own (`vllm_nvext.sse`): each byte is scanned
+    once, however the body is split.
     """
-    line_iter = _lines_of(source) if not lines else (_text(line) for line in _iterable(source))
-    data: list[str] = []
-    for line in line_iter:
-        if line == "":
-            if data:
-                payload = "\n".join(data)
-                data = []
-                if payload == "[DONE]":
+    framer = EventFramer()
+    chunks = (_utf8(line) + b"\n" for line in _iterable(source)) if lines else map(_utf8, _iterable(source))
+    for chunk in chunks:
+        for event in framer.feed(chunk):
+            payload = _event_data(event)
+            if payload is not None:
+                if payload == b"[DONE]":
                     return
                 yield _json_payload(payload)
-            continue
-        if line.startswith(":"):
-            continue  # a comment, e.g. keep-alive
-        name, sep, value = line.partition(":")
-        if sep and value.startswith(" "):
-            value = value[1:]
-        if name == "data":
-            data.append(value)
-    if data:  # an unterminated last event still counts
-        payload = "\n".join(data)
-        if payload != "[DONE]":
-            yield _json_payload(payload)
+    payload = _event_data(framer.flush())  # an unterminated last event still counts
+    if payload is not None and payload != b"[DONE]":
+        yield _json_payload(payload)
 
 
 # --- internals -------------------------------------------------------------------------------
 
-_EOL = re.compile(r"\r\n|\r|\n")
-
 
 def _iterable(source: bytes | str | Iterable[bytes | str]) -> Iterable[bytes | str]:
-    if isinstance(source, (bytes, bytearray, memoryview, str)):
-        return [bytes(source) if not isinstance(source, str) else source]
+    if isinstance(source, (bytearray, memoryview)):
+        return [bytes(source)]
+    if isinstance(source, (bytes, str)):
+        return [source]
     return source
 
 
-def _text(part: bytes | str) -> str:
-    return part if isinstance(part, str) else bytes(part).decode("utf-8")
+def _utf8(part: bytes | str) -> bytes:
+    return part.encode("utf-8") if isinstance(part, str) else bytes(part)
 
 
-def _lines_of(source: bytes | str | Iterable[bytes | str]) -> Iterator[str]:
-    """Split chunks into lines on LF, CRLF or CR, even when a UTF-8 character or a CRLF is split."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    buf = ""
-    for part in _iterable(source):
-        buf += part if isinstance(part, str) else decoder.decode(bytes(part))
-        start = 0
-        for m in _EOL.finditer(buf):
-            if m.group() == "\r" and m.end() == len(buf):
-                break  # may be the first half of a CRLF: wait for the next chunk
-            yield buf[start : m.start()]
-            start = m.end()
-        buf = buf[start:]
-    buf += decoder.decode(b"", final=True)
-    if buf.endswith("\r"):
-        buf = buf[:-1]
-        yield buf
-        buf = ""
-    if buf:
-        yield buf
+def _event_data(event: bytes) -> bytes | None:
+    """The `data` of one framed event (its `data:` lines joined by LF), or None when it has none."""
+    span = data_payload(event)
+    if span is not None:  # the common case: one `data:` line
+        return event[span[0] : span[1]]
+    data: list[bytes] = []
+    for line in _EOL.split(event):
+        if not line or line.startswith(b":"):
+            continue  # the blank terminator, or a comment such as a keep-alive
+        name, _, value = line.partition(b":")
+        if name == b"data":
+            data.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(data) if data else None
 
 
-def _json_payload(payload: str) -> dict[str, Any]:
+def _json_payload(payload: bytes | str) -> dict[str, Any]:
     try:
         obj = json.loads(payload)
-    except ValueError as exc:
-        raise TokenIdsError(f"stream event is not JSON: {payload[:200]!r}") from exc
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise TokenIdsError(f"stream event is not JSON: {_preview(payload)!r}") from exc
     if not isinstance(obj, dict):
-        raise TokenIdsError(f"stream event is not a JSON object: {payload[:200]!r}")
+        raise TokenIdsError(f"stream event is not a JSON object: {_preview(payload)!r}")
     return obj
+
+
+def _preview(payload: bytes | str) -> str:
+    text = payload if isinstance(payload, str) else payload[:200].decode("utf-8", "replace")
+    return text[:200]
 
 
 def _as_dict(obj: Any) -> dict[str, Any]:
@@ -208,40 +200,6 @@ def _int_list(value: Any, where: str) -> list[int] | None:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise TokenIdsError(f"`{where}` is not a list of integers: {value!r:.200}")
     return list(value)
-
-
-def _choice_logprobs(choice: Mapping[str, Any]) -> list[float | None] | None:
-    lp = choice.get("logprobs")
-    if not isinstance(lp, Mapping):
-        return None
-    content = lp.get("content")
-    if isinstance(content, list):  # chat
-        return [c.get("logprob") if isinstance(c, Mapping) else None for c in content]
-    values = lp.get("token_logprobs")  # completions
-    return list(values) if isinstance(values, list) else None
-
-
-def first_difference(a: Sequence[Any] | None, b: Sequence[Any] | None) -> str | None:
-    """None when equal, else where two id lists first differ: `index 3: 17 != 18`.
-
-    When one list is a prefix of the other the missing side reads `<end>` and both lengths are
-    given: `index 4: <end> != 18 (lengths 4 and 6)`.
-    """
-    if a is None or b is None:
-        return None if a is None and b is None else f"{_brief(a)} != {_brief(b)}"
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return f"index {i}: {x} != {y}"
-    if len(a) == len(b):
-        return None
-    i = min(len(a), len(b))
-    x = a[i] if i < len(a) else "<end>"
-    y = b[i] if i < len(b) else "<end>"
-    return f"index {i}: {x} != {y} (lengths {len(a)} and {len(b)})"
-
-
-def _brief(ids: Sequence[Any] | None) -> str:
-    return "missing" if ids is None else f"{len(ids)} ids"
 
 
 class _Accumulator:
@@ -286,7 +244,7 @@ class _Accumulator:
             ids = _int_list(choice.get("token_ids"), f"choices[{index}].token_ids")
             if ids is not None:
                 self.vllm_ids.setdefault(index, []).extend(ids)
-            logprobs = _choice_logprobs(choice)
+            logprobs = choice_logprobs(choice if isinstance(choice, dict) else dict(choice))
             if logprobs is not None:
                 self.vllm_logprobs.setdefault(index, []).extend(logprobs)
             reason = choice.get("finish_reason")
