@@ -52,3 +52,48 @@ def test_invalid_environment_fails_the_app_start_up_for_both_mounts(monkeypatch)
         pass
     with pytest.raises(ConfigError, match="VLLM_NVEXT_MODE"):
         NvextPlugin().attach_router(Starlette())  # vLLM calls this while building its app
+
+
+# --- keyword arguments: the same rules as the environment ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"max_body_bytes": -5}, "max_body_bytes"),
+        ({"max_body_bytes": 0}, "max_body_bytes"),
+        ({"max_body_bytes": True}, "max_body_bytes"),
+        ({"max_body_bytes": "1024"}, "max_body_bytes"),
+        ({"mode": "dynamo"}, "mode"),
+        ({"mode": 3}, "mode"),
+        ({"allow_mode_header": "0"}, "allow_mode_header"),
+        ({"allow_mode_header": 1}, "allow_mode_header"),
+    ],
+)
+def test_invalid_keyword_arguments_are_refused_naming_the_keyword(monkeypatch, kwargs, name):
+    monkeypatch.delenv("VLLM_NVEXT_MAX_BODY_BYTES", raising=False)
+    with pytest.raises(ConfigError, match=f"^{name}: "):
+        NvextMiddleware(lambda *a: None, **kwargs)
+    with pytest.raises(ConfigError, match=f"^{name}: "):
+        Settings.create(base=Settings(), **kwargs)
+    with pytest.raises(ConfigError, match=f"^{name}: "):
+        Settings(**kwargs)
+
+
+def test_keyword_arguments_override_the_environment(monkeypatch):
+    monkeypatch.setenv("VLLM_NVEXT_MODE", "both")
+    monkeypatch.setenv("VLLM_NVEXT_MAX_BODY_BYTES", "2048")
+    app = NvextMiddleware(lambda *a: None, mode=" NVEXT ", allow_mode_header=False)
+    assert app.settings == Settings(Mode.NVEXT, False, 2048)
+    assert NvextMiddleware(lambda *a: None, max_body_bytes=1).settings == Settings(Mode.BOTH, True, 1)
+
+
+def test_keyword_arguments_override_given_settings_and_skip_the_environment(monkeypatch):
+    monkeypatch.setenv("VLLM_NVEXT_MODE", "sideways")  # not read: settings are given
+    base = Settings(Mode.VLLM, False, 10)
+    assert NvextMiddleware(lambda *a: None, settings=base).settings == base
+    assert NvextMiddleware(lambda *a: None, settings=base, mode=Mode.BOTH).settings == Settings(Mode.BOTH, False, 10)
+
+
+def test_a_mode_given_as_text_is_parsed():
+    assert Settings(mode="Both").mode is Mode.BOTH  # type: ignore[arg-type]

@@ -40,17 +40,46 @@ class Mode(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Settings:
+    """The middleware's settings; every way of making them is validated by the same rules.
+
+    `from_env` reads VLLM_NVEXT_*; `create` takes keyword arguments (what
+    `NvextMiddleware(app, mode=..., ...)` passes); a direct `Settings(...)` is checked too.
+    A bad value raises ConfigError naming the variable or keyword.
+    """
+
     mode: Mode = Mode.AUTO
     allow_mode_header: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", _mode(self.mode, "mode"))
+        if not isinstance(self.allow_mode_header, bool):
+            raise ConfigError(f"allow_mode_header: expected True or False, got {self.allow_mode_header!r}")
+        if not _positive_int(self.max_body_bytes):
+            raise ConfigError(f"max_body_bytes: expected a positive integer, got {self.max_body_bytes!r}")
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        mode: Mode | str | None = None,
+        allow_mode_header: bool | None = None,
+        max_body_bytes: int | None = None,
+        base: Settings | None = None,
+    ) -> Settings:
+        """Settings from keyword arguments; each one left at None comes from `base` (default: the environment)."""
+        if base is None:
+            base = cls.from_env()
+        return cls(
+            mode=base.mode if mode is None else _mode(mode, "mode"),
+            allow_mode_header=base.allow_mode_header if allow_mode_header is None else allow_mode_header,
+            max_body_bytes=base.max_body_bytes if max_body_bytes is None else max_body_bytes,
+        )
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
-        try:
-            mode = Mode.parse(env.get(ENV_MODE, "auto") or "auto")
-        except ValueError as exc:
-            raise ConfigError(f"{ENV_MODE}: {exc}") from None
+        mode = _mode(env.get(ENV_MODE, "auto") or "auto", ENV_MODE)
         allow = _parse_bool(env, ENV_ALLOW_MODE_HEADER, True)
         raw_cap = env.get(ENV_MAX_BODY_BYTES, "").strip()
         if raw_cap:
@@ -63,6 +92,21 @@ class Settings:
         else:
             cap = DEFAULT_MAX_BODY_BYTES
         return cls(mode=mode, allow_mode_header=allow, max_body_bytes=cap)
+
+
+def _mode(value: object, name: str) -> Mode:
+    if isinstance(value, Mode):
+        return value
+    if not isinstance(value, str):
+        raise ConfigError(f"{name}: expected one of {'|'.join(m.value for m in Mode)}, got {value!r}")
+    try:
+        return Mode.parse(value)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _parse_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
