@@ -47,11 +47,8 @@ class NvextMiddleware:
         max_body_bytes: int | None = None,
     ) -> None:
         self.app = app
-        base = settings if settings is not None else Settings.from_env()
-        self.settings = Settings(
-            mode=Mode.parse(mode) if isinstance(mode, str) else (mode or base.mode),
-            allow_mode_header=base.allow_mode_header if allow_mode_header is None else allow_mode_header,
-            max_body_bytes=max_body_bytes or base.max_body_bytes,
+        self.settings = Settings.create(
+            mode=mode, allow_mode_header=allow_mode_header, max_body_bytes=max_body_bytes, base=settings
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
