@@ -1,0 +1,218 @@
+#!/usr/bin/env python
+"""vLLM 0.33's real `vllm serve` over a scripted engine core (run with the 0.33 reference venv).
+
+What this is: vLLM 0.33.0's own CLI, FastAPI app, routers, `--middleware`, endpoint plugins,
+chat template, tokenizer, detokenizer, logprobs formatting, n>1 fan-out, stop strings and
+`kv_transfer_params` plumbing, unchanged. Exactly one thing is replaced:
+`EngineCoreClient.make_async_mp_client`, which here returns `ScriptedEngineCore` instead of
+a client of the engine-core process (vLLM 0.33 has no CPU build, and its CUDA engine core
+cannot run on a machine without a GPU). So the token ids and logprob values are scripted,
+deterministic functions of the prompt ids, the seed and the choice index; every byte of the
+HTTP answer around them is vLLM 0.33's.
+
+What this is not: a model. It proves the middleware on 0.33's serving layer and its wire
+format (see README "Supported vLLM"), not 0.33's engine.
+
+Scripted behaviour, per engine-core request:
+- `max_tokens` ids, one per step, each printable ASCII in the tiny model's byte vocabulary:
+  id_i = (crc32(prompt ids, seed) + 7 * i + 31 * choice_index) % 94; finish reason `length`
+  (vLLM's own detokenizer may end it earlier with `stop` on a stop string);
+- sample logprobs when asked: the sampled id at -0.125 * (i % 8 + 1), then `logprobs`
+  alternatives (id + j) % 94 at that minus j; prompt logprobs likewise, on the first step;
+- when the request carries `kv_transfer_params`, the finishing output carries
+  {"hidden_states_path": "/tmp/vllm-nvext-scripted/<crc>.safetensors", "num_tokens": N}.
+- SCRIPTED_STEP_SECONDS (default 0) paces the steps.
+
+Run it through `Vllm033Server` (below; what tests, fixtures and benchmarks use), or by hand:
+    "$(bash scripts/setup_vllm033.sh | tail -1)" scripts/vllm033_harness.py serve MODEL_DIR [args...]
+Importing this module is cheap and side-effect free: vLLM is imported only when serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from vllm_nvext.server import VllmServer  # noqa: E402
+
+VLLM_VERSION = "0.33.0"
+SETUP_TARGET = "make setup-vllm033"
+
+_VOCAB_PRINTABLE = 94  # ids 0..93 of the tiny model are the bytes '!'..'~'
+_CHILD_ID = re.compile(r"^(\d+)_")
+KV_DIR = "/tmp/vllm-nvext-scripted"
+
+
+def scripted_ids(prompt: list[int], seed: int | None, index: int, count: int) -> list[int]:
+    base = zlib.crc32(repr((list(prompt), seed)).encode())
+    return [(base + 7 * i + 31 * index) % _VOCAB_PRINTABLE for i in range(count)]
+
+
+def scripted_logprob(step: int) -> float:
+    return -0.125 * (step % 8 + 1)
+
+
+class _Resources:
+    engine_dead = False
+
+
+def _install() -> None:
+    """Replace vLLM 0.33's engine-core client factory; nothing else is touched."""
+    import numpy as np
+    import torch
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+    from vllm.v1.engine.core_client import EngineCoreClient
+    from vllm.v1.outputs import LogprobsLists, LogprobsTensors
+
+    def _rows(ids: list[int], width: int, steps: range) -> tuple[Any, Any, Any]:
+        """Logprob rows: the chosen id first, then width-1 alternatives."""
+        tok = [[(t + j) % _VOCAB_PRINTABLE for j in range(width)] for t in ids]
+        lps = [[scripted_logprob(s) - j for j in range(width)] for s in steps]
+        return tok, lps, [1] * len(ids)
+
+    class ScriptedEngineCore(EngineCoreClient):
+        """The engine core, scripted: each request becomes one `EngineCoreOutput` per step."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.outputs: asyncio.Queue[EngineCoreOutputs] = asyncio.Queue()
+            self.tasks: dict[str, asyncio.Task[None]] = {}
+            self.resources = _Resources()
+            self.engine_ranks_managed = [0]
+            self.weight_version = "scripted"
+            self.step_seconds = float(os.environ.get("SCRIPTED_STEP_SECONDS", "0"))
+
+        async def _generate(self, request: EngineCoreRequest) -> None:
+            params = request.sampling_params
+            assert params is not None, "the scripted engine core only generates"
+            prompt = list(request.prompt_token_ids or ())
+            child = _CHILD_ID.match(request.request_id)
+            index = int(child.group(1)) if child else 0
+            count = max(1, params.max_tokens or 16)
+            ids = scripted_ids(prompt, params.seed, index, count)
+            extra = params.extra_args or {}
+            for step, token in enumerate(ids):
+                last = step == count - 1
+                out = EngineCoreOutput(request_id=request.request_id, new_token_ids=[token])
+                if params.logprobs is not None:
+                    width = max(params.logprobs, 0) + 1
+                    tok, lps, ranks = _rows([token], width, range(step, step + 1))
+                    out.new_logprobs = LogprobsLists(np.array(tok), np.array(lps), np.array(ranks))
+                if step == 0 and params.prompt_logprobs is not None and len(prompt) > 1:
+                    width = max(params.prompt_logprobs, 0) + 1
+                    tok, lps, ranks = _rows(prompt[1:], width, range(len(prompt) - 1))
+                    out.new_prompt_logprobs_tensors = LogprobsTensors(
+                        torch.tensor(tok), torch.tensor(lps, dtype=torch.float32), torch.tensor(ranks)
+                    )
+                if last:
+                    out.finish_reason = FinishReason.LENGTH
+                    if extra.get("kv_transfer_params") is not None:
+                        crc = zlib.crc32(repr((prompt, ids)).encode())
+                        out.kv_transfer_params = {
+                            "hidden_states_path": f"{KV_DIR}/{crc:08x}.safetensors",
+                            "num_tokens": len(prompt) + count,
+                        }
+                self.outputs.put_nowait(EngineCoreOutputs(outputs=[out]))
+                if self.step_seconds:
+                    await asyncio.sleep(self.step_seconds)
+                else:
+                    await asyncio.sleep(0)
+            self.tasks.pop(request.request_id, None)
+
+        # --- the calls AsyncLLM and the API server make ---------------------------------------
+        async def get_output_async(self) -> EngineCoreOutputs:
+            return await self.outputs.get()
+
+        async def add_request_async(self, request: EngineCoreRequest) -> None:
+            self.tasks[request.request_id] = asyncio.create_task(self._generate(request))
+
+        async def abort_requests_async(self, request_ids: list[str]) -> None:
+            for request_id in request_ids:
+                task = self.tasks.pop(request_id, None)
+                if task is not None:
+                    task.cancel()
+
+        async def get_supported_tasks_async(self) -> tuple[str, ...]:
+            return ("generate",)
+
+        async def is_sleeping_async(self) -> bool:
+            return False
+
+        async def reset_prefix_cache_async(self, *args: Any, **kwargs: Any) -> bool:
+            return True
+
+        async def reset_mm_cache_async(self) -> None:
+            return None
+
+        async def reset_encoder_cache_async(self) -> None:
+            return None
+
+        async def set_weight_version_async(self, weight_version: str) -> None:
+            self.weight_version = weight_version
+
+        async def get_weight_version_async(self) -> str:
+            return self.weight_version
+
+        def dp_engines_running(self) -> bool:
+            return False
+
+        def get_kv_event_sources(self) -> dict[int, Any]:
+            return {}
+
+        def shutdown(self, timeout: float | None = None) -> None:
+            for task in self.tasks.values():
+                task.cancel()
+            self.tasks.clear()
+
+    def make_async_mp_client(*args: Any, **kwargs: Any) -> ScriptedEngineCore:
+        return ScriptedEngineCore(*args, **kwargs)
+
+    EngineCoreClient.make_async_mp_client = staticmethod(make_async_mp_client)  # type: ignore[method-assign]
+
+
+def refs_dir() -> Path:
+    return Path(os.environ.get("VLLM_NVEXT_REFS") or Path.home() / ".cache" / "vllm-nvext" / "refs")
+
+
+def venv_python() -> Path:
+    """The 0.33 reference venv's python; a missing or incomplete venv names the make target."""
+    venv = refs_dir() / f"vllm-{VLLM_VERSION}"
+    python = venv / "bin" / "python"
+    if not (venv / ".setup-stamp").exists() or not python.exists():
+        raise RuntimeError(f"the vLLM {VLLM_VERSION} reference venv is missing at {venv}: run `{SETUP_TARGET}`")
+    return python
+
+
+@dataclass
+class Vllm033Server(VllmServer):
+    """`VllmServer` running this harness (vLLM 0.33's `vllm serve`, scripted engine core)."""
+
+    name: str = "vllm-0.33"
+
+    def command(self) -> list[str]:
+        return [
+            str(venv_python()), str(Path(__file__).resolve()), "serve", self.model,
+            "--host", self.host, "--port", str(self.port), *self.args,
+        ]  # fmt: skip
+
+
+def main() -> int:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # config resolution on the CPU platform
+    _install()
+    # vLLM's CLI, through the project's own entry point (which must work on 0.33 too).
+    from vllm_nvext._vllm_cli import main as vllm_cli_main
+
+    return vllm_cli_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
