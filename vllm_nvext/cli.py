@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -10,10 +11,41 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from . import parity
 from .config import ENV_MODE, Mode
 from .server import MIDDLEWARE, TINY_ARGS, VllmServer
 
 DEFAULT_PORT = 8000
+# `pip install vllm-nvext` brings only starlette and orjson: each command names what else it needs.
+EXIT_MISSING = 2
+VLLM_HOWTO = (
+    "install the vLLM build for your hardware (https://docs.vllm.ai/en/latest/getting_started/installation/; "
+    "`pip install vllm` on a CUDA machine)"
+)
+TINY_MODEL_HOWTO = "pip install 'vllm-nvext[tiny-model]' (vLLM brings both)"
+
+
+def _missing(*modules: str) -> list[str]:
+    """Which of `modules` cannot be imported here (looked up without importing them)."""
+    absent = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            absent.append(name)
+    return absent
+
+
+def _needs(command: str, modules: Sequence[str], what: str, howto: str) -> bool:
+    """Print one line naming what is missing and how to get it; True when something is."""
+    absent = _missing(*modules)
+    if absent:
+        print(
+            f"vllm-nvext {command}: error: needs {what} ({', '.join(absent)} not installed): {howto}", file=sys.stderr
+        )
+    return bool(absent)
 
 
 def _banner(base: str, model_name: str, mode: str) -> str:
@@ -39,6 +71,12 @@ def _banner(base: str, model_name: str, mode: str) -> str:
 
 def cmd_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
     tiny = args.model is None
+    if _needs("serve", ["vllm"], "vLLM", VLLM_HOWTO):
+        return EXIT_MISSING
+    if tiny and _needs(
+        "serve", ["torch", "transformers"], "torch and transformers for the tiny model", TINY_MODEL_HOWTO
+    ):
+        return EXIT_MISSING
     if tiny:
         from . import tiny_model
 
@@ -80,6 +118,8 @@ def cmd_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
+    if _needs("tiny-model", ["torch", "transformers"], "torch and transformers", TINY_MODEL_HOWTO):
+        return EXIT_MISSING
     from . import tiny_model
 
     path = tiny_model.write(args.dir)
@@ -105,13 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("tiny-model", help="write the deterministic tiny model into DIR")
     tiny.add_argument("dir")
 
-    try:
-        from . import parity
-    except ImportError:  # pragma: no cover - parity lands with its own module
-        parity = None  # type: ignore[assignment]
-    if parity is not None:
-        p = sub.add_parser("parity", help="A/B-check both dialects against a running server")
-        parity.add_arguments(p)
+    parity.add_arguments(sub.add_parser("parity", help="A/B-check both dialects against a running server"))
     return parser
 
 
@@ -126,8 +160,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_serve(args, extra)
     if args.command == "tiny-model":
         return cmd_tiny_model(args)
-    from . import parity
-
     return parity.run(args)
 
 
