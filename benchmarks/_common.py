@@ -19,6 +19,9 @@ from vllm_nvext.sse import EventFramer
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
+# vLLM version -> its recorded fixture set (tests/recorded.py describes both)
+FIXTURE_DIRS = {"0.32": FIXTURES, "0.33": FIXTURES / "vllm-0.33"}
+VLLM_VERSIONS = tuple(FIXTURE_DIRS)
 
 Message = dict[str, Any]
 
@@ -28,13 +31,14 @@ Message = dict[str, Any]
 
 @dataclass(frozen=True)
 class Case:
-    """One recorded exchange with the real vLLM server (tests/fixtures/index.json)."""
+    """One recorded exchange with the real vLLM server (tests/fixtures[/vllm-0.33]/index.json)."""
 
     name: str
     path: str
     request: dict[str, Any]
     content_type: str
     raw: bytes
+    vllm: str = "0.32"
 
     @property
     def endpoint(self) -> Endpoint:
@@ -56,15 +60,17 @@ class Case:
         return [e for e in self.events() if e.startswith(b"data:") and e.strip() != b"data: [DONE]"]
 
 
-def load_case(name: str) -> Case:
-    index = json.loads((FIXTURES / "index.json").read_text())["cases"]
+def load_case(name: str, vllm: str = "0.32") -> Case:
+    directory = FIXTURE_DIRS[vllm]
+    index = json.loads((directory / "index.json").read_text())["cases"]
     meta = index[name]
     return Case(
         name=name,
         path=meta["path"],
         request=meta["request"],
         content_type=meta["content_type"],
-        raw=(FIXTURES / meta["file"]).read_bytes(),
+        raw=(directory / meta["file"]).read_bytes(),
+        vllm=vllm,
     )
 
 

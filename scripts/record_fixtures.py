@@ -4,6 +4,10 @@
 Starts a stock vLLM server (no middleware) on the tiny model, sends each request in CASES and
 writes exactly the bytes vLLM answered to tests/fixtures/<name>.json|.sse, plus index.json
 (request, endpoint, status, content type, vLLM version). Run: `make fixtures`.
+
+`--vllm 0.33` records vLLM 0.33's layout instead, into tests/fixtures/vllm-0.33/: the same
+CASES plus CASES_033 from scripts/vllm033_harness.py (vLLM 0.33's own serving code over a
+scripted engine core; needs `make setup-vllm033`). Run: `make fixtures-vllm033`.
 """
 
 from __future__ import annotations
@@ -135,12 +139,79 @@ CASES: dict[str, tuple[str, dict]] = {
     "error_max_tokens": (COMPLETIONS, {**GREEDY, "prompt": "x", "max_tokens": 5000, "return_token_ids": True}),
 }
 
+# vLLM 0.33 only: a real `kv_transfer_params` payload on the finish (the hidden-states path),
+# chat with n=2, and a stop string (finish_reason "stop" with a stop_reason).
+KV = {"kv_transfer_params": {"do_remote_decode": True}}
+CASES_033: dict[str, tuple[str, dict]] = {
+    "chat_unary_ids_kv": (CHAT, {**GREEDY, "messages": MESSAGES, "max_tokens": 8, "return_token_ids": True, **KV}),
+    "chat_stream_ids_kv": (
+        CHAT,
+        {**GREEDY, "messages": MESSAGES, "max_tokens": 8, "return_token_ids": True, "stream": True, **KV},
+    ),
+    "chat_stream_ids_kv_usage": (
+        CHAT,
+        {
+            **GREEDY,
+            "messages": MESSAGES,
+            "max_tokens": 8,
+            "return_token_ids": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **KV,
+        },
+    ),
+    "chat_stream_ids_n2": (
+        CHAT,
+        {
+            "model": "tiny",
+            "messages": MESSAGES,
+            "max_tokens": 4,
+            "n": 2,
+            "temperature": 0.8,
+            "seed": 7,
+            "return_token_ids": True,
+            "stream": True,
+            **KV,
+        },
+    ),  # fmt: skip
+    "chat_stream_ids_stop": (
+        CHAT,
+        {**GREEDY, "messages": MESSAGES, "max_tokens": 16, "return_token_ids": True, "stream": True, "stop": ["mt"]},
+    ),
+    "completions_unary_ids_kv": (
+        COMPLETIONS,
+        {**GREEDY, "prompt": "Token ids are", "max_tokens": 8, "return_token_ids": True, **KV},
+    ),
+    "completions_stream_ids_kv": (
+        COMPLETIONS,
+        {
+            **GREEDY,
+            "prompt": "Token ids are",
+            "max_tokens": 8,
+            "return_token_ids": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **KV,
+        },
+    ),
+    "completions_stream_ids_long_kv": (
+        COMPLETIONS,
+        {**GREEDY, "prompt": "Token ids are", "max_tokens": 400, "return_token_ids": True, "stream": True, **KV},
+    ),
+}
 
-def record(out_dir: Path, url: str | None) -> None:
+
+def record(out_dir: Path, url: str | None, vllm: str = "0.32") -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     server = None
+    cases = CASES if vllm == "0.32" else {**CASES, **CASES_033}
     if url is None:
-        server = VllmServer(
+        launcher = VllmServer
+        if vllm == "0.33":
+            from scripts.vllm033_harness import Vllm033Server
+
+            launcher = Vllm033Server
+        server = launcher(
             model=str(tiny_model.ensure()), args=(*TINY_ARGS, "--served-model-name", "tiny"), name="fixtures"
         )
         server.start().wait_ready()
@@ -149,7 +220,7 @@ def record(out_dir: Path, url: str | None) -> None:
         index: dict[str, dict] = {}
         with httpx.Client(base_url=url, timeout=300) as client:
             version = client.get("/version").json().get("version")
-            for name, (path, body) in CASES.items():
+            for name, (path, body) in cases.items():
                 with client.stream("POST", path, json=body) as resp:
                     raw = resp.read()
                 content_type = resp.headers.get("content-type", "")
@@ -163,7 +234,10 @@ def record(out_dir: Path, url: str | None) -> None:
                     "file": f"{name}{suffix}",
                 }
                 print(f"recorded {name}: HTTP {resp.status_code}, {len(raw)} bytes", flush=True)
-        meta = {"vllm_version": version, "model": "vllm_nvext.tiny_model", "cases": index}
+        meta: dict = {"vllm_version": version, "model": "vllm_nvext.tiny_model"}
+        if vllm == "0.33":
+            meta["engine"] = "scripted engine core under vLLM 0.33's serving code (scripts/vllm033_harness.py)"
+        meta["cases"] = index
         (out_dir / "index.json").write_text(json.dumps(meta, indent=1) + "\n")
     finally:
         if server is not None:
@@ -172,10 +246,12 @@ def record(out_dir: Path, url: str | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures")
+    parser.add_argument("--vllm", choices=["0.32", "0.33"], default="0.32", help="which layout to record")
+    parser.add_argument("--out", type=Path, help="default: tests/fixtures (0.32), tests/fixtures/vllm-0.33 (0.33)")
     parser.add_argument("--url", help="record from this running stock vLLM instead of starting one")
     args = parser.parse_args()
-    record(args.out, args.url)
+    default = ROOT / "tests" / "fixtures" / ("vllm-0.33" if args.vllm == "0.33" else "")
+    record(args.out or default, args.url, args.vllm)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,14 @@
-"""Access to the responses recorded from a real vLLM server by scripts/record_fixtures.py."""
+"""Access to the responses recorded by scripts/record_fixtures.py, for every vLLM layout.
+
+Two fixture sets, each recorded from the real serving code, never typed:
+- vLLM 0.32 (tests/fixtures/): the real engine on the tiny model;
+- vLLM 0.33 (tests/fixtures/vllm-0.33/): vLLM 0.33's own `vllm serve` over a scripted engine
+  core (scripts/vllm033_harness.py): 0.33's bytes around scripted token ids.
+
+`recordings()` holds both: the 0.32 recordings under their own names, the 0.33 ones under
+`vllm-0.33/<name>`, so a test that iterates over `recordings()` covers both layouts, and
+`recording("chat_stream_ids")` stays the 0.32 one.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +19,12 @@ from pathlib import Path
 from typing import Any
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# vLLM version -> (fixture directory, prefix of its recordings' names in `recordings()`)
+FIXTURE_SETS: dict[str, tuple[Path, str]] = {
+    "0.32": (FIXTURES, ""),
+    "0.33": (FIXTURES / "vllm-0.33", "vllm-0.33/"),
+}
+VLLM_VERSIONS = tuple(FIXTURE_SETS)
 
 
 @dataclass(frozen=True)
@@ -19,6 +35,7 @@ class Recording:
     status: int
     content_type: str
     body: bytes
+    vllm: str = "0.32"  # which fixture set: a key of FIXTURE_SETS
 
     @property
     def stream(self) -> bool:
@@ -43,8 +60,10 @@ class Recording:
 
 
 @cache
-def recordings() -> dict[str, Recording]:
-    index = json.loads((FIXTURES / "index.json").read_text())
+def recordings_of(vllm: str) -> dict[str, Recording]:
+    """One fixture set, under the names the recorder gave its cases."""
+    directory, _ = FIXTURE_SETS[vllm]
+    index = json.loads((directory / "index.json").read_text())
     return {
         name: Recording(
             name=name,
@@ -52,10 +71,20 @@ def recordings() -> dict[str, Recording]:
             request=case["request"],
             status=case["status"],
             content_type=case["content_type"],
-            body=(FIXTURES / case["file"]).read_bytes(),
+            body=(directory / case["file"]).read_bytes(),
+            vllm=vllm,
         )
         for name, case in index["cases"].items()
     }
+
+
+@cache
+def recordings() -> dict[str, Recording]:
+    """Every fixture set; names of all but 0.32's are prefixed with their set (see module doc)."""
+    out: dict[str, Recording] = {}
+    for vllm, (_, prefix) in FIXTURE_SETS.items():
+        out.update({prefix + name: rec for name, rec in recordings_of(vllm).items()})
+    return out
 
 
 def recording(name: str) -> Recording:
