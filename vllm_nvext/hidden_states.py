@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ._shapes import first_mismatch
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -125,11 +127,8 @@ def _validate(path: str, tensors: dict[str, torch.Tensor], expect_token_ids: Seq
     token_ids = [int(t) for t in ids.tolist()]
     if expect_token_ids is not None:
         expected = [int(t) for t in expect_token_ids]
-        if token_ids != expected:
-            i = next(
-                (k for k, (a, b) in enumerate(zip(token_ids, expected, strict=False)) if a != b),
-                min(len(token_ids), len(expected)),
-            )
+        i = first_mismatch(token_ids, expected)
+        if i is not None:
             got = token_ids[i] if i < len(token_ids) else "<end>"
             want = expected[i] if i < len(expected) else "<end>"
             raise HiddenStatesError(
