@@ -13,10 +13,12 @@ from collections.abc import Sequence
 
 from . import parity
 from .config import ENV_MODE, Mode
+from .parity_checks import PATHS
+from .request import Endpoint
 from .server import MIDDLEWARE, TINY_ARGS, VllmServer
 
 DEFAULT_PORT = 8000
-# `pip install vllm-nvext` brings only starlette and orjson: each command names what else it needs.
+# `pip install vllm-nvext` brings only orjson: each command names what else it needs.
 EXIT_MISSING = 2
 VLLM_HOWTO = (
     "install the vLLM build for your hardware (https://docs.vllm.ai/en/latest/getting_started/installation/; "
@@ -60,10 +62,10 @@ def _banner(base: str, model_name: str, mode: str) -> str:
     lines = [
         f"vllm-nvext: serving on {base} (mode {mode})",
         "  vLLM dialect:",
-        f"    curl -s {base}/v1/completions -H 'Content-Type: application/json' \\\n"
+        f"    curl -s {base}{PATHS[Endpoint.COMPLETIONS]} -H 'Content-Type: application/json' \\\n"
         f"      -d {shlex.quote(json.dumps(vllm_req))}",
         "  Dynamo nvext dialect:",
-        f"    curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f"    curl -s {base}{PATHS[Endpoint.CHAT]} -H 'Content-Type: application/json' \\\n"
         f"      -d {shlex.quote(json.dumps(nvext_req))}",
     ]
     return "\n".join(lines)
