@@ -1,7 +1,7 @@
-"""`pip install vllm-nvext` brings only starlette and orjson: each command says what else it needs.
+"""`pip install vllm-nvext` brings only orjson: each command says what else it needs.
 
 Each command runs in a fresh interpreter whose import system cannot see vLLM, torch,
-transformers, tokenizers, safetensors or httpx, exactly as in a venv without them.
+transformers, tokenizers, safetensors, httpx or starlette, exactly as in a venv without them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from vllm_nvext import cli
 
-HIDDEN = ("vllm", "torch", "transformers", "tokenizers", "safetensors", "httpx", "httpcore", "openai")
+HIDDEN = ("vllm", "torch", "transformers", "tokenizers", "safetensors", "httpx", "httpcore", "openai", "starlette")
 
 # Replaces the path finder with one that does not find the hidden packages: `import vllm` then
 # raises ModuleNotFoundError and `importlib.util.find_spec("vllm")` answers None.
