@@ -7,15 +7,18 @@ through the middleware, as a vllm-nvext server answers the nvext request.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
+import io
 import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from vllm_nvext import Mode, NvextMiddleware, Settings
+from vllm_nvext import Mode, NvextMiddleware, Settings, cli, parity
 from vllm_nvext.client import TokenIds, extract
 from vllm_nvext.parity_checks import (
     FAIL,
@@ -47,7 +50,7 @@ from vllm_nvext.parity_checks import (
 )
 
 from .asgi import Upstream, call
-from .recorded import Recording, recording
+from .recorded import Recording, recording, recordings
 
 CHAT_TEXT = Case(Prompt(1, text="Tell me about token ids."), "chat", "text")
 COMPLETIONS_TEXT = Case(Prompt(2, text="Token ids are"), "completions", "text")
@@ -390,3 +393,77 @@ def test_table_columns_are_aligned():
         "#1 chat text  vllm unary  PASS    8 ids",
         "#2            x           FAIL",
     ]
+
+
+# --- the whole command, over the recordings served through the middleware ----------------------
+
+
+def _replaying_server(settings: Settings | None = None) -> httpx.MockTransport:
+    """A vllm-nvext server made of the recordings: each request is answered by the recording of
+    the same upstream request, through the real middleware; others get vLLM's 400 shape."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+        body = json.loads(request.content)
+        upstream = {k: v for k, v in body.items() if k != "nvext"} | {"return_token_ids": True}
+        rec = next(
+            (r for r in recordings().values() if r.path == request.url.path and r.request == upstream),
+            None,
+        )
+        if rec is None or "token_data" in body.get("nvext", {}):
+            error = {"message": "no recording of this request", "type": "BadRequestError", "param": None, "code": 400}
+            return httpx.Response(400, json={"error": error})
+        app = NvextMiddleware(Upstream(rec.status, rec.content_type, rec.body), settings=settings or Settings())
+        headers = [(k.lower(), v) for k, v in request.headers.raw if k.lower() != b"content-length"]  # ASGI's form
+        result = asyncio.run(call(app, rec.path, request.content, headers=headers))
+        return httpx.Response(result.status, headers=result.headers, content=result.body)
+
+    return httpx.MockTransport(handle)
+
+
+def _run_parity(tmp_path: Path, prompts: list[dict[str, Any]], *argv: str, settings: Settings | None = None):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    args = cli.build_parser().parse_args(["parity", "--prompts", str(path), "--max-tokens", "8", *argv])
+    out, err = io.StringIO(), io.StringIO()
+    status = parity.run(args, stdout=out, stderr=err, transport=_replaying_server(settings))
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_parity_passes_on_the_recorded_answers_and_writes_its_report(tmp_path):
+    report = tmp_path / "report.json"
+    chat = {"messages": [{"role": "user", "content": "Tell me about token ids."}]}
+    status, table, progress = _run_parity(tmp_path, [chat], "--json", str(report))
+    assert status == 0, table
+    assert table.rstrip().endswith("OK: 8 checks, 8 passed, 0 failed, 0 skipped")
+    assert "[4/4] #1 chat messages 'Tell me about token ids.': vllm stream" in progress
+    saved = json.loads(report.read_text())
+    assert saved["passed"] is True and saved["model"] == "tiny" and saved["summary"]["checks"] == 8
+    requests = saved["cases"][0]["requests"]
+    assert requests["nvext unary"]["placements"] == ["nvext"] and requests["vllm unary"]["placements"] == ["vllm"]
+    assert requests["nvext stream"]["completion_token_ids"] == requests["vllm unary"]["completion_token_ids"]
+
+
+def test_parity_fails_when_the_server_answers_nvext_in_the_vllm_placement(tmp_path):
+    chat = {"messages": [{"role": "user", "content": "Tell me about token ids."}]}
+    status, table, _ = _run_parity(tmp_path, [chat], settings=Settings(mode=Mode.VLLM, allow_mode_header=False))
+    assert status == 1
+    assert "nvext unary                    FAIL    ids under vllm placement, expected nvext (43 prompt" in table
+
+
+def test_parity_skips_token_data_the_server_refuses_and_fails_unanswered_requests(tmp_path):
+    status, table, progress = _run_parity(tmp_path, [{"prompt_token_ids": TOKEN_PROMPT, "max_tokens": 1}])
+    assert status == 1
+    assert "#1 chat token_data  nvext.token_data on chat       SKIP    the server refused nvext.token_data" in table
+    assert "vllm stream                    FAIL    HTTP 400: no recording of this request" in table
+    assert progress.rstrip().endswith("[5/8] #1 chat token_data '5 ids [84, 111, 107, 101, 110]': nvext unary")
+
+
+def test_parity_usage_errors_are_exit_2(tmp_path):
+    args = cli.build_parser().parse_args(["parity", "--max-tokens", "0"])
+    err = io.StringIO()
+    assert parity.run(args, stdout=io.StringIO(), stderr=err, transport=_replaying_server()) == 2
+    assert err.getvalue() == "vllm-nvext parity: error: --max-tokens must be at least 1, got 0\n"
+    status, _, progress = _run_parity(tmp_path, [{"prompt": "x"}], "--model", "other")
+    assert status == 2 and "does not serve model 'other' (it serves tiny)" in progress

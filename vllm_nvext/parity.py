@@ -110,18 +110,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request (default 120)")
 
 
-def run(args: argparse.Namespace, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
-    """Run every check; print the table; return the exit status."""
+def run(
+    args: argparse.Namespace,
+    *,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+    transport: httpx.BaseTransport | None = None,
+) -> int:
+    """Run every check; print the table; return the exit status.
+
+    `transport` replaces httpx's network transport (e.g. `httpx.MockTransport`, `httpx.WSGITransport`).
+    """
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
     try:
-        return _run(args, out, err)
+        return _run(args, out, err, transport)
     except UsageError as exc:
         print(f"vllm-nvext parity: error: {exc}", file=err)
         return 2
 
 
-def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+def _run(args: argparse.Namespace, out: TextIO, err: TextIO, transport: httpx.BaseTransport | None) -> int:
     try:
         import httpx
     except ImportError:
@@ -137,7 +146,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     else:
         vllm_target = nvext_target
 
-    with httpx.Client(timeout=args.timeout) as http:
+    with httpx.Client(timeout=args.timeout, transport=transport) as http:
         model = _resolve_model(http, nvext_target, args.model)
         if vllm_target is not nvext_target:
             _resolve_model(http, vllm_target, model)
