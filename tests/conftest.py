@@ -1,131 +1,268 @@
-"""Shared fixtures: real vLLM servers on the tiny model, started once per test session.
+"""Real servers on the tiny model, started only for the selected tests that use them.
 
-The servers boot in the background as soon as collection finds an `e2e` test, so their
-40-90 s start-up overlaps the pure unit tests; every server is stopped at session end.
+Each kind of server is registered once, with `register(name, factory)`, which also makes the
+session fixture `<name>_server`. Once collection and `-m`/`-k` deselection are done, every kind
+whose fixture some selected test uses (directly or through another fixture) starts in its own
+background thread, all kinds in parallel, so that their start-up overlaps the unit tests; the
+fixture waits until its server is ready. Every server started is stopped at session end.
+
+A kind is anything with `start()`, `wait_ready(timeout)`, `terminate()`, `stop()` and `url`
+(`vllm_nvext.server.VllmServer`, `tests.dynamo_reference.DynamoReference`). Adding one:
+
+    my_server = register("my", lambda: MyServer(model=tiny_model_dir(), port=listen_port()))
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
+import socket
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import httpx
 import pytest
 
 from vllm_nvext.server import MIDDLEWARE, TINY_ARGS, VllmServer
 
-API_KEY = "nvext-test-key"
-MODEL_NAME = "tiny"
-ROOT = Path(__file__).resolve().parent.parent
+from .helpers import API_KEY, MODEL_NAME
 
-HIDDEN_STATES_DIR = tempfile.mkdtemp(prefix="vllm-nvext-hs-")
-HIDDEN_STATES_ARGS = (
-    "--speculative-config",
-    json.dumps(
-        {
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}},
-        }
-    ),
-    "--kv-transfer-config",
-    json.dumps(
-        {
-            "kv_connector": "CPUHiddenStatesConnector",
-            "kv_connector_module_path": "vllm_nvext.hidden_states_connector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": HIDDEN_STATES_DIR},
-        }
-    ),
-)
-
-# name -> (extra vLLM args, extra environment). All serve the tiny model as "tiny".
-SERVER_SPECS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
-    # Stock vLLM: the baseline every translated answer is compared with.
-    "raw": ((), {}),
-    # `--middleware`: outermost, sees unauthenticated requests first.
-    "mw": (("--middleware", MIDDLEWARE, "--api-key", API_KEY), {}),
-    # The endpoint plugin: mounted inside vLLM's auth.
-    "plugin": (("--api-key", API_KEY), {"VLLM_PLUGINS": "nvext"}),
-    # Scale-out: several API-server processes, each with its own middleware instance.
-    "scale": (("--middleware", MIDDLEWARE, "--api-key", API_KEY, "--api-server-count", "2"), {}),
-    # Hidden-state capture on CPU with the package's connector, behind the middleware.
-    "hs": (("--middleware", MIDDLEWARE, "--api-key", API_KEY, *HIDDEN_STATES_ARGS), {}),
-}
-
-_servers: dict[str, VllmServer] = {}
+STARTUP_TIMEOUT = float(os.environ.get("VLLM_NVEXT_STARTUP_TIMEOUT", "900"))
 
 
-def _model_dir() -> str:
-    from vllm_nvext import tiny_model
-
-    return str(tiny_model.ensure())
-
-
-def _start_servers() -> None:
-    if _servers:
-        return
-    model = _model_dir()
-    for name, (args, env) in SERVER_SPECS.items():
-        server = VllmServer(
-            model=model,
-            args=(*TINY_ARGS, "--served-model-name", MODEL_NAME, *args),
-            env=env,
-            name=name,
-        )
-        _servers[name] = server.start()
+class Server(Protocol):
+    @property
+    def url(self) -> str: ...
+    def start(self) -> Any: ...
+    def wait_ready(self, timeout: float) -> Any: ...
+    def terminate(self) -> None: ...
+    def stop(self) -> None: ...
 
 
-@pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselection: start servers only for e2e tests that run
+@dataclass(frozen=True)
+class External:
+    """A server somebody else runs, named by an environment variable: nothing to start or stop."""
+
+    url: str
+
+
+@dataclass
+class _Kind:
+    factory: Callable[[], Server]
+    url_env: str | None = None  # when this variable is set, use the server at that URL instead
+    server: Server | None = None
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+    def boot(self) -> None:
+        try:
+            server = self.factory()
+            with _lock:
+                if _closing:
+                    return
+                self.server = server
+                server.start()
+            server.wait_ready(timeout=STARTUP_TIMEOUT)
+        except BaseException as exc:  # re-raised in each test that uses this server (pytest.skip too)
+            self.error = exc
+
+
+_kinds: dict[str, _Kind] = {}
+_lock = threading.Lock()
+_closing = False
+
+
+def register(name: str, factory: Callable[[], Server], *, url_env: str | None = None) -> Any:
+    """Register a kind of server; returns its session fixture, to be bound as `<name>_server`."""
+    _kinds[name] = _Kind(factory, url_env)
+
+    @pytest.fixture(scope="session", name=f"{name}_server")
+    def fixture() -> Server | External:
+        return _ready(name)
+
+    return fixture
+
+
+def _external_url(kind: _Kind) -> str | None:
+    return os.environ.get(kind.url_env) if kind.url_env else None
+
+
+def _boot(name: str) -> None:
+    kind = _kinds[name]
+    with _lock:
+        if kind.thread is not None or _closing or _external_url(kind):
+            return
+        kind.thread = threading.Thread(target=kind.boot, name=f"boot-{name}", daemon=True)
+        kind.thread.start()
+
+
+def _ready(name: str) -> Server | External:
+    kind = _kinds[name]
+    url = _external_url(kind)
+    if url:
+        return External(url)
+    _boot(name)  # not started at collection when a test asks for it through request.getfixturevalue
+    assert kind.thread is not None
+    kind.thread.join()
+    if kind.error is not None:
+        raise kind.error
+    assert kind.server is not None
+    return kind.server
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    if item.path.name.startswith("test_e2e_") != (item.get_closest_marker("e2e") is not None):
+        raise pytest.UsageError(f"{item.nodeid}: files named test_e2e_* hold exactly the e2e-marked tests")
+
+
+@pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselection: only the servers the selected tests use
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if any(item.get_closest_marker("e2e") for item in items):
-        _start_servers()
+    if config.option.collectonly:
+        return
+    used = {name for item in items for name in getattr(item, "fixturenames", ())}
+    for name in _kinds:
+        if f"{name}_server" in used:
+            _boot(name)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    for server in _servers.values():
+    global _closing
+    with _lock:
+        _closing = True  # a boot thread still in its factory starts nothing now
+        started = [kind.server for kind in _kinds.values() if kind.server is not None]
+    for server in started:
         server.terminate()  # all at once; then wait for each
-    for server in _servers.values():
+    for server in started:
         server.stop()
 
 
-@pytest.fixture(scope="session")
-def servers() -> dict[str, VllmServer]:
-    _start_servers()
-    for server in _servers.values():
-        server.wait_ready(timeout=float(os.environ.get("VLLM_NVEXT_STARTUP_TIMEOUT", "900")))
-    return _servers
+# --- helpers for factories ------------------------------------------------------------------
+
+_model_lock = threading.Lock()
+_port_lock = threading.Lock()
+_ports: set[int] = set()
 
 
-def _client(server: VllmServer, auth: bool) -> httpx.Client:
+def tiny_model_dir() -> str:
+    """The tiny model's directory, written once even when several boot threads ask at once."""
+    from vllm_nvext import tiny_model
+
+    with _model_lock:
+        return str(tiny_model.ensure())
+
+
+def listen_port() -> int:
+    """A free loopback port outside the kernel's ephemeral range, never handed out twice.
+
+    A port from `bind(0)` is in the ephemeral range: between its release and the server's own
+    bind, another server's `bind(0)` or any outgoing connection (vLLM's engines open several) may
+    take it. Ports outside that range are only ever taken by an explicit bind.
+    """
+    low, high = 32768, 60999
+    with contextlib.suppress(OSError, ValueError):
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    candidates = [p for p in range(10000, 65536) if not low <= p <= high]
+    rng = random.Random()
+    with _port_lock:
+        for port in rng.sample(candidates, len(candidates)):
+            if port in _ports:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _ports.add(port)
+            return port
+    raise RuntimeError(f"no free port outside the ephemeral range {low}-{high}")
+
+
+def tiny_vllm(name: str, *args: str, env: dict[str, str] | None = None) -> Callable[[], VllmServer]:
+    """A factory for a vLLM server of the tiny model, served as "tiny", with extra vLLM args."""
+
+    def factory() -> VllmServer:
+        return VllmServer(
+            model=tiny_model_dir(),
+            args=(*TINY_ARGS, "--served-model-name", MODEL_NAME, *args),
+            # Unbuffered: a test that reads the log sees everything printed before it reads.
+            env={"PYTHONUNBUFFERED": "1", **(env or {})},
+            name=name,
+            port=listen_port(),
+        )
+
+    return factory
+
+
+# --- the servers ----------------------------------------------------------------------------------
+
+# Stock vLLM: the baseline every translated answer is compared with.
+raw_server = register("raw", tiny_vllm("raw"))
+# `--middleware`: outermost, sees unauthenticated requests first.
+mw_server = register("mw", tiny_vllm("mw", "--middleware", MIDDLEWARE, "--api-key", API_KEY))
+# The endpoint plugin: mounted inside vLLM's auth.
+plugin_server = register("plugin", tiny_vllm("plugin", "--api-key", API_KEY, env={"VLLM_PLUGINS": "nvext"}))
+# Scale-out: several API-server processes, each with its own middleware instance.
+scale_server = register(
+    "scale", tiny_vllm("scale", "--middleware", MIDDLEWARE, "--api-key", API_KEY, "--api-server-count", "2")
+)
+
+
+def _hidden_states_vllm() -> VllmServer:
+    """Hidden-state capture on CPU with the package's connector, behind the middleware."""
+    speculative = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}},
+    }
+    transfer = {
+        "kv_connector": "CPUHiddenStatesConnector",
+        "kv_connector_module_path": "vllm_nvext.hidden_states_connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": tempfile.mkdtemp(prefix="vllm-nvext-hs-")},
+    }
+    args = ("--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer))
+    return tiny_vllm("hs", "--middleware", MIDDLEWARE, "--api-key", API_KEY, *args)()
+
+
+# VLLM_NVEXT_HS_URL (and VLLM_NVEXT_HS_API_KEY) name such a server run elsewhere, used instead.
+hs_server = register("hs", _hidden_states_vllm, url_env="VLLM_NVEXT_HS_URL")
+
+
+# --- clients ------------------------------------------------------------------------------------
+
+
+def _client(server: Server, auth: bool) -> httpx.Client:
     headers = {"Authorization": f"Bearer {API_KEY}"} if auth else {}
     return httpx.Client(base_url=server.url, headers=headers, timeout=120.0)
 
 
 @pytest.fixture(scope="session")
-def raw(servers: dict[str, VllmServer]) -> Iterator[httpx.Client]:
-    with _client(servers["raw"], auth=False) as client:
+def raw(raw_server: Server) -> Iterator[httpx.Client]:
+    with _client(raw_server, auth=False) as client:
         yield client
 
 
 @pytest.fixture(scope="session")
-def mw(servers: dict[str, VllmServer]) -> Iterator[httpx.Client]:
-    with _client(servers["mw"], auth=True) as client:
+def mw(mw_server: Server) -> Iterator[httpx.Client]:
+    with _client(mw_server, auth=True) as client:
         yield client
 
 
 @pytest.fixture(scope="session")
-def plugin(servers: dict[str, VllmServer]) -> Iterator[httpx.Client]:
-    with _client(servers["plugin"], auth=True) as client:
+def plugin(plugin_server: Server) -> Iterator[httpx.Client]:
+    with _client(plugin_server, auth=True) as client:
         yield client
 
 
 @pytest.fixture(scope="session")
-def scale(servers: dict[str, VllmServer]) -> Iterator[httpx.Client]:
-    with _client(servers["scale"], auth=True) as client:
+def scale(scale_server: Server) -> Iterator[httpx.Client]:
+    with _client(scale_server, auth=True) as client:
         yield client
 
 

@@ -3,7 +3,7 @@
 The vLLM-placement inputs are the recordings under tests/fixtures; their nvext and
 engine_data twins are made from the same recordings by the middleware's own reshaping, and
 the hand-written shapes follow PROTOCOL §1/§3 where no recording exists (vLLM >= 0.33,
-Dynamo's flat errors). The e2e tests at the end read live answers from the servers.
+Dynamo's flat errors). tests/test_e2e_client.py reads live answers from the servers.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from vllm_nvext.client import (
     ENGINE_DATA,
     NVEXT,
     VLLM,
-    TokenIds,
     TokenIdsError,
     extract,
     extract_stream,
@@ -419,70 +418,3 @@ def test_parse_sse_reads_each_byte_of_a_big_event_once(monkeypatch, size):
 )
 def test_first_difference(a, b, expected):
     assert first_difference(a, b) == expected
-
-
-# --- live, on the real servers -----------------------------------------------------------------
-
-LIVE_BASE = {
-    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Count: one, two"}]},
-    "/v1/completions": {"prompt": "Count: one, two"},
-}
-
-
-def _live(client: httpx.Client, path: str, body: dict[str, Any], stream: bool) -> TokenIds:
-    body = {"model": "tiny", "max_tokens": 8, "temperature": 0, **LIVE_BASE[path], **body}
-    if not stream:
-        response = client.post(path, json=body)
-        assert response.status_code == 200, response.text
-        return extract(response)
-    with client.stream("POST", path, json={**body, "stream": True}) as response:
-        assert response.status_code == 200, response.read()
-        return extract_stream(parse_sse(response.iter_bytes()))
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("path", list(LIVE_BASE))
-@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
-@pytest.mark.parametrize(
-    ("dialect", "placement"),
-    [({"return_token_ids": True}, VLLM), (NVEXT_TRIO, NVEXT), (ENGINE, ENGINE_DATA)],
-    ids=["vllm", "nvext", "engine_data"],
-)
-def test_live_every_placement_reads_the_ids_of_stock_vllm(translated, raw, path, stream, dialect, placement):
-    baseline = _live(raw, path, {"return_token_ids": True}, stream=False)
-    ids = _live(translated, path, dialect, stream)
-    assert ids.placement == placement
-    assert ids.prompt_token_ids == baseline.prompt_token_ids
-    assert ids.completion_token_ids == baseline.completion_token_ids
-    assert len(baseline.completion_token_ids[0]) == 8
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
-def test_live_openai_sdk_objects_in_both_dialects(servers, raw, stream):
-    openai = pytest.importorskip("openai")
-    from .conftest import API_KEY
-
-    sdk = openai.OpenAI(base_url=servers["mw"].url + "/v1", api_key=API_KEY, max_retries=0)
-    baseline = _live(raw, "/v1/chat/completions", {"return_token_ids": True}, stream=False)
-    for extra_body, placement in (({"return_token_ids": True}, VLLM), (NVEXT_TRIO, NVEXT)):
-        response = sdk.chat.completions.create(
-            model="tiny",
-            messages=LIVE_BASE["/v1/chat/completions"]["messages"],
-            max_tokens=8,
-            temperature=0,
-            stream=stream,
-            extra_body=extra_body,
-        )
-        ids = extract_stream(response) if stream else extract(response)
-        assert ids.placement == placement
-        assert ids.prompt_token_ids == baseline.prompt_token_ids
-        assert ids.completion_token_ids == baseline.completion_token_ids
-
-
-@pytest.mark.e2e
-def test_live_engine_data_logprobs_match_the_ids(mw):
-    ids = _live(mw, "/v1/chat/completions", {**ENGINE, "logprobs": True}, stream=True)
-    assert ids.placement == ENGINE_DATA
-    assert ids.completion_logprobs is not None
-    assert len(ids.completion_logprobs[0]) == len(ids.completion_token_ids[0]) == 8

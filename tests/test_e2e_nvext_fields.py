@@ -7,34 +7,29 @@ import time
 
 import pytest
 
-from .test_e2e_translation import BASE, CHAT, COMPLETIONS, post, strip_volatile
+from .helpers import (
+    BASE,
+    CHAT,
+    COMPLETIONS,
+    assert_stream_consistent,
+    final_event,
+    greedy,
+    logprob_values,
+    nvext,
+    nvext_stream_ids,
+    post,
+    strip_volatile,
+)
 
 pytestmark = pytest.mark.e2e
 
 
-def nvext(*selectors: str, **fields) -> dict:
-    return {"nvext": {"extra_fields": list(selectors), **fields}}
-
-
-def final_event(events: list[dict]) -> dict:
-    return next(e for e in events if e["choices"] and e["choices"][0]["finish_reason"] is not None)
-
-
-def greedy(path: str, **extra) -> dict:
-    return {**BASE[path], "temperature": 0, **extra}
-
-
 def raw_ids(raw_client, path: str, body: dict) -> tuple[list[int], list[int], dict]:
+    """(prompt ids, completion ids, whole answer) of stock vLLM's unary answer with ids."""
     got = post(raw_client, path, {**body, "return_token_ids": True})
     choice = got["choices"][0]
     prompt = got["prompt_token_ids"] if path == CHAT else choice["prompt_token_ids"]
     return prompt, choice["token_ids"], got
-
-
-def _logprob_values(path: str, choice: dict) -> list[float]:
-    if path == CHAT:
-        return [c["logprob"] for c in choice["logprobs"]["content"]]
-    return choice["logprobs"]["token_logprobs"]
 
 
 LOGPROBS = {CHAT: {"logprobs": True}, COMPLETIONS: {"logprobs": 1}}
@@ -48,7 +43,7 @@ def test_engine_data_unary_has_ids_and_aligned_logprobs(translated, raw, path):
     engine = got["nvext"]["engine_data"]
     assert engine["completion_token_ids"] == ids and engine["prompt_token_ids"] == prompt
     assert engine["finished"] is True
-    assert engine["completion_logprobs"] == _logprob_values(path, raw_body["choices"][0])
+    assert engine["completion_logprobs"] == logprob_values(path, raw_body["choices"][0])
     assert len(engine["completion_logprobs"]) == len(engine["completion_token_ids"])
     # logprobs were the client's own: they stay where vLLM put them; the ids were ours: nulled
     assert got["choices"][0]["logprobs"] == raw_body["choices"][0]["logprobs"]
@@ -60,7 +55,8 @@ def test_engine_data_stream_equals_concatenated_deltas(translated, raw, path):
     body = greedy(path, stream=True, **LOGPROBS[path])
     _, ids, _ = raw_ids(raw, path, greedy(path, **LOGPROBS[path]))
     events = post(translated, path, {**body, **nvext("completion_token_ids", "engine_data")})
-    streamed = [i for e in events if e["choices"] for i in e["nvext"]["completion_token_ids"]]
+    assert_stream_consistent(path, events, usage=False)
+    streamed = nvext_stream_ids(events)
     engine = final_event(events)["nvext"]["engine_data"]
     assert engine["completion_token_ids"] == streamed == ids
     assert len(engine["completion_logprobs"]) == len(ids)
@@ -147,7 +143,7 @@ def test_token_data_on_chat_matches_the_same_prompt_sent_as_text(translated, raw
     if stream:
         assert all(e["object"] == "chat.completion.chunk" for e in got)
         final = final_event(got)["nvext"]
-        streamed = [i for e in got if e["choices"] for i in e["nvext"]["completion_token_ids"]]
+        streamed = nvext_stream_ids(got)
         assert streamed == ids and final["prompt_token_ids"] == prompt
         assert final["engine_data"]["completion_token_ids"] == ids
         assert len(final["engine_data"]["completion_logprobs"]) == len(ids)

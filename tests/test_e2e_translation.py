@@ -6,24 +6,28 @@ as stock vLLM, in the placement the mode calls for, and nothing the middleware c
 
 from __future__ import annotations
 
-import json
 from functools import cache
 
 import httpx
 import pytest
 
+from .helpers import (
+    BASE,
+    CHAT,
+    COMPLETIONS,
+    DIALECTS,
+    MODES,
+    assert_nvext_chunks,
+    assert_stream_consistent,
+    ids_of,
+    post,
+    stream_digest,
+    strip_volatile,
+    without_nvext,
+)
+
 pytestmark = pytest.mark.e2e
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-BASE = {
-    CHAT: {"model": "tiny", "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 6},
-    COMPLETIONS: {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 6},
-}
-DIALECTS = {
-    "vllm": {"return_token_ids": True},
-    "nvext": {"nvext": {"extra_fields": ["completion_token_ids"]}},
-    "both": {"return_token_ids": True, "nvext": {"extra_fields": ["completion_token_ids"]}},
-}
 # (mode, dialect) -> (vLLM placement, nvext placement); PROTOCOL §1/§3, README "Modes".
 PLACEMENT = {
     ("auto", "vllm"): (True, False),
@@ -33,7 +37,6 @@ PLACEMENT = {
     **{("nvext", d): (False, True) for d in DIALECTS},
     **{("both", d): (True, True) for d in DIALECTS},
 }
-VOLATILE = ("id", "created")
 
 
 def request_body(path: str, stream: bool, dialect: str | None) -> dict:
@@ -45,26 +48,6 @@ def request_body(path: str, stream: bool, dialect: str | None) -> dict:
     return body
 
 
-def post(client: httpx.Client, path: str, body: dict, headers: dict | None = None) -> list[dict] | dict:
-    """A unary body, or the list of a stream's JSON events (checking the SSE framing)."""
-    resp = client.post(path, json=body, headers=headers or {})
-    assert resp.status_code == 200, resp.text
-    if not body.get("stream"):
-        assert int(resp.headers["content-length"]) == len(resp.content)
-        return resp.json()
-    text = resp.content
-    assert text.endswith(b"data: [DONE]\n\n"), "stream must end with [DONE]"
-    blocks = text.split(b"\n\n")[:-1]
-    assert all(b.startswith(b"data: ") for b in blocks)
-    return [json.loads(b[6:]) for b in blocks[:-1]]
-
-
-def strip_volatile(obj):
-    if isinstance(obj, list):
-        return [strip_volatile(o) for o in obj]
-    return {k: v for k, v in obj.items() if k not in VOLATILE}
-
-
 @cache
 def _raw(url: str, path: str, stream: bool, ids: bool):
     with httpx.Client(base_url=url, timeout=120) as client:
@@ -72,64 +55,46 @@ def _raw(url: str, path: str, stream: bool, ids: bool):
 
 
 @pytest.fixture(scope="session")
-def raw_answer(servers):
-    url = servers["raw"].url
-
+def raw_answer(raw_server):
     def answer(path: str, stream: bool, ids: bool):
-        return _raw(url, path, stream, ids)
+        return _raw(raw_server.url, path, stream, ids)
 
     return answer
 
 
-def _ids_of_raw(path: str, raw) -> tuple[list[int], list[int]]:
-    events = raw if isinstance(raw, list) else [raw]
-    prompt, ids = None, []
-    for event in events:
-        if path == CHAT and event.get("prompt_token_ids"):
-            prompt = event["prompt_token_ids"]
-        for choice in event["choices"]:
-            ids += choice.get("token_ids") or []
-            if path == COMPLETIONS and choice.get("prompt_token_ids"):
-                prompt = prompt or choice["prompt_token_ids"]
-    return prompt, ids
+def same_answer(got, expected) -> None:
+    """Unary: the whole body, less id and created. Stream: the same digest (chunking forgotten)."""
+    if isinstance(expected, list):
+        assert stream_digest(got) == stream_digest(expected)
+    else:
+        assert strip_volatile(got) == strip_volatile(expected)
 
 
 @pytest.mark.parametrize("dialect", list(DIALECTS))
-@pytest.mark.parametrize("mode", ["auto", "vllm", "nvext", "both"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS], ids=["chat", "completions"])
 def test_translation_matrix(translated, raw_answer, path, stream, mode, dialect):
     vllm_placed, nvext_placed = PLACEMENT[(mode, dialect)]
     got = post(translated, path, request_body(path, stream, dialect), headers={"x-nvext-mode": mode})
     with_ids, without_ids = raw_answer(path, stream, True), raw_answer(path, stream, False)
-    prompt, ids = _ids_of_raw(path, with_ids)
+    prompt, ids = ids_of(path, with_ids)
     assert prompt and ids, "the raw baseline must carry ids"
 
     # Everything outside `nvext` is raw vLLM's answer: with ids in vLLM placement, else as if
     # return_token_ids had never been sent.
-    expected = with_ids if vllm_placed else without_ids
     events = got if stream else [got]
-    outside = [{k: v for k, v in e.items() if k != "nvext"} for e in events]
-    assert strip_volatile(outside) == strip_volatile(expected if stream else [expected])
+    outside = without_nvext(events)
+    same_answer(outside if stream else outside[0], with_ids if vllm_placed else without_ids)
+    if stream:
+        assert_stream_consistent(path, events)
 
     if not nvext_placed:
         assert all("nvext" not in e for e in events), "nvext appears only when the mode calls for it"
-        return
-    if not stream:
+    elif not stream:
         assert got["nvext"] == {"completion_token_ids": ids, "prompt_token_ids": prompt}
-        return
-    streamed: list[int] = []
-    for event in events:
-        if not event["choices"]:
-            assert "nvext" not in event, "no nvext on the usage-only chunk"
-            continue
-        nv = event["nvext"]
-        streamed += nv["completion_token_ids"]
-        if event["choices"][0]["finish_reason"] is None:
-            assert set(nv) == {"completion_token_ids"}
-        else:
-            assert nv["prompt_token_ids"] == prompt
-    assert streamed == ids
+    else:
+        assert_nvext_chunks(events, prompt, ids, both=vllm_placed)
 
 
 def test_n_greater_than_one_in_vllm_placement_matches_raw(translated, raw):
@@ -160,7 +125,9 @@ def test_request_that_opts_into_nothing_matches_raw(translated, raw_answer):
     for path in (CHAT, COMPLETIONS):
         for stream in (False, True):
             got = post(translated, path, request_body(path, stream, None), headers={"x-nvext-mode": "nvext"})
-            assert strip_volatile(got) == strip_volatile(raw_answer(path, stream, False))
+            same_answer(got, raw_answer(path, stream, False))
+            if stream:
+                assert_stream_consistent(path, got)
 
 
 @pytest.mark.parametrize(
