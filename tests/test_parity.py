@@ -467,3 +467,52 @@ def test_parity_usage_errors_are_exit_2(tmp_path):
     assert err.getvalue() == "vllm-nvext parity: error: --max-tokens must be at least 1, got 0\n"
     status, _, progress = _run_parity(tmp_path, [{"prompt": "x"}], "--model", "other")
     assert status == 2 and "does not serve model 'other' (it serves tiny)" in progress
+
+
+def _models_answer(status: int, body: Any) -> httpx.MockTransport:
+    return httpx.MockTransport(lambda request: httpx.Response(status, json=body))
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "message"),
+    [
+        (401, {"error": "Unauthorized"}, "refused the request (HTTP 401): pass its key with --api-key"),
+        (500, {"error": {"message": "engine dead"}}, "/v1/models answered HTTP 500: engine dead"),
+        (200, {"object": "list"}, "/v1/models did not list models"),
+        (200, {"data": []}, "serves no model"),
+    ],
+)
+def test_a_server_that_cannot_be_checked_is_exit_2_saying_why(status, body, message):
+    args = cli.build_parser().parse_args(["parity", "--url", "http://server:1/"])
+    err = io.StringIO()
+    assert parity.run(args, stdout=io.StringIO(), stderr=err, transport=_models_answer(status, body)) == 2
+    assert err.getvalue().startswith("vllm-nvext parity: error: http://server:1") and message in err.getvalue()
+
+
+def test_baseline_gets_the_vllm_dialect_without_the_mode_header(tmp_path):
+    seen: list[tuple[str, str | None, str | None]] = []
+    replay = _replaying_server()
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.host, request.headers.get("x-nvext-mode"), request.headers.get("authorization")))
+        return replay.handle_request(request)
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "Tell me about token ids."}]}) + "\n")
+    argv = ["parity", "--url", "http://mw", "--baseline-url", "http://stock", "--api-key", "k", "--prompts", str(path)]
+    args = cli.build_parser().parse_args([*argv, "--max-tokens", "8"])
+    out = io.StringIO()
+    assert parity.run(args, stdout=out, stderr=io.StringIO(), transport=httpx.MockTransport(handle)) == 0, out
+    requests = seen[2:]  # after both /v1/models
+    assert sorted(set(requests)) == [("mw", "nvext", "Bearer k"), ("stock", None, "Bearer k")]
+
+
+def test_hidden_states_without_paths_fail_and_an_unwritable_report_is_exit_2(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    chat = {"messages": [{"role": "user", "content": "Tell me about token ids."}]}
+    status, table, _ = _run_parity(tmp_path, [chat], "--hidden-states")
+    assert status == 1
+    assert "hidden states load             FAIL    vllm: no kv_transfer_params.hidden_states_path" in table
+    status, _, progress = _run_parity(tmp_path, [chat], "--json", str(tmp_path / "missing" / "r.json"))
+    assert status == 2 and "cannot write the JSON report" in progress
