@@ -168,7 +168,8 @@ async def test_mode_header_overrides_server_mode_and_can_be_disabled():
 async def test_invalid_mode_header_is_a_400_naming_it():
     rec = recording("chat_unary_ids")
     app, upstream = _app(rec)
-    result = await call(app, rec.path, b"{}", headers=(*JSON, (b"x-nvext-mode", b"dynamo")))
+    body = json.dumps({**rec.request, "return_token_ids": True}).encode()
+    result = await call(app, rec.path, body, headers=(*JSON, (b"x-nvext-mode", b"dynamo")))
     assert result.status == 400 and upstream.calls == 0
     err = json.loads(result.body)["error"]
     assert err["param"] == "x-nvext-mode" and "dynamo" in err["message"] and err["code"] == 400
@@ -266,7 +267,7 @@ async def test_stream_headers_have_no_content_length():
 async def test_echo_prompt_ids_vllm_sends_anyway_are_kept():
     rec = recording("completions_stream_echo")
     app, _ = _app(rec, mode=Mode.NVEXT)
-    result = await call(app, rec.path, _nvext_request(rec))
+    result = await call(app, rec.path, json.dumps({**rec.request, "return_token_ids": True}).encode())
     raw_first, got_first = rec.events()[0]["choices"][0], _events(result.body)[0]["choices"][0]
     assert got_first.get("prompt_token_ids") == raw_first.get("prompt_token_ids")
 

@@ -34,7 +34,7 @@ def test_escaped_key_spelling_still_triggers_a_parse():
     assert plan is not None and plan.nvext_trio and not plan.vllm_ids
 
 
-@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'"nvext"', b'{"nvext": NaN}'])
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'"nvext"', b'{"nvext": {}} x', b'{"nvext": {}'])
 def test_unparseable_or_non_object_bodies_pass_through(body):
     assert plan_request(body, CHAT, Mode.AUTO) is None
 
@@ -181,8 +181,9 @@ def test_single_prompt_as_token_list_is_one_choice():
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"return_token_ids": "yes"}, "return_token_ids"),
-        ({"return_token_ids": 1}, "return_token_ids"),
+        ({"return_token_ids": "maybe"}, "return_token_ids"),
+        ({"return_token_ids": 2}, "return_token_ids"),
+        ({"nvext": 5}, "nvext"),
         ({"nvext": []}, "nvext"),
         ({"nvext": "completion_token_ids"}, "nvext"),
         ({"nvext": {"extra_fields": "completion_token_ids"}}, "nvext.extra_fields"),

@@ -7,6 +7,8 @@ decoded and encoded with the standard library instead, which keeps them exact.
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -35,3 +37,112 @@ def dumps(obj: Any) -> bytes:
         return orjson.dumps(obj)
     except TypeError:
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+# --- Reading a request body exactly as vLLM does --------------------------------------------
+# vLLM's routes take the body from starlette's `Request.json()`, which is `json.loads(bytes)`:
+# the encoding is detected (UTF-8 with or without BOM, UTF-16, UTF-32), lone surrogates pass,
+# `NaN`/`Infinity` and out-of-range numbers (`1e400` -> inf) are accepted, integers stay exact,
+# the last of duplicate keys wins. orjson agrees with it wherever orjson succeeds, except that it
+# turns integers beyond 64 bits into floats; both cases fall back to the standard library.
+
+
+def loads_as_vllm(data: bytes) -> Any:
+    """Decode as vLLM's `json.loads(body)`; raises where that raises.
+
+    ValueError (invalid JSON, undecodable bytes) or RecursionError (nesting deeper than the
+    interpreter allows). vLLM reads the body deeper in the call stack than the middleware, so a
+    body too deep here is too deep for vLLM too.
+    """
+    if _LONG_RUN not in data.translate(_DIGITS_TO_ZERO):
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(data)
+
+
+def needs_decoding(data: bytes) -> bool:
+    """True when the body is not plain UTF-8 text (a BOM, UTF-16 or UTF-32)."""
+    return json.detect_encoding(data[:4]) != "utf-8"
+
+
+def text_of(data: bytes) -> str:
+    """The text `json.loads(data)` parses (the BOM removed, lone surrogates kept)."""
+    return data.decode(json.detect_encoding(data), "surrogatepass")
+
+
+def encode_text(text: str) -> bytes:
+    """UTF-8 bytes that `json.loads` decodes back to `text` exactly."""
+    return text.encode("utf-8", "surrogatepass")
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+# A string token, or a bracket outside strings: enough to find where any valid JSON value ends.
+_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
+_SCALAR = re.compile(r"[^,:\]}\s]+")
+
+
+def _value_end(text: str, i: int) -> int:
+    """End of the valid JSON value starting at `i` (no recursion, so any depth)."""
+    first = text[i]
+    if first == '"':
+        match = _TOKEN.match(text, i)
+        assert match is not None
+        return match.end()
+    if first not in "[{":
+        match = _SCALAR.match(text, i)
+        assert match is not None
+        return match.end()
+    depth = 0
+    for match in _TOKEN.finditer(text, i):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+        elif token in "]}":
+            depth -= 1
+            if depth == 0:
+                return match.end()
+    raise ValueError("unterminated JSON value")
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One `"key": value` of a JSON object in its text: `text[start:end]` is the member."""
+
+    key: str
+    start: int
+    value_start: int
+    end: int
+
+
+def object_members(text: str, i: int) -> tuple[list[Member], int]:
+    """The members of the valid JSON object starting at `text[i]` and the index after it."""
+    assert text[i] == "{"
+    members: list[Member] = []
+    i = _WS.match(text, i + 1).end()  # type: ignore[union-attr]
+    if text[i] == "}":
+        return members, i + 1
+    while True:
+        key, colon = json.decoder.scanstring(text, i + 1)  # type: ignore[attr-defined]
+        value_start = _WS.match(text, _WS.match(text, colon).end() + 1).end()  # type: ignore[union-attr]
+        end = _value_end(text, value_start)
+        members.append(Member(key, i, value_start, end))
+        i = _WS.match(text, end).end()  # type: ignore[union-attr]
+        if text[i] == "}":
+            return members, i + 1
+        i = _WS.match(text, i + 1).end()  # type: ignore[union-attr]  # past the comma
+
+
+def splice_object(text: str, start: int, drop: frozenset[str], add: list[tuple[str, str]]) -> str:
+    """Rewrite the object at `text[start]`: members named in `drop` go (every duplicate), the
+    `add` members (key, encoded value) are appended; every other member keeps its exact text."""
+    members, end = object_members(text, start)
+    parts = [text[m.start : m.end] for m in members if m.key not in drop]
+    parts += [f"{dumps_text(key)}:{value}" for key, value in add]
+    return f"{text[:start]}{{{','.join(parts)}}}{text[end:]}"
+
+
+def dumps_text(value: Any) -> str:
+    """JSON text for a value the middleware writes; ASCII, so `json.loads` reads it back exactly."""
+    return json.dumps(value, ensure_ascii=True, allow_nan=False, separators=(",", ":"))

@@ -6,13 +6,15 @@ and every request that opts into nothing, reaches vLLM and the client byte for b
 
 from __future__ import annotations
 
+import email.message
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from . import _json, _vllm_compat
 from .config import MODE_HEADER, Mode, Settings
-from .request import ENDPOINT_PATHS, Endpoint, Plan, RequestError, error_body, might_opt_in, plan_request
+from .request import ECHO_TEXT_LOST, ENDPOINT_PATHS, Endpoint, OptInScan, Plan, RequestError, error_body, read_request
+from .request import plan as plan_request_for
 from .response import Clock, reshape_unary
 from .stream import StreamReshaper
 
@@ -68,20 +70,50 @@ class NvextMiddleware:
 
 
 class _Replay:
-    """Hands the app the (possibly rewritten) body once, then the server's own `receive`."""
+    """Hands the app the (possibly rewritten) body, then the server's own `receive`."""
 
-    __slots__ = ("_message", "_receive")
+    __slots__ = ("_messages", "_receive")
 
-    def __init__(self, body: bytes, more_body: bool, receive: Receive) -> None:
-        self._message: Message | None = {"type": "http.request", "body": body, "more_body": more_body}
+    def __init__(self, parts: list[bytes], more_body: bool, receive: Receive) -> None:
+        last = len(parts) - 1
+        self._messages: list[Message] = [
+            {"type": "http.request", "body": part, "more_body": more_body or i < last} for i, part in enumerate(parts)
+        ]
+        self._messages.reverse()
         self._receive = receive
 
     async def __call__(self) -> Message:
-        message = self._message
-        if message is not None:
-            self._message = None
-            return message
+        if self._messages:
+            return self._messages.pop()
         return await self._receive()
+
+
+class _PassThrough:
+    """The `receive` for a body over the cap that does not opt in so far: it streams to vLLM.
+
+    The rest of the body is checked as it passes. Should it turn out to opt in after all, vLLM is
+    told the client went away (it has not answered yet: it answers once the body is complete) and
+    the client gets the 413 the middleware owes it.
+    """
+
+    __slots__ = ("_replay", "_receive", "_scan", "aborted")
+
+    def __init__(self, parts: list[bytes], scan: OptInScan, receive: Receive) -> None:
+        self._replay = _Replay(parts, True, receive)
+        self._receive = receive
+        self._scan = scan
+        self.aborted = False
+
+    async def __call__(self) -> Message:
+        if self.aborted:
+            return {"type": "http.disconnect"}
+        if self._replay._messages:
+            return await self._replay()
+        message = await self._receive()
+        if message["type"] == "http.request" and self._scan.feed(bytes(message.get("body", b""))):
+            self.aborted = True
+            return {"type": "http.disconnect"}
+        return message
 
 
 class _Exchange:
@@ -102,32 +134,26 @@ class _Exchange:
 
     async def run(self) -> None:
         scope = self.scope
-        content_type = b""
-        mode_header: bytes | None = None
+        # vLLM (starlette) reads the first of repeated headers.
+        content_type: bytes | None = None
+        dp_rank: bytes | None = None
+        modes: list[bytes] = []
         declared_length = -1
         for name, value in scope["headers"]:
             if name == b"content-type":
-                content_type = value
+                content_type = value if content_type is None else content_type
             elif name == _MODE_HEADER:
-                mode_header = value
+                modes.append(value)
+            elif name == b"x-data-parallel-rank":
+                dp_rank = value if dp_rank is None else dp_rank
             elif name == b"content-length":
                 declared_length = int(value) if value.isdigit() else -1
-        if b"json" not in content_type.lower():
-            await self.app(scope, self.receive, self.send)  # vLLM answers non-JSON bodies itself
+        if not _read_as_json(content_type):
+            await self.app(scope, self.receive, self.send)  # vLLM does not read this body as JSON
             return
-
-        mode = self.settings.mode
-        if mode_header is not None and self.settings.allow_mode_header:
-            try:
-                mode = Mode.parse(mode_header.decode("latin-1"))
-            except ValueError as exc:
-                await self._refuse(RequestError(f"header `{MODE_HEADER}`: {exc}", MODE_HEADER), b"", False)
-                return
 
         cap = self.settings.max_body_bytes
-        if declared_length > cap:
-            await self._refuse(_too_large(cap), b"", True)
-            return
+        scan = OptInScan()
         parts: list[bytes] = []
         size = 0
         more = True
@@ -135,24 +161,30 @@ class _Exchange:
             message = await self.receive()
             if message["type"] != "http.request":
                 return  # the client went away before sending its body
-            chunk = bytes(message.get("body", b""))
+            chunk = message.get("body", b"")
+            chunk = chunk if type(chunk) is bytes else bytes(chunk)
             more = bool(message.get("more_body", False))
             size += len(chunk)
             parts.append(chunk)
-            if size > cap:
+            if scan.feed(chunk) and size > cap:
                 await self._refuse(_too_large(cap), b"".join(parts), more)
                 return
-        body = b"".join(parts)
-
-        plan: Plan | None = None
-        if might_opt_in(body):
-            try:
-                plan = plan_request(body, self.endpoint, mode)
-            except RequestError as exc:
-                await self._refuse(exc, body, False)
+            if more and not scan.found and max(size, declared_length) > cap:
+                await self._pass_through(parts, scan)  # too large to hold, and no opt-in so far
                 return
-        if plan is None:
-            await self.app(scope, _Replay(body, False, self.receive), self.send)
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+
+        try:
+            request = read_request(body, self.endpoint) if scan.found else None
+            if request is None:
+                await self.app(scope, _Replay([body], False, self.receive), self.send)
+                return
+            mode = self._mode(modes)
+            plan = plan_request_for(request, mode, dp_rank_header=dp_rank)
+            if plan.echo_text_lost:
+                raise RequestError(ECHO_TEXT_LOST, "echo")
+        except RequestError as exc:
+            await self._refuse(exc, body, False)
             return
         if plan.body is not None:
             body = plan.body
@@ -160,13 +192,49 @@ class _Exchange:
         for name, value in plan.headers:
             _set_header(scope, name, value, replace=False)
         send = _Reshaping(plan, self.clock, self.send) if plan.reshapes_response else self.send
-        await self.app(scope, _Replay(body, False, self.receive), send)
+        await self.app(scope, _Replay([body], False, self.receive), send)
+
+    def _mode(self, values: list[bytes]) -> Mode:
+        """The mode for a request that opts in; an empty header counts as absent."""
+        mode = self.settings.mode
+        if not self.settings.allow_mode_header:
+            return mode
+        chosen: set[Mode] = set()
+        for value in values:
+            text = value.decode("latin-1")
+            if text.strip():
+                try:
+                    chosen.add(Mode.parse(text))
+                except ValueError as exc:
+                    raise RequestError(f"header `{MODE_HEADER}`: {exc}", MODE_HEADER) from None
+        if len(chosen) > 1:
+            names = ", ".join(sorted(m.value for m in chosen))
+            raise RequestError(f"header `{MODE_HEADER}` is repeated with different modes ({names})", MODE_HEADER)
+        return chosen.pop() if chosen else mode
+
+    async def _pass_through(self, parts: list[bytes], scan: OptInScan) -> None:
+        receive = _PassThrough(parts, scan, self.receive)
+        started = False
+
+        async def send(message: Message) -> None:
+            nonlocal started
+            if receive.aborted:
+                return  # vLLM's answer to the disconnect; the client gets the 413 below
+            started = True
+            await self.send(message)
+
+        await self.app(self.scope, receive, send)
+        if receive.aborted and not started:
+            await self._send_error(_too_large(self.settings.max_body_bytes))
 
     async def _refuse(self, error: RequestError, body: bytes, more_body: bool) -> None:
         if _vllm_compat.auth_refuses(self.scope):
             # Mounted outside vLLM's auth: an unauthenticated caller gets vLLM's 401, not our verdict.
-            await self.app(self.scope, _Replay(body, more_body, self.receive), self.send)
+            await self.app(self.scope, _Replay([body], more_body, self.receive), self.send)
             return
+        await self._send_error(error)
+
+    async def _send_error(self, error: RequestError) -> None:
         payload = error_body(error.message, error.param, error.status)
         await self.send(
             {
@@ -179,6 +247,18 @@ class _Exchange:
             }
         )
         await self.send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+def _read_as_json(content_type: bytes | None) -> bool:
+    """Whether vLLM's FastAPI route parses the body as JSON (its own rule, on the first header)."""
+    if content_type is None:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type.decode("latin-1")
+    if message.get_content_maintype() != "application":
+        return False
+    subtype = message.get_content_subtype()
+    return subtype == "json" or subtype.endswith("+json")
 
 
 def _too_large(cap: int) -> RequestError:
