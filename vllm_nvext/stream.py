@@ -19,10 +19,18 @@ from .sse import EventFramer, data_payload
 logger = logging.getLogger("vllm_nvext")
 
 _FINISH_KEY = b'"finish_reason":'
+# A null-valued key other than those the general path reads or writes (no duplicate can hide).
+_NULL_KEY = rb',"(?!(?:token_ids|finish_reason|choices|nvext)")[a-z_]+":null'
 # The tail vLLM writes for a mid-stream delta of its only choice: an unfinished finish_reason,
 # then only null-valued keys (stop_reason, prompt_token_ids, ...), then the delta's ids, then
-# the end of the choice, of `choices` and of the chunk. Anything else is decoded.
-_DELTA_TAIL = re.compile(rb'"finish_reason":null(?:,"[a-z_]+":null)*,"token_ids":(null|\[[0-9,]*\])\}\]\}\n\n\Z')
+# only null-valued keys (0.33: weight_versions), the end of the choice and of `choices`, only
+# null-valued root keys (0.33: kv_transfer_params) and the end of the chunk. Group 1: the ids;
+# group 2: everything after them. Anything else is decoded.
+_DELTA_TAIL = re.compile(
+    rb'"finish_reason":null(?:' + _NULL_KEY + rb')*,"token_ids":(null|\[[0-9,]*\])'
+    rb"((?:" + _NULL_KEY + rb")*\}\](?:" + _NULL_KEY + rb")*\}\n\n)\Z"
+)
+_ID_BYTES = b"0123456789,"
 
 
 def _is_plain_data_event(event: bytes) -> bool:
@@ -42,7 +50,7 @@ class StreamReshaper:
     sent it, and at most one partial event is held back.
     """
 
-    __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio")
+    __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "_head", "_tail", "_held")
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
         self.chunks = ChunkReshaper(plan, clock)
@@ -50,6 +58,9 @@ class StreamReshaper:
         self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
         self._trio = plan.nvext_trio
         self._fast = False  # the byte-level path serves deltas once the first chunk was decoded
+        self._head = b""  # the bytes from finish_reason to the ids, and after them, of the last delta matched
+        self._tail = b""
+        self._held = False  # the framer holds a partial event (the `buffered` property, as a plain slot)
 
     @property
     def buffered(self) -> int:
@@ -59,11 +70,11 @@ class StreamReshaper:
     def feed(self, body: bytes) -> bytes:
         """The bytes the client gets for one body message of vLLM's stream (held-back bytes excepted)."""
         if (
-            body[-1:] == b"\n"
+            body.endswith(b"\n\n")
             and body.find(b"\n") == len(body) - 2
             and body.find(b"\r") < 0
             and body.startswith(b"data: ")
-            and not self._framer.buffered
+            and not self._held
         ):
             # Shortcut: vLLM's usual message is exactly one event, so framing is skipped
             # (_is_plain_data_event inlined). Same bytes as framing it:
@@ -74,21 +85,40 @@ class StreamReshaper:
                 logger.exception("vllm-nvext could not reshape a stream event; forwarded unchanged")
                 return body
         events = self._framer.feed(body)
+        self._held = self._framer.buffered > 0
         return b"".join([self._reshape_framed(event) for event in events]) if events else b""
 
     def flush(self) -> bytes:
         """Whatever is held back at the end of the stream (an unterminated tail), as it came."""
+        self._held = False
         return self._framer.flush()
 
     def reshape_event(self, event: bytes) -> bytes | None:
         """The new bytes for one whole `data: {...}\\n\\n` event, or None to forward it as sent.
 
-        Shortcut: mid-stream deltas take a byte-level path (_DELTA_TAIL): inside a JSON string
-        every quote is escaped, so the key tokens matched here cannot come from text. Same bytes
-        as decoding: tests/test_stream.py::test_byte_level_path_equals_decoding_every_chunk.
+        Shortcut: mid-stream deltas take a byte-level path (_DELTA_TAIL, any layout that only
+        adds null-valued keys after the ids or at the root): inside a JSON string every quote is
+        escaped, so the key tokens matched here cannot come from text. vLLM writes the same bytes
+        around every delta of a stream, so the bytes around the last match are checked literally
+        first. Same bytes as decoding (for the valid JSON vLLM writes):
+        tests/test_stream_layouts.py::test_byte_level_path_gives_the_general_paths_bytes.
         Everything else, the first and final chunks among them, is decoded.
         """
         if self._fast:
+            tail = self._tail
+            if tail and event.endswith(tail):
+                end = len(event) - len(tail)
+                start = event.rfind(b"[", 0, end)
+                pos = start - len(self._head)
+                if (
+                    pos > 6
+                    and event.startswith(self._head, pos)
+                    and not event[start + 1 : end - 1].translate(None, _ID_BYTES)
+                    and event[end - 1 : end] == b"]"
+                    and event.find(_FINISH_KEY) == pos  # the only choice of this chunk
+                    and event[6:7] == b"{"
+                ):
+                    return self._delta(event, start, end)
             pos = event.rfind(_FINISH_KEY)
             # first == last occurrence: exactly one choice in this chunk
             m = (
@@ -97,22 +127,39 @@ class StreamReshaper:
                 else None
             )
             if m is not None:
-                ids = m.group(1)
-                start = m.start(1)
-                if ids == b"null":
-                    ids = b"[]"
-                if len(ids) > 2:
-                    chunks = self.chunks
-                    if chunks.ttft_ms is None:
-                        chunks.ttft_ms = chunks.clock.elapsed_ms()
-                    if chunks.engine:
-                        chunks.ids.extend(_json.loads(ids))
-                    if self._strip:
-                        event = event[:start] + b"null}]}\n\n"
-                if self._trio:
-                    return event[:-3] + b',"nvext":{"completion_token_ids":' + ids + b"}}\n\n"
-                return event if self._strip and len(ids) > 2 else None
+                start, end = m.span(1)
+                if event[start] == 91:  # `[`: learn the bytes around a list of ids
+                    self._head = event[pos:start]
+                    self._tail = m.group(2)
+                return self._delta(event, start, end)
+        if event == b"data: [DONE]\n\n":
+            return None
         return self._decoded_event(event)
+
+    def _delta(self, event: bytes, start: int, end: int) -> bytes | None:
+        """A mid-stream delta whose ids (a list, or null) sit at event[start:end]."""
+        ids = event[start:end]
+        listed = ids[0] == 91  # `[`; else null
+        if not listed:
+            ids = b"[]"
+        elif end - start > 2:
+            chunks = self.chunks
+            if chunks.ttft_ms is None:
+                chunks.ttft_ms = chunks.clock.elapsed_ms()
+            if chunks.engine:
+                chunks.ids.extend(_json.loads(ids))
+        strip = self._strip and listed  # vLLM's copy goes back to null, an empty one too
+        if self._trio:
+            return b"".join(
+                (
+                    event[:start] + b"null" if strip else event[:end],
+                    event[end:-3],
+                    b',"nvext":{"completion_token_ids":',
+                    ids,
+                    b"}}\n\n",
+                )
+            )
+        return event[:start] + b"null" + event[end:] if strip else None
 
     def _decoded_event(self, event: bytes) -> bytes | None:
         new = self.reshape_payload(event[6:-2])
