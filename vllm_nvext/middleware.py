@@ -9,9 +9,10 @@ from __future__ import annotations
 import email.message
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
+from time import perf_counter_ns
 from typing import Any
 
-from . import _json, _vllm_compat
+from . import _json, _vllm_compat, metrics
 from .config import MODE_HEADER, Mode, Settings
 from .request import ECHO_TEXT_LOST, ENDPOINT_PATHS, Endpoint, OptInScan, Plan, RequestError, error_body, read_request
 from .request import plan as plan_request_for
@@ -149,6 +150,7 @@ class _Exchange:
             elif name == b"content-length":
                 declared_length = int(value) if value.isdigit() else -1
         if not _read_as_json(content_type):
+            metrics.count_request(self.endpoint, "none", self.settings.mode, metrics.UNKNOWN)
             await self.app(scope, self.receive, self.send)  # vLLM does not read this body as JSON
             return
 
@@ -170,6 +172,7 @@ class _Exchange:
                 await self._refuse(_too_large(cap), b"".join(parts), more)
                 return
             if more and not scan.found and max(size, declared_length) > cap:
+                metrics.count_request(self.endpoint, "none", self.settings.mode, metrics.UNKNOWN)
                 await self._pass_through(parts, scan)  # too large to hold, and no opt-in so far
                 return
         body = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -177,6 +180,7 @@ class _Exchange:
         try:
             request = read_request(body, self.endpoint) if scan.found else None
             if request is None:
+                metrics.count_request(self.endpoint, "none", self.settings.mode, metrics.UNKNOWN)
                 await self.app(scope, _Replay([body], False, self.receive), self.send)
                 return
             mode = self._mode(modes)
@@ -191,8 +195,15 @@ class _Exchange:
             _set_header(scope, b"content-length", str(len(body)).encode())
         for name, value in plan.headers:
             _set_header(scope, name, value, replace=False)
-        send = _Reshaping(plan, self.clock, self.send) if plan.reshapes_response else self.send
-        await self.app(scope, _Replay([body], False, self.receive), send)
+        metrics.count_request(self.endpoint, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY)
+        if not plan.reshapes_response:
+            await self.app(scope, _Replay([body], False, self.receive), self.send)
+            return
+        reshaping = _Reshaping(plan, self.clock, self.send)
+        try:
+            await self.app(scope, _Replay([body], False, self.receive), reshaping)
+        finally:
+            reshaping.count_stream()  # also for a stream the client cut short
 
     def _mode(self, values: list[bytes]) -> Mode:
         """The mode for a request that opts in; an empty header counts as absent."""
@@ -235,6 +246,7 @@ class _Exchange:
         await self._send_error(error)
 
     async def _send_error(self, error: RequestError) -> None:
+        metrics.count_refusal(error.param, error.status)
         payload = error_body(error.message, error.param, error.status)
         await self.send(
             {
@@ -268,7 +280,7 @@ def _too_large(cap: int) -> RequestError:
 class _Reshaping:
     """The `send` handed to vLLM when the response has to be reshaped."""
 
-    __slots__ = ("plan", "clock", "send", "_kind", "_start", "_parts", "_stream")
+    __slots__ = ("plan", "clock", "send", "_kind", "_start", "_parts", "_stream", "_tally", "_left")
 
     _PASS, _UNARY, _STREAM = 0, 1, 2
 
@@ -280,6 +292,8 @@ class _Reshaping:
         self._start: Message | None = None
         self._parts: list[bytes] = []
         self._stream: StreamReshaper | None = None
+        self._tally: metrics.StreamTally | None = None  # None: metrics off, nothing timed
+        self._left = metrics.StreamTally.FIRST  # body messages until the next timed one
 
     async def __call__(self, message: Message) -> None:
         kind = message["type"]
@@ -309,6 +323,7 @@ class _Reshaping:
         elif content_type.startswith(b"text/event-stream"):
             self._kind = self._STREAM
             self._stream = StreamReshaper(self.plan, self.clock)
+            self._tally = metrics.StreamTally() if metrics.enabled() else None
             message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]
         elif content_type.startswith(b"application/json"):
             self._kind = self._UNARY
@@ -323,7 +338,18 @@ class _Reshaping:
         body = message.get("body", b"")
         if type(body) is not bytes:
             body = bytes(body)  # memoryview or bytearray: `in` and find() need real bytes
-        out = stream.feed(body)
+        tally = self._tally
+        if tally is None:
+            out = stream.feed(body)
+        else:
+            left = self._left - 1
+            if left:
+                self._left = left
+                out = stream.feed(body)
+            else:  # one message in a sample is timed (metrics.StreamTally)
+                t0 = perf_counter_ns()
+                out = stream.feed(body)
+                self._left = tally.add(perf_counter_ns() - t0)
         if not more:
             out += stream.flush()  # an unterminated tail goes out as it came
         if out or not more:
@@ -335,6 +361,8 @@ class _Reshaping:
             return
         body = b"".join(self._parts)
         self._parts = []
+        t0 = perf_counter_ns()
+        unchanged = 0
         try:
             obj = _json.loads(body)
             if reshape_unary(obj, self.plan, self.clock):
@@ -343,6 +371,8 @@ class _Reshaping:
             pass  # not JSON after all: forwarded unchanged
         except Exception:  # never turn a good vLLM answer into a 500
             logger.exception("vllm-nvext could not reshape a response; forwarded unchanged")
+            unchanged = 1
+        metrics.count_reshaping(self.plan.endpoint, metrics.UNARY, 1, (perf_counter_ns() - t0) / 1e9, unchanged)
         start = self._start
         assert start is not None
         headers = [(n, v) for n, v in start.get("headers", ()) if n.lower() != b"content-length"]
@@ -350,6 +380,14 @@ class _Reshaping:
         start["headers"] = headers
         await self.send(start)
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def count_stream(self) -> None:
+        """Add a reshaped stream's events and time to the metrics, once, when it is over."""
+        stream, tally = self._stream, self._tally
+        if stream is not None and tally is not None:
+            self._tally = None
+            seconds = tally.seconds(self._left)
+            metrics.count_reshaping(self.plan.endpoint, metrics.STREAM, stream.events, seconds, stream.unchanged)
 
 
 def _set_header(scope: Scope, name: bytes, value: bytes, *, replace: bool = True) -> None:

@@ -161,6 +161,9 @@ class Plan:
     body: bytes | None
     # Extra request headers for vLLM (e.g. the data-parallel rank).
     headers: tuple[tuple[bytes, bytes], ...] = ()
+    # What the client asked in (`vllm`, `nvext` or `both`) and whether it streams: for the metrics.
+    dialect: str = "vllm"
+    stream: bool = False
 
     @property
     def reshapes_response(self) -> bool:
@@ -431,6 +434,8 @@ def plan(request: Request, mode: Mode, *, dp_rank_header: bytes | None = None) -
         logprobs=_logprobs_requested(fields, endpoint),
         body=rewrite.apply(request.body),
         headers=headers,
+        dialect=("both" if "nvext" in data else "vllm") if return_token_ids else "nvext",
+        stream=fields.stream is True,
     )
 
 

@@ -50,7 +50,7 @@ class StreamReshaper:
     sent it, and at most one partial event is held back.
     """
 
-    __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "_head", "_tail", "_held")
+    __slots__ = ("chunks", "events", "unchanged", "_framer", "_fast", "_strip", "_trio", "_head", "_tail", "_held")
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
         self.chunks = ChunkReshaper(plan, clock)
@@ -61,6 +61,8 @@ class StreamReshaper:
         self._head = b""  # the bytes from finish_reason to the ids, and after them, of the last delta matched
         self._tail = b""
         self._held = False  # the framer holds a partial event (the `buffered` property, as a plain slot)
+        self.events = 0  # events fed, and those forwarded unchanged after a failure: for the metrics
+        self.unchanged = 0
 
     @property
     def buffered(self) -> int:
@@ -79,14 +81,19 @@ class StreamReshaper:
             # Shortcut: vLLM's usual message is exactly one event, so framing is skipped
             # (_is_plain_data_event inlined). Same bytes as framing it:
             # tests/test_stream.py::test_feeding_whole_events_equals_feeding_split_bytes.
+            self.events += 1
             try:
                 return self.reshape_event(body) or body
             except Exception:
                 logger.exception("vllm-nvext could not reshape a stream event; forwarded unchanged")
+                self.unchanged += 1
                 return body
         events = self._framer.feed(body)
         self._held = self._framer.buffered > 0
-        return b"".join([self._reshape_framed(event) for event in events]) if events else b""
+        if not events:
+            return b""
+        self.events += len(events)
+        return b"".join([self._reshape_framed(event) for event in events])
 
     def flush(self) -> bytes:
         """Whatever is held back at the end of the stream (an unterminated tail), as it came."""
@@ -174,7 +181,7 @@ class StreamReshaper:
         chunks = self.chunks
         changed = chunks.reshape(obj)
         if isinstance(obj, dict) and obj.get("choices"):
-            # engine_data with logprobs needs each chunk's logprobs, so it always decodes.
+            # engine_data keeps each choice's ids and logprobs apart, so it always decodes.
             self._fast = not (chunks.engine and chunks.logprobs is not None)
         return _json.dumps(obj) if changed else None
 
@@ -193,5 +200,6 @@ class StreamReshaper:
             new = self.reshape_payload(payload)
         except Exception:
             logger.exception("vllm-nvext could not reshape a stream event; forwarded unchanged")
+            self.unchanged += 1
             return event
         return event if new is None else event[:start] + new + event[end:]

@@ -1,0 +1,225 @@
+"""Prometheus counters for what the middleware does, served on vLLM's own `/metrics`.
+
+The counters go to prometheus_client's default registry, which vLLM's `/metrics` serves; with
+`--api-server-count > 1` vLLM sets `PROMETHEUS_MULTIPROC_DIR` before it spawns the API-server
+processes, so each process's counters are files that vLLM's multiprocess collector sums. They
+are created on first use, once per process (after that set-up). Without prometheus_client
+every function here does nothing.
+
+Every label value comes from a fixed set (endpoints, dialects, modes, a known `param` name):
+no prompt, id or other client-supplied string ever becomes one. Pure: nothing here knows ASGI.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+PREFIX = "vllm_nvext:"
+
+# Dialect a request asked in (`none`: it opted into nothing and was never parsed).
+DIALECTS = ("vllm", "nvext", "both", "none")
+STREAM, UNARY, UNKNOWN = "stream", "unary", "unknown"
+# Refusals without a field to name: the body-size cap.
+BODY = "body"
+
+# The `param` of a refusal names a request field the middleware knows; a key the client made
+# up is reported as `<unknown>` under the object it was found in, never by its name.
+_TOP_LEVEL_PARAMS = frozenset(
+    {
+        "nvext",
+        "x-nvext-mode",
+        # vLLM's request fields the middleware reads (request.field_reader) or refuses a combination of
+        "return_token_ids",
+        "n",
+        "prompt",
+        "prompt_embeds",
+        "echo",
+        "logprobs",
+        "stream",
+        "prompt_logprobs",
+        "kv_transfer_params",
+    }
+)
+UNKNOWN_KEY = "<unknown>"
+OTHER = "other"
+
+# A stream's reshaping time is sampled: its first two body messages and one in STRIDE after
+# that are timed, each standing for the messages up to the next sample (see StreamTally).
+STRIDE = 16
+
+_lock = threading.Lock()
+_state: _Counters | None = None
+_disabled = False
+
+
+class _Noop:
+    """Stands in for a counter child when prometheus_client is absent."""
+
+    __slots__ = ()
+
+    def inc(self, amount: float = 1) -> None:
+        return None
+
+
+_NOOP = _Noop()
+
+
+class _Counters:
+    __slots__ = ("requests", "refusals", "unchanged", "events", "seconds")
+
+    def __init__(self, counter: Any) -> None:
+        self.requests = counter(
+            PREFIX + "requests",
+            "Requests to the token endpoints handed to vLLM, by endpoint, dialect asked "
+            "(none: opted into nothing, never parsed), placement served (the mode after the "
+            "x-nvext-mode header) and kind (stream, unary; unknown when never parsed).",
+            ["endpoint", "dialect", "placement", "kind"],
+        )
+        self.refusals = counter(
+            PREFIX + "refusals",
+            "Requests the middleware refused itself, by the request field named in the error (param) and HTTP status.",
+            ["param", "status"],
+        )
+        self.unchanged = counter(
+            PREFIX + "forwarded_unchanged",
+            "Unary bodies or stream events forwarded as vLLM sent them because reshaping them failed.",
+            ["endpoint", "kind"],
+        )
+        self.events = counter(
+            PREFIX + "reshaped_events",
+            "Response events that went through the reshaper: SSE events of a stream, whole unary bodies.",
+            ["endpoint", "kind"],
+        )
+        self.seconds = counter(
+            PREFIX + "reshaping_seconds",
+            "Time spent reshaping those events (streams: estimated from timing every eighth body message).",
+            ["endpoint", "kind"],
+        )
+
+
+def _counters() -> _Counters | None:
+    global _state, _disabled
+    if _state is not None or _disabled:
+        return _state
+    with _lock:
+        if _state is None and not _disabled:
+            try:
+                from prometheus_client import Counter
+            except ImportError:
+                _disabled = True
+                return None
+            _state = _Counters(Counter)
+    return _state
+
+
+def enabled() -> bool:
+    """Whether counting is on: prometheus_client is importable in this process."""
+    return _counters() is not None
+
+
+def _label(value: Any) -> str:
+    return str(getattr(value, "value", value))  # an Endpoint or Mode member, or a plain string
+
+
+_requests: dict[tuple[Any, Any, Any, str], Any] = {}
+
+
+def count_request(endpoint: Any, dialect: str, placement: Any, kind: str) -> None:
+    """One request handed to vLLM. `endpoint` and `placement` are Endpoint and Mode members."""
+    key = (endpoint, dialect, placement, kind)
+    child = _requests.get(key)
+    if child is None:
+        state = _counters()
+        child = _NOOP if state is None else state.requests.labels(_label(endpoint), dialect, _label(placement), kind)
+        _requests[key] = child
+    child.inc()
+
+
+def refusal_param(param: str | None) -> str:
+    """The label value for a refusal's `param`: a field the middleware knows, never a client's key."""
+    if param is None:
+        return BODY
+    if param in _TOP_LEVEL_PARAMS or param in _nvext_params():
+        return param
+    where = param.rpartition(".")[0]
+    if where == "nvext" or where in _nvext_params():
+        return f"{where}.{UNKNOWN_KEY}"
+    return OTHER
+
+
+_NVEXT_PARAMS: frozenset[str] | None = None
+
+
+def _nvext_params() -> frozenset[str]:
+    global _NVEXT_PARAMS
+    if _NVEXT_PARAMS is None:
+        from .request import _NVEXT_FIELDS, _OBJECTS
+
+        names = {f"nvext.{name}" for name in _NVEXT_FIELDS}
+        names |= {f"nvext.{obj}.{name}" for obj, fields in _OBJECTS.items() for name in fields}
+        _NVEXT_PARAMS = frozenset(names)
+    return _NVEXT_PARAMS
+
+
+def count_refusal(param: str | None, status: int) -> None:
+    """One request the middleware answered with an error of its own."""
+    state = _counters()
+    if state is not None:
+        state.refusals.labels(refusal_param(param), str(status)).inc()
+
+
+_reshaping: dict[tuple[Any, str], tuple[Any, Any, Any]] = {}
+
+
+def count_reshaping(endpoint: Any, kind: str, events: int, seconds: float, unchanged: int = 0) -> None:
+    """One response's reshaping, added once when the response is over."""
+    children = _reshaping.get((endpoint, kind))
+    if children is None:
+        state = _counters()
+        if state is None:
+            children = (_NOOP, _NOOP, _NOOP)
+        else:
+            labels = (_label(endpoint), kind)
+            children = (state.events.labels(*labels), state.seconds.labels(*labels), state.unchanged.labels(*labels))
+        _reshaping[(endpoint, kind)] = children
+    if events:
+        children[0].inc(events)
+    if seconds > 0:
+        children[1].inc(seconds)
+    if unchanged:
+        children[2].inc(unchanged)
+
+
+class StreamTally:
+    """Estimated reshaping time of one stream, from timing a sample of its body messages.
+
+    The caller counts down body messages from `FIRST`, times the message on which the countdown
+    reaches zero, and restarts the countdown from what `add` returns: the first two messages
+    are timed, then one in STRIDE. The first (always decoded, dearer than the deltas) stands
+    for itself; every other timed message for itself and the untimed ones after it. So an
+    untimed message costs the caller one decrement and one test.
+    """
+
+    FIRST = 1
+
+    __slots__ = ("_ns", "_last_ns", "_samples")
+
+    def __init__(self) -> None:
+        self._ns = 0
+        self._last_ns = 0
+        self._samples = 0
+
+    def add(self, ns: int) -> int:
+        """A timed message took `ns`; returns the countdown to the next timed one."""
+        self._samples += 1
+        if self._samples == 1:
+            self._ns += ns
+            return 1
+        self._ns += self._last_ns * STRIDE  # the previous sample stood for a whole stride
+        self._last_ns = ns
+        return STRIDE
+
+    def seconds(self, left: int) -> float:
+        """The estimate, with `left` the countdown when the stream ended."""
+        return (self._ns + self._last_ns * (1 + STRIDE - left)) / 1e9
