@@ -133,7 +133,7 @@ def test_request_that_opts_into_nothing_matches_raw(translated, raw_answer):
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"return_token_ids": "true"}, "return_token_ids"),
+        ({"return_token_ids": "maybe"}, "return_token_ids"),
         ({"nvext": ["completion_token_ids"]}, "nvext"),
         ({"nvext": {"extra_fields": "completion_token_ids"}}, "nvext.extra_fields"),
         ({"nvext": {"unknown_key": True}}, "nvext.unknown_key"),
