@@ -234,6 +234,49 @@ def _hidden_states_vllm() -> VllmServer:
 hs_server = register("hs", _hidden_states_vllm, url_env="VLLM_NVEXT_HS_URL")
 
 
+def tiny_vllm033(name: str, *args: str, env: dict[str, str] | None = None) -> Callable[[], Server]:
+    """vLLM 0.33's own `vllm serve` over a scripted engine core (scripts/vllm033_harness.py).
+
+    Its reference venv comes from `make setup-vllm033`; without it the tests using it fail, naming that target.
+    """
+
+    def factory() -> Server:
+        from scripts.vllm033_harness import Vllm033Server
+
+        return Vllm033Server(
+            model=tiny_model_dir(),
+            args=(*TINY_ARGS, "--served-model-name", MODEL_NAME, *args),
+            env={"PYTHONUNBUFFERED": "1", **(env or {})},
+            name=name,
+            port=listen_port(),
+        )
+
+    return factory
+
+
+raw033_server = register("raw033", tiny_vllm033("raw033"))
+mw033_server = register("mw033", tiny_vllm033("mw033", "--middleware", MIDDLEWARE, "--api-key", API_KEY))
+plugin033_server = register("plugin033", tiny_vllm033("plugin033", "--api-key", API_KEY, env={"VLLM_PLUGINS": "nvext"}))
+
+
+# A real NVIDIA Dynamo 1.6.1 (frontend + `dynamo.vllm` worker), the conformance reference; its venv
+# is built by `make setup-dynamo`, and a missing one fails the tests that use it (never a skip).
+def _dynamo_reference() -> Server:
+    from .dynamo_reference import DynamoReference
+
+    return DynamoReference(model=tiny_model_dir(), port=listen_port())
+
+
+dynamo_server = register("dynamo", _dynamo_reference)
+# vllm-nvext as compared with Dynamo: vLLM reports cached prompt tokens and per-request metrics.
+nvext_dynamo_server = register(
+    "nvext_dynamo",
+    tiny_vllm(
+        "nvext-dynamo", "--middleware", MIDDLEWARE, "--enable-prompt-tokens-details", "--enable-per-request-metrics"
+    ),
+)
+
+
 # --- clients ------------------------------------------------------------------------------------
 
 
