@@ -94,6 +94,9 @@ def _value_end(text: str, i: int) -> int:
         match = _SCALAR.match(text, i)
         assert match is not None
         return match.end()
+    close = text.find("]" if first == "[" else "}", i + 1)
+    if close > 0 and not any(c in text[i + 1 : close] for c in '"[{'):
+        return close + 1  # flat: numbers and literals only (a list of ids), found at C speed
     depth = 0
     for match in _TOKEN.finditer(text, i):
         token = match.group()
