@@ -56,10 +56,14 @@ def run_without_extras(*argv: str) -> subprocess.CompletedProcess[str]:
     [
         (["serve"], "needs vLLM (vllm not installed): install the vLLM build for your hardware"),
         (["serve", "--model", "some/model"], "needs vLLM (vllm not installed)"),
-        (["tiny-model", "DIR"], "needs torch and transformers (torch, transformers not installed): "
-                                "pip install 'vllm-nvext[tiny-model]'"),  # fmt: skip
-        (["parity", "--url", "http://127.0.0.1:9"], "needs httpx, which is not installed: "
-                                                   "pip install 'vllm-nvext[client]'"),  # fmt: skip
+        (
+            ["tiny-model", "DIR"],
+            "needs torch and transformers (torch, transformers not installed): pip install 'vllm-nvext[tiny-model]'",
+        ),  # fmt: skip
+        (
+            ["parity", "--url", "http://127.0.0.1:9"],
+            "needs httpx, which is not installed: pip install 'vllm-nvext[client]'",
+        ),  # fmt: skip
     ],
     ids=["serve", "serve-model", "tiny-model", "parity"],
 )
