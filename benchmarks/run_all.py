@@ -1,8 +1,8 @@
 """Run the benchmarks of issue 5 and print every table, then one PASS/FAIL line per target.
 
-    python -m benchmarks.run_all                    # all four (make bench), a few minutes on 2 cores
+    python -m benchmarks.run_all                    # all of them (make bench), a few minutes on 2 cores
     python -m benchmarks.run_all --quick            # smaller sizes, fewer rounds
-    python -m benchmarks.run_all --only events      # one of: events, asgi, memory, server (repeatable)
+    python -m benchmarks.run_all --only events      # one of: events, layouts, asgi, memory, server (repeatable)
     python -m benchmarks.run_all --skip server      # everything but the real-server benchmark
 
 A missed target is reported, never turned into a failing exit status: these are measurements.
@@ -15,12 +15,14 @@ import time
 import traceback
 from collections.abc import Callable
 
-from . import bench_asgi, bench_events, bench_memory, bench_server
+from . import bench_asgi, bench_events, bench_layouts, bench_memory, bench_server
 from ._common import Target, machine_description, print_targets
 
 # The server benchmark last: it is the longest and the only one that needs free memory.
 BENCHMARKS: dict[str, tuple[Callable[..., list[Target]], list[str]]] = {
     "events": (bench_events.run, [bench_events.TARGET_PASS_THROUGH, bench_events.TARGET_RESHAPE]),
+    # vLLM 0.32 and 0.33 layouts side by side: whole recorded streams through NvextMiddleware.
+    "layouts": (bench_layouts.run, [bench_layouts.TARGET_LAYOUTS]),
     "asgi": (bench_asgi.run, [bench_asgi.TARGET_LINEAR]),
     "memory": (bench_memory.run, [bench_memory.TARGET_MEMORY]),
     "server": (bench_server.run, [bench_server.TARGET_SERVER]),
@@ -29,6 +31,7 @@ BENCHMARKS: dict[str, tuple[Callable[..., list[Target]], list[str]]] = {
 TARGET_ORDER = [
     bench_events.TARGET_PASS_THROUGH,
     bench_events.TARGET_RESHAPE,
+    bench_layouts.TARGET_LAYOUTS,
     bench_server.TARGET_SERVER,
     bench_asgi.TARGET_LINEAR,
     bench_memory.TARGET_MEMORY,
