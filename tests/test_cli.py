@@ -78,6 +78,24 @@ def test_serve_without_a_model_serves_the_tiny_model(stand_in, capfd, monkeypatc
     assert '"model": "tiny"' in out
 
 
+def test_sigterm_to_serve_stops_the_server(stand_in, capfd, monkeypatch):
+    """The handler `serve` installs ends vLLM's whole process group (here: at once, while starting)."""
+
+    def install(signum, handler):
+        stand_in[signum] = handler
+        if signum == cli.signal.SIGTERM:
+            handler(signum, None)
+
+    monkeypatch.setattr(cli.signal, "signal", install)
+    assert cli.main(["serve", "--model", "m", "--port", "0"]) == -cli.signal.SIGTERM
+    assert "serving on" not in capfd.readouterr().out
+
+
+def test_parity_runs_from_the_command_line(capsys):
+    assert cli.main(["parity", "--max-tokens", "0"]) == 2
+    assert capsys.readouterr().err == "vllm-nvext parity: error: --max-tokens must be at least 1, got 0\n"
+
+
 def test_serve_returns_the_status_of_a_server_that_dies_during_start_up(stand_in, capfd, monkeypatch):
     monkeypatch.setattr(VllmServer, "command", lambda self: [sys.executable, "-c", "import sys; sys.exit(5)"])
     assert cli.main(["serve", "--model", "m", "--port", "0"]) == 5

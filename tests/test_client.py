@@ -318,6 +318,39 @@ def test_unreadable_objects_are_a_type_error():
         extract(42)
 
 
+def test_pydantic_v1_objects_and_non_object_answers():
+    body = recording("chat_unary_ids").json()
+
+    class V1Model:  # pydantic v1's `.json()` returns the JSON text
+        def json(self) -> str:
+            return json.dumps(body)
+
+    class ListAnswer:
+        def json(self) -> list[int]:
+            return [1, 2]
+
+    assert extract(V1Model()) == extract(body)
+    with pytest.raises(TokenIdsError, match="not a JSON object: list"):
+        extract(ListAnswer())
+
+
+def test_prompt_ids_from_another_placement_fill_in_and_disagreeing_prompts_raise():
+    body = reshaped(recording("completions_unary_ids"), {"return_token_ids": True}, Mode.BOTH)
+    prompt = body["choices"][0]["prompt_token_ids"]
+    assert body["nvext"].pop("prompt_token_ids") == prompt
+    ids = extract(body)
+    assert ids.placement == NVEXT and ids.prompt_token_ids == prompt  # read from vLLM's placement
+    body["nvext"]["prompt_token_ids"] = [*prompt[:-1], prompt[-1] + 1]
+    with pytest.raises(TokenIdsError, match=rf"prompt ids differ .*index {len(prompt) - 1}: "):
+        extract(body)
+
+
+def test_choices_that_are_not_objects_are_skipped():
+    body = recording("completions_unary_ids").json()
+    body["choices"].append("garbage")
+    assert extract(body).completion_token_ids == extract(recording("completions_unary_ids").json()).completion_token_ids
+
+
 def test_non_integer_ids_are_refused():
     body = recording("chat_unary_ids").json()
     body["choices"][0]["token_ids"] = [1, "2"]
@@ -371,6 +404,16 @@ def test_parse_sse_lines_mode_takes_iter_lines_output():
 def test_parse_sse_non_json_payload_raises():
     with pytest.raises(TokenIdsError, match="not JSON"):
         list(parse_sse(b"data: hello\n\n"))
+    with pytest.raises(TokenIdsError, match=r"not a JSON object: '\[1\]'"):
+        list(parse_sse(b"data: [1]\n\n"))
+
+
+def test_parse_sse_takes_bytearray_and_memoryview_bodies():
+    body = recording("chat_stream_ids").body
+    expected = recording("chat_stream_ids").events()
+    assert list(parse_sse(bytearray(body))) == expected
+    assert list(parse_sse(memoryview(body))) == expected
+    assert list(parse_sse([memoryview(body)[:100], bytearray(body[100:])])) == expected
 
 
 def _big_event_in_small_chunks(size: int, chunk: int = 100) -> list[bytes]:

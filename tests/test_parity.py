@@ -516,3 +516,25 @@ def test_hidden_states_without_paths_fail_and_an_unwritable_report_is_exit_2(tmp
     assert "hidden states load             FAIL    vllm: no kv_transfer_params.hidden_states_path" in table
     status, _, progress = _run_parity(tmp_path, [chat], "--json", str(tmp_path / "missing" / "r.json"))
     assert status == 2 and "cannot write the JSON report" in progress
+
+
+def test_an_answer_with_prompt_ids_only_fails_naming_the_missing_ids():
+    echo = vllm_answer(recording("completions_stream_echo"))  # `echo`, no `return_token_ids`: prompt ids only
+    row = request_row(COMPLETIONS_TEXT, VLLM_DIALECT, True, echo)
+    assert (row.status, row.detail) == (FAIL, "no completion ids in the vllm placement")
+
+
+def test_a_request_the_network_drops_fails_saying_so(tmp_path):
+    replay = _replaying_server()
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return replay.handle_request(request)
+        raise httpx.ReadError("connection reset by peer", request=request)
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    args = cli.build_parser().parse_args(["parity", "--prompts", str(path)])
+    out = io.StringIO()
+    assert parity.run(args, stdout=out, stderr=io.StringIO(), transport=httpx.MockTransport(handle)) == 1
+    assert "FAIL    request failed: ReadError: connection reset by peer" in out.getvalue()
