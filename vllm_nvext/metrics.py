@@ -46,7 +46,7 @@ OTHER = "other"
 
 # A stream's reshaping time is sampled: its first two body messages and one in STRIDE after
 # that are timed, each standing for the messages up to the next sample (see StreamTally).
-STRIDE = 16
+STRIDE = 32
 
 _lock = threading.Lock()
 _state: _Counters | None = None
@@ -93,7 +93,8 @@ class _Counters:
         )
         self.seconds = counter(
             PREFIX + "reshaping_seconds",
-            "Time spent reshaping those events (streams: estimated from timing every eighth body message).",
+            "Time spent reshaping those events (streams: estimated from timing the first two body "
+            "messages and one in 32 after them).",
             ["endpoint", "kind"],
         )
 
@@ -192,34 +193,43 @@ def count_reshaping(endpoint: Any, kind: str, events: int, seconds: float, uncha
 
 
 class StreamTally:
-    """Estimated reshaping time of one stream, from timing a sample of its body messages.
+    """A stream's body messages and its estimated reshaping time, from timing a sample of them.
 
     The caller counts down body messages from `FIRST`, times the message on which the countdown
     reaches zero, and restarts the countdown from what `add` returns: the first two messages
     are timed, then one in STRIDE. The first (always decoded, dearer than the deltas) stands
     for itself; every other timed message for itself and the untimed ones after it. So an
-    untimed message costs the caller one decrement and one test.
+    untimed message costs the caller one decrement and one test, and nothing else per message.
     """
 
     FIRST = 1
 
-    __slots__ = ("_ns", "_last_ns", "_samples")
+    __slots__ = ("_ns", "_last_ns", "_samples", "_last_index")
 
     def __init__(self) -> None:
         self._ns = 0
         self._last_ns = 0
         self._samples = 0
+        self._last_index = 0  # the number of the last timed message
 
     def add(self, ns: int) -> int:
         """A timed message took `ns`; returns the countdown to the next timed one."""
         self._samples += 1
         if self._samples == 1:
             self._ns += ns
+            self._last_index = 1
             return 1
         self._ns += self._last_ns * STRIDE  # the previous sample stood for a whole stride
         self._last_ns = ns
+        self._last_index += 1 if self._samples == 2 else STRIDE
         return STRIDE
 
+    def messages(self, left: int) -> int:
+        """The body messages seen, with `left` the countdown when the stream ended."""
+        if not self._samples:
+            return 0
+        return self._last_index + (1 if self._samples == 1 else STRIDE) - left
+
     def seconds(self, left: int) -> float:
-        """The estimate, with `left` the countdown when the stream ended."""
+        """The estimated time, with `left` the countdown when the stream ended."""
         return (self._ns + self._last_ns * (1 + STRIDE - left)) / 1e9

@@ -386,8 +386,10 @@ class _Reshaping:
         stream, tally = self._stream, self._tally
         if stream is not None and tally is not None:
             self._tally = None
-            seconds = tally.seconds(self._left)
-            metrics.count_reshaping(self.plan.endpoint, metrics.STREAM, stream.events, seconds, stream.unchanged)
+            left = self._left
+            events = tally.messages(left) - stream.framed + stream.framed_events
+            seconds = tally.seconds(left)
+            metrics.count_reshaping(self.plan.endpoint, metrics.STREAM, events, seconds, stream.unchanged)
 
 
 def _set_header(scope: Scope, name: bytes, value: bytes, *, replace: bool = True) -> None:

@@ -50,7 +50,8 @@ class StreamReshaper:
     sent it, and at most one partial event is held back.
     """
 
-    __slots__ = ("chunks", "events", "unchanged", "_framer", "_fast", "_strip", "_trio", "_head", "_tail", "_held")
+    __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "_head", "_tail", "_held",
+                 "framed", "framed_events", "unchanged")  # fmt: skip
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
         self.chunks = ChunkReshaper(plan, clock)
@@ -61,7 +62,10 @@ class StreamReshaper:
         self._head = b""  # the bytes from finish_reason to the ids, and after them, of the last delta matched
         self._tail = b""
         self._held = False  # the framer holds a partial event (the `buffered` property, as a plain slot)
-        self.events = 0  # events fed, and those forwarded unchanged after a failure: for the metrics
+        # For the metrics: messages and events that went through the framer (every other message
+        # is one event), and events forwarded unchanged after a failure.
+        self.framed = 0
+        self.framed_events = 0
         self.unchanged = 0
 
     @property
@@ -81,7 +85,6 @@ class StreamReshaper:
             # Shortcut: vLLM's usual message is exactly one event, so framing is skipped
             # (_is_plain_data_event inlined). Same bytes as framing it:
             # tests/test_stream.py::test_feeding_whole_events_equals_feeding_split_bytes.
-            self.events += 1
             try:
                 return self.reshape_event(body) or body
             except Exception:
@@ -90,9 +93,10 @@ class StreamReshaper:
                 return body
         events = self._framer.feed(body)
         self._held = self._framer.buffered > 0
+        self.framed += 1
         if not events:
             return b""
-        self.events += len(events)
+        self.framed_events += len(events)
         return b"".join([self._reshape_framed(event) for event in events])
 
     def flush(self) -> bytes:
