@@ -15,7 +15,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from . import bench_asgi, bench_events, bench_layouts, bench_memory, bench_server
+from . import bench_asgi, bench_events, bench_layouts, bench_memory, bench_metrics, bench_server
 from ._common import Target, machine_description, print_targets
 
 # The server benchmark last: it is the longest and the only one that needs free memory.
@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, tuple[Callable[..., list[Target]], list[str]]] = {
     "events": (bench_events.run, [bench_events.TARGET_PASS_THROUGH, bench_events.TARGET_RESHAPE]),
     # vLLM 0.32 and 0.33 layouts side by side: whole recorded streams through NvextMiddleware.
     "layouts": (bench_layouts.run, [bench_layouts.TARGET_LAYOUTS]),
+    "metrics": (bench_metrics.run, [bench_metrics.TARGET_COUNTING]),
     "asgi": (bench_asgi.run, [bench_asgi.TARGET_LINEAR]),
     "memory": (bench_memory.run, [bench_memory.TARGET_MEMORY]),
     "server": (bench_server.run, [bench_server.TARGET_SERVER]),
@@ -32,6 +33,7 @@ TARGET_ORDER = [
     bench_events.TARGET_PASS_THROUGH,
     bench_events.TARGET_RESHAPE,
     bench_layouts.TARGET_LAYOUTS,
+    bench_metrics.TARGET_COUNTING,
     bench_server.TARGET_SERVER,
     bench_asgi.TARGET_LINEAR,
     bench_memory.TARGET_MEMORY,
