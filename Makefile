@@ -1,5 +1,5 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
-.PHONY: setup setup-vllm033 serve test test-unit test-e2e lint bench fixtures fixtures-vllm033
+.PHONY: setup setup-vllm033 setup-dynamo serve test test-unit test-e2e lint bench fixtures fixtures-vllm033
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -18,6 +18,11 @@ setup: $(SETUP_STAMP)
 setup-vllm033:
 	bash scripts/setup_vllm033.sh >/dev/null
 
+# NVIDIA Dynamo 1.6.1's reference venv, outside the repo (~3.7 GB; ~3.5 min on a new machine, reused
+# after): the conformance tests compare vllm-nvext with a real Dynamo frontend + vLLM worker.
+setup-dynamo: setup
+	bash scripts/setup_dynamo.sh
+
 serve: setup
 	$(VENV)/bin/vllm-nvext serve $(ARGS)
 
@@ -27,7 +32,7 @@ test: test-unit test-e2e
 test-unit: setup
 	$(VENV)/bin/python -m pytest -m "not e2e" --cov=vllm_nvext --cov-fail-under=$(COVERAGE_MIN) $(PYTEST_ARGS)
 
-test-e2e: setup setup-vllm033
+test-e2e: setup setup-vllm033 setup-dynamo
 	$(VENV)/bin/python -m pytest -m e2e $(PYTEST_ARGS)
 
 lint: setup
