@@ -12,12 +12,13 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from time import perf_counter_ns
 from typing import Any
 
-from . import _json, _vllm_compat, metrics
+from . import _vllm_compat, metrics
 from .config import MODE_HEADER, Mode, Settings
 from .request import ECHO_TEXT_LOST, ENDPOINT_PATHS, Endpoint, OptInScan, Plan, RequestError, error_body, read_request
 from .request import plan as plan_request_for
-from .response import Clock, reshape_unary
+from .response import Clock
 from .stream import StreamReshaper
+from .unary import reshape_unary_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -364,9 +365,9 @@ class _Reshaping:
         t0 = perf_counter_ns()
         unchanged = 0
         try:
-            obj = _json.loads(body)
-            if reshape_unary(obj, self.plan, self.clock):
-                body = _json.dumps(obj)
+            new = reshape_unary_body(body, self.plan, self.clock)
+            if new is not None:
+                body = new
         except ValueError:
             pass  # not JSON after all: forwarded unchanged
         except Exception:  # never turn a good vLLM answer into a 500
