@@ -94,7 +94,7 @@ def test_timing_is_measured_by_the_middleware(translated):
     ("extra", "finish", "stop_reason", "detailed"),
     [
         ({}, "length", None, "length"),
-        ({"logit_bias": {"258": 100}}, "stop", None, "eos"),  # <|im_end|>, the tiny model's EOS
+        ({"logit_bias": {"258": 100}}, "stop", None, "stop"),  # <|im_end|>, the EOS: "stop", as Dynamo
         ({"stop_token_ids": [], "logit_bias": {"65": 100}, "stop": ["b"]}, "stop", "b", "stop"),
     ],
     ids=["length", "eos", "stop-string"],

@@ -34,15 +34,18 @@ class Clock:
         self._t0 = time.perf_counter()
 
     def elapsed_ms(self) -> float:
-        return round((time.perf_counter() - self._t0) * 1000.0, 3)
+        """Milliseconds since the request arrived, at full precision (as Dynamo reports them)."""
+        return (time.perf_counter() - self._t0) * 1000.0
 
 
 def detailed_finish_reason(finish_reason: str | None, stop_reason: Any) -> str | None:
-    """Dynamo's finer finish reason: an EOS token and a stop string/token both read `stop` in vLLM."""
+    """Dynamo's finer finish reason, as Dynamo 1.6.1 reports it in front of a vLLM worker.
+
+    vLLM reports an EOS token and a stop string/token alike as `stop`, and Dynamo's vLLM worker
+    passes that on, so an EOS reads `stop` too (`eos` only comes from engines that say so).
+    """
     if finish_reason is None:
         return None
-    if finish_reason == "stop":
-        return "eos" if stop_reason is None else "stop"
     if finish_reason == "abort":
         return "cancelled"
     return str(finish_reason)
@@ -84,87 +87,200 @@ def _strip_vllm_ids(obj: dict[str, Any], choices: list[Any], plan: Plan) -> bool
     return stripped
 
 
-def _move_prompt_logprobs(obj: dict[str, Any], choice: dict[str, Any], plan: Plan) -> Any:
+def _take_prompt_logprobs(obj: dict[str, Any], choice: dict[str, Any], plan: Plan) -> Any:
+    """vLLM's prompt_logprobs (root in chat, per choice in completions); moved out when selected."""
     owner = obj if plan.endpoint is Endpoint.CHAT else choice
     value = owner.get("prompt_logprobs")
-    if value is not None:
+    if value is not None and PROMPT_LOGPROBS in plan.selectors:
         owner["prompt_logprobs"] = None
     return value
 
 
-def _final_selectors(
-    nv: dict[str, Any],
-    obj: dict[str, Any],
-    choice: dict[str, Any],
+def _metric(metrics: Any, key: str) -> float | None:
+    value = metrics.get(key) if isinstance(metrics, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def timing(clock: Clock, ttft_ms: float | None, metrics: Any = None) -> dict[str, Any]:
+    """Dynamo's `timing` object, with only what was measured (never an invented value).
+
+    - `request_received_ms`: the middleware's clock when the request arrived (epoch ms).
+    - `prefill_wait_time_ms`, `prefill_time_ms`: vLLM's per-request metrics `queue_time_ms`
+      and `time_to_first_token_ms` (scheduled to first token), when the server reports them
+      (`--enable-per-request-metrics`).
+    - `ttft_ms`: their sum when both are known (Dynamo's ttft is wait + prefill), else the
+      middleware's clock at the first chunk that carried a token (streams).
+    - `total_time_ms`: the middleware's clock when the answer (or this choice's finish chunk) left.
+    """
+    out: dict[str, Any] = {"request_received_ms": clock.received_ms}
+    wait = _metric(metrics, "queue_time_ms")
+    prefill = _metric(metrics, "time_to_first_token_ms")
+    if wait is not None:
+        out["prefill_wait_time_ms"] = wait
+    if prefill is not None:
+        out["prefill_time_ms"] = prefill
+    if wait is not None and prefill is not None:
+        out["ttft_ms"] = wait + prefill
+    elif ttft_ms is not None:
+        out["ttft_ms"] = ttft_ms
+    out["total_time_ms"] = clock.elapsed_ms()
+    return out
+
+
+def kv_cache_hit(prompt_ids: Any, usage: Any) -> dict[str, int] | None:
+    """`{prompt_tokens, reused_tokens}` from vLLM's cached-token count, when vLLM reports it.
+
+    vLLM reports it as `usage.prompt_tokens_details.cached_tokens` with
+    `--enable-prompt-tokens-details`; without it there is nothing to report.
+    """
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not isinstance(cached, int) or isinstance(cached, bool):
+        return None
+    if isinstance(prompt_ids, list):
+        prompt_tokens = len(prompt_ids)
+    else:
+        prompt_tokens = usage.get("prompt_tokens")
+        if not isinstance(prompt_tokens, int) or isinstance(prompt_tokens, bool):
+            return None
+    return {"prompt_tokens": prompt_tokens, "reused_tokens": cached}
+
+
+def engine_data(
+    *,
+    prompt_ids: Any,
+    completion_ids: list[int],
+    finished: bool,
+    logprobs: list[Any] | None,
+    cache_hit: dict[str, int] | None = None,
+    prompt_logprobs: Any = None,
+    kv_transfer_params: Any = None,
+    routed_experts: Any = None,
+) -> dict[str, Any]:
+    """Dynamo's vLLM-worker `engine_data`, keys in the order its worker writes them."""
+    data: dict[str, Any] = {}
+    if prompt_ids is not None:
+        data["prompt_token_ids"] = prompt_ids
+    if cache_hit is not None:
+        data["kv_cache_hit"] = cache_hit
+    if prompt_logprobs is not None:
+        data["prompt_logprobs"] = prompt_logprobs
+    if kv_transfer_params is not None:
+        data["kv_transfer_params"] = kv_transfer_params
+    if routed_experts is not None:
+        data["routed_experts"] = routed_experts
+    data["completion_token_ids"] = completion_ids
+    data["finished"] = finished
+    if logprobs and len(logprobs) == len(completion_ids) and all(isinstance(v, (int, float)) for v in logprobs):
+        data["completion_logprobs"] = logprobs  # only when aligned one to one with the ids, as Dynamo
+    return data
+
+
+def _take_kv(obj: dict[str, Any], plan: Plan) -> Any:
+    """vLLM's kv_transfer_params for the trio; moved out of the root unless vLLM placement is on."""
+    kv = obj.get("kv_transfer_params")
+    if kv is not None and plan.nvext_trio and not plan.vllm_ids:
+        obj["kv_transfer_params"] = None
+    return kv
+
+
+def _take_routed_experts(choice: dict[str, Any], plan: Plan) -> Any:
+    value = choice.get("routed_experts")
+    if value is not None and ROUTED_EXPERTS in plan.selectors and not plan.vllm_ids:
+        choice["routed_experts"] = None
+    return value
+
+
+def _final_nvext(
     plan: Plan,
-    clock: Clock,
-    ttft_ms: float | None,
-) -> None:
-    """Selectors that appear once, on the unary body or the chunk carrying finish_reason."""
+    *,
+    unary: bool,
+    completion_ids: list[int] | None,
+    prompt_ids: Any,
+    kv: Any,
+    timing_obj: dict[str, Any] | None,
+    engine: dict[str, Any] | None,
+    choice: dict[str, Any],
+    prompt_logprobs: Any,
+    routed_experts: Any,
+) -> dict[str, Any]:
+    """The `nvext` object of a unary answer or of a choice's finish chunk, in Dynamo's key order.
+
+    Dynamo 1.6.1 writes, on a finish chunk: [worker_id, routed_experts,] timing, engine_data,
+    stop_reason, detailed_finish_reason, completion_token_ids, prompt_token_ids, prompt_logprobs;
+    unary: completion_token_ids first, then the same order. `kv_transfer_params`, which 1.6.1
+    lacks, follows `completion_token_ids`, where the token-id PR (#13588) places it.
+    """
     sel = plan.selectors
-    if TIMING in sel:
-        timing: dict[str, Any] = {"request_received_ms": clock.received_ms}
-        if ttft_ms is not None:
-            timing["ttft_ms"] = ttft_ms
-        timing["total_time_ms"] = clock.elapsed_ms()
-        nv["timing"] = timing
+    nv: dict[str, Any] = {}
+    if unary and completion_ids is not None:
+        nv["completion_token_ids"] = completion_ids
+        if kv is not None:
+            nv["kv_transfer_params"] = kv
+    if ROUTED_EXPERTS in sel and routed_experts is not None:
+        nv["routed_experts"] = routed_experts
+    if timing_obj is not None:
+        nv["timing"] = timing_obj
+    if engine is not None:
+        nv["engine_data"] = engine
     if STOP_REASON in sel and choice.get("stop_reason") is not None:
         nv["stop_reason"] = choice["stop_reason"]
     if DETAILED_FINISH_REASON in sel:
         reason = detailed_finish_reason(choice.get("finish_reason"), choice.get("stop_reason"))
         if reason is not None:
             nv["detailed_finish_reason"] = reason
-    if PROMPT_LOGPROBS in sel:
-        value = _move_prompt_logprobs(obj, choice, plan)
-        if value is not None:
-            nv["prompt_logprobs"] = value
-    if ROUTED_EXPERTS in sel and choice.get("routed_experts") is not None:
-        nv["routed_experts"] = choice["routed_experts"]
-        if not plan.vllm_ids:
-            choice["routed_experts"] = None
-
-
-def _engine_data(
-    completion_ids: list[int], finished: bool, logprobs: list[Any] | None, prompt_ids: Any
-) -> dict[str, Any]:
-    data: dict[str, Any] = {"completion_token_ids": completion_ids, "finished": finished}
-    if logprobs is not None and len(logprobs) == len(completion_ids):
-        data["completion_logprobs"] = logprobs
-    if prompt_ids is not None:
-        data["prompt_token_ids"] = prompt_ids
-    return data
-
-
-def _place_kv(nv: dict[str, Any], obj: dict[str, Any], plan: Plan) -> None:
-    kv = obj.get("kv_transfer_params")
-    if kv is not None:
-        nv["kv_transfer_params"] = kv
-        if not plan.vllm_ids:
-            obj["kv_transfer_params"] = None
+    if not unary and completion_ids is not None:
+        nv["completion_token_ids"] = completion_ids
+        if kv is not None:
+            nv["kv_transfer_params"] = kv
+    if (plan.nvext_trio or plan.nvext_prompt_ids) and prompt_ids is not None:
+        nv["prompt_token_ids"] = prompt_ids
+    if PROMPT_LOGPROBS in sel and prompt_logprobs is not None:
+        nv["prompt_logprobs"] = prompt_logprobs
+    return nv
 
 
 def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
-    """Reshape a unary chat.completion / text_completion in place; False if left unchanged."""
+    """Reshape a unary chat.completion / text_completion in place; False if left unchanged.
+
+    With several choices (n > 1) the one root `nvext` describes the last choice, as Dynamo's
+    answer does when its choices finish together (it keeps the last choice to finish).
+    """
     if not isinstance(obj, dict):
         return False
     choices = obj.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+    if not isinstance(choices, list) or not choices or not isinstance(choices[-1], dict):
         return False
-    choice = choices[0]
+    choice = choices[-1]
     prompt_ids = _prompt_ids(obj, choice, plan.endpoint)
-    completion_ids = choice.get("token_ids")
-    nv: dict[str, Any] = {}
-    if plan.nvext_trio:
-        nv["completion_token_ids"] = list(completion_ids or ())  # a copy: never aliased with vLLM's
-        if prompt_ids is not None:
-            nv["prompt_token_ids"] = prompt_ids
-        _place_kv(nv, obj, plan)
-    elif plan.nvext_prompt_ids and prompt_ids is not None:
-        nv["prompt_token_ids"] = prompt_ids
+    completion_ids = list(choice.get("token_ids") or ())  # a copy: never aliased with vLLM's
+    kv = _take_kv(obj, plan) if plan.nvext_trio else None
+    prompt_logprobs = _take_prompt_logprobs(obj, choice, plan)
+    routed_experts = _take_routed_experts(choice, plan)
+    engine = None
     if ENGINE_DATA in plan.selectors:
-        logprobs = _choice_logprobs(choice, plan.endpoint) if plan.logprobs else None
-        nv["engine_data"] = _engine_data(list(completion_ids or ()), True, logprobs, prompt_ids)
-    _final_selectors(nv, obj, choice, plan, clock, None)
+        engine = engine_data(
+            prompt_ids=prompt_ids,
+            cache_hit=kv_cache_hit(prompt_ids, obj.get("usage")) if len(choices) == 1 else None,
+            prompt_logprobs=prompt_logprobs,
+            kv_transfer_params=obj.get("kv_transfer_params") if kv is None else kv,
+            routed_experts=routed_experts,
+            completion_ids=list(completion_ids),
+            finished=True,
+            logprobs=_choice_logprobs(choice, plan.endpoint) if plan.logprobs else None,
+        )
+    nv = _final_nvext(
+        plan,
+        unary=True,
+        completion_ids=completion_ids if plan.nvext_trio else None,
+        prompt_ids=prompt_ids,
+        kv=kv,
+        timing_obj=timing(clock, None, obj.get("metrics")) if TIMING in plan.selectors else None,
+        engine=engine,
+        choice=choice,
+        prompt_logprobs=prompt_logprobs,
+        routed_experts=routed_experts,
+    )
     if plan.strip_vllm_ids:
         _strip_vllm_ids(obj, choices, plan)
     if nv:
@@ -172,24 +288,48 @@ def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
     return True
 
 
+class _Choice:
+    """One choice's stream state (engine_data only): its ids and logprobs so far."""
+
+    __slots__ = ("ids", "logprobs", "finished")
+
+    def __init__(self, ids: list[int], logprobs: list[Any] | None) -> None:
+        self.ids = ids
+        self.logprobs = logprobs
+        self.finished = False
+
+
 class ChunkReshaper:
     """Per-stream state for reshaping decoded `chat.completion.chunk` / streamed `text_completion` chunks.
 
+    Each choice of an n > 1 stream is answered on its own finish chunk, as Dynamo does.
     `stream.StreamReshaper` drives it; its byte-level shortcut for mid-stream deltas updates
-    `ids` and `ttft_ms` itself, exactly as `reshape` would.
+    `ids` (choice 0's ids, engine_data only) and `ttft_ms` itself, exactly as `reshape` would,
+    and is not taken while `decode_every_chunk` is set.
     """
 
-    __slots__ = ("plan", "clock", "prompt_ids", "ids", "logprobs", "ttft_ms", "_finished", "engine")
+    __slots__ = ("plan", "clock", "prompt_ids", "ids", "logprobs", "ttft_ms", "engine", "_choices")
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
         self.plan = plan
         self.clock = clock
         self.prompt_ids: Any = None
-        self.ids: list[int] = []  # every completion id so far (engine_data only)
+        self.ids: list[int] = []  # choice 0's completion ids so far (engine_data only)
         self.logprobs: list[Any] | None = [] if plan.logprobs else None
         self.ttft_ms: float | None = None
-        self._finished = False
         self.engine = ENGINE_DATA in plan.selectors
+        self._choices: dict[int, _Choice] = {0: _Choice(self.ids, self.logprobs)}
+
+    @property
+    def decode_every_chunk(self) -> bool:
+        """engine_data keeps each choice's ids and logprobs apart (n > 1): every chunk is read."""
+        return self.engine
+
+    def _choice(self, index: int) -> _Choice:
+        state = self._choices.get(index)
+        if state is None:
+            state = self._choices[index] = _Choice([], [] if self.plan.logprobs else None)
+        return state
 
     def reshape(self, obj: Any) -> bool:
         """Reshape one decoded chunk in place; False if it is to be forwarded as it came."""
@@ -197,43 +337,13 @@ class ChunkReshaper:
             return False
         plan = self.plan
         choices = obj.get("choices")
-        if not isinstance(choices, list):
-            return self._error_event(obj)
-        if not choices or not isinstance(choices[0], dict):
-            return False  # usage-only chunk: never carries nvext (PROTOCOL §3)
-        choice = choices[0]
-        if self.prompt_ids is None:
-            self.prompt_ids = _prompt_ids(obj, choice, plan.endpoint)
-        delta = choice.get("token_ids")
-        delta_ids = delta if isinstance(delta, list) else []
-        if delta_ids and self.ttft_ms is None:
-            self.ttft_ms = self.clock.elapsed_ms()
-        engine = self.engine
-        if engine:
-            self.ids.extend(delta_ids)
-            if self.logprobs is not None:
-                chunk_lp = _choice_logprobs(choice, plan.endpoint)
-                if chunk_lp is None and delta_ids:
-                    self.logprobs = None  # counts can no longer align
-                elif chunk_lp:
-                    self.logprobs.extend(chunk_lp)
-        finished = choice.get("finish_reason") is not None
+        if not isinstance(choices, list) or not choices:
+            return False  # usage-only chunk or error event: never carries nvext (Dynamo sends neither)
         nv: dict[str, Any] = {}
-        if plan.nvext_trio:
-            nv["completion_token_ids"] = delta_ids
-            if finished:
-                if self.prompt_ids is not None:
-                    nv["prompt_token_ids"] = self.prompt_ids
-                _place_kv(nv, obj, plan)  # vLLM >= 0.33 sends it on the finish chunk
-        elif plan.nvext_prompt_ids and finished and self.prompt_ids is not None:
-            nv["prompt_token_ids"] = self.prompt_ids
         changed = False
-        if finished and not self._finished:
-            self._finished = True
-            if engine:
-                nv["engine_data"] = _engine_data(self.ids, True, self.logprobs, self.prompt_ids)
-            _final_selectors(nv, obj, choice, plan, self.clock, self.ttft_ms)
-            changed = True  # the final selectors may move values out of the chunk
+        for choice in choices:
+            if isinstance(choice, dict) and self._reshape_choice(obj, choice, nv):
+                changed = True
         if plan.strip_vllm_ids and _strip_vllm_ids(obj, choices, plan):
             changed = True
         if nv:
@@ -241,10 +351,56 @@ class ChunkReshaper:
             changed = True
         return changed  # an untouched chunk goes out as vLLM wrote it, without a re-encode
 
-    def _error_event(self, obj: dict[str, Any]) -> bool:
-        """A mid-stream error: engine_data says the generation did not finish."""
-        if "error" not in obj or self._finished or not self.engine:
+    def _reshape_choice(self, obj: dict[str, Any], choice: dict[str, Any], nv: dict[str, Any]) -> bool:
+        plan = self.plan
+        if self.prompt_ids is None:
+            self.prompt_ids = _prompt_ids(obj, choice, plan.endpoint)
+        delta = choice.get("token_ids")
+        delta_ids = delta if isinstance(delta, list) else []
+        if delta_ids and self.ttft_ms is None:
+            self.ttft_ms = self.clock.elapsed_ms()
+        index = choice.get("index")
+        state = self._choice(index if isinstance(index, int) and not isinstance(index, bool) else 0)
+        if self.engine:
+            state.ids.extend(delta_ids)
+            if state.logprobs is not None:
+                chunk_lp = _choice_logprobs(choice, plan.endpoint)
+                if chunk_lp is None and delta_ids:
+                    state.logprobs = None  # counts can no longer align
+                elif chunk_lp:
+                    state.logprobs.extend(chunk_lp)
+        finished = choice.get("finish_reason") is not None
+        if not finished or state.finished:
+            if plan.nvext_trio:
+                nv["completion_token_ids"] = delta_ids
             return False
-        self._finished = True
-        obj["nvext"] = {"engine_data": _engine_data(self.ids, False, self.logprobs, self.prompt_ids)}
-        return True
+        state.finished = True
+        kv = _take_kv(obj, plan) if plan.nvext_trio else None  # vLLM >= 0.33 sends it on the finish chunk
+        prompt_logprobs = _take_prompt_logprobs(obj, choice, plan)
+        routed_experts = _take_routed_experts(choice, plan)
+        engine = None
+        if self.engine:
+            engine = engine_data(
+                prompt_ids=self.prompt_ids,
+                prompt_logprobs=prompt_logprobs,
+                kv_transfer_params=obj.get("kv_transfer_params") if kv is None else kv,
+                routed_experts=routed_experts,
+                completion_ids=list(state.ids),
+                finished=True,
+                logprobs=state.logprobs,
+            )
+        nv.update(
+            _final_nvext(
+                plan,
+                unary=False,
+                completion_ids=delta_ids if plan.nvext_trio else None,
+                prompt_ids=self.prompt_ids,
+                kv=kv,
+                timing_obj=timing(self.clock, self.ttft_ms) if TIMING in plan.selectors else None,
+                engine=engine,
+                choice=choice,
+                prompt_logprobs=prompt_logprobs,
+                routed_experts=routed_experts,
+            )
+        )
+        return True  # the final selectors may move values out of the chunk

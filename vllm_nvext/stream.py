@@ -186,7 +186,7 @@ class StreamReshaper:
         changed = chunks.reshape(obj)
         if isinstance(obj, dict) and obj.get("choices"):
             # engine_data keeps each choice's ids and logprobs apart, so it always decodes.
-            self._fast = not (chunks.engine and chunks.logprobs is not None)
+            self._fast = not chunks.decode_every_chunk
         return _json.dumps(obj) if changed else None
 
     def _reshape_framed(self, event: bytes) -> bytes:
