@@ -387,3 +387,51 @@ async def test_mid_stream_error_event_is_forwarded_unchanged_in_every_mode(mode,
     result = await call(app, rec.path, json.dumps(request).encode())
     assert result.status == 200
     assert result.body.endswith(error + b"\n\ndata: [DONE]\n\n")
+
+
+def _fastapi_reads_untyped_body_as_json() -> bool:
+    """Ask the installed FastAPI itself, the way vLLM's routes declare their body."""
+    import httpx
+    import pydantic
+    from fastapi import FastAPI
+
+    class Body(pydantic.BaseModel):
+        n: int
+
+    app = FastAPI()
+
+    @app.post("/p")
+    async def post(body: Body) -> dict:
+        return {"n": body.n}
+
+    async def go() -> int:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            resp = await client.post("/p", content=b'{"n": 1}', headers={"content-type": ""})
+            return resp.status_code
+
+    import asyncio
+
+    return asyncio.run(go()) == 200
+
+
+def test_the_probe_for_bodies_without_content_type_agrees_with_fastapi():
+    from vllm_nvext import _vllm_compat
+
+    pytest.importorskip("fastapi")
+    assert _vllm_compat.untyped_body_is_json() == _fastapi_reads_untyped_body_as_json()
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+async def test_a_body_without_content_type_is_read_as_vllms_fastapi_reads_it(as_json, monkeypatch):
+    from vllm_nvext import _vllm_compat
+
+    monkeypatch.setattr(_vllm_compat, "untyped_body_is_json", lambda: as_json)
+    rec = recording("completions_unary_ids")
+    app, upstream = _app(rec, mode=Mode.AUTO)
+    body = _nvext_request(rec)
+    result = await call(app, rec.path, body, headers=())
+    assert result.status == 200
+    # Read as JSON by vLLM: translated (nvext answered); otherwise vLLM never sees the fields: untouched.
+    assert ("nvext" in json.loads(result.body)) is as_json
+    assert (upstream.received == body) is not as_json

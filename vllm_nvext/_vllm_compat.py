@@ -37,6 +37,22 @@ def _source_mentions(relative: str, needle: str) -> bool:
 
 
 @cache
+def untyped_body_is_json() -> bool:
+    """Does vLLM's FastAPI read a body without a Content-Type as JSON?
+
+    FastAPI did until it grew `strict_content_type` (on by default); vLLM pins no version.
+    """
+    spec = importlib.util.find_spec("fastapi")
+    if spec is None or spec.origin is None:
+        return False
+    try:
+        source = (Path(spec.origin).parent / "routing.py").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    return "strict_content_type" not in source
+
+
+@cache
 def chat_accepts_prompt_token_ids() -> bool:
     """Chat serves `kv_transfer_params.prompt_token_ids` as the prompt (vLLM's decode-side reuse)."""
     return _source_mentions("renderers/online_renderer.py", "_reused_prompt_token_ids")

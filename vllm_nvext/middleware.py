@@ -265,7 +265,7 @@ class _Exchange:
 def _read_as_json(content_type: bytes | None) -> bool:
     """Whether vLLM's FastAPI route parses the body as JSON (its own rule, on the first header)."""
     if content_type is None:
-        return False
+        return _vllm_compat.untyped_body_is_json()
     message = email.message.Message()
     message["content-type"] = content_type.decode("latin-1")
     if message.get_content_maintype() != "application":
