@@ -1,0 +1,180 @@
+"""Where vllm-nvext's answers still differ from a real NVIDIA Dynamo 1.6.1, and why.
+
+This list is the contract for Dynamo compatibility: the conformance tests
+(tests/test_e2e_dynamo_conformance.py) send the same requests to a real Dynamo 1.6.1 and to
+vllm-nvext and fail on any difference not listed here; the README's "Differences from Dynamo
+1.6.1" table shows exactly these entries. Each entry says what differs, which side is the
+contract, why, and as data, for which requests and which `nvext` keys it holds, so that a
+comparison (the tests, a migration check) can set exactly those keys aside and compare the rest.
+
+`when` conditions on the request body (all must hold):
+  selectors: nvext.extra_fields includes all of these;  not_selectors: none of these;
+  any_selectors: at least one of these;  stream: bool;  several_choices: n > 1 or a completions batch (bool);
+  stop_string: a `stop` string is set (bool);  batch: a completions batch (bool);
+  root: the body has all of these root keys.
+`dynamo_only` / `nvext_only`: `nvext` key paths (dotted, e.g. `engine_data.kv_cache_hit`) that
+only that side writes under those conditions. `aspects`: other compared aspects that may differ
+(`status`, `error_shape`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+DYNAMO_VERSION = "1.6.1"
+
+
+@dataclass(frozen=True)
+class Difference:
+    id: str
+    what: str  # the difference, as the README table states it
+    contract: str  # which side is the contract
+    reason: str  # why vllm-nvext differs
+    when: Mapping[str, Any] = field(default_factory=dict)
+    dynamo_only: tuple[str, ...] = ()
+    nvext_only: tuple[str, ...] = ()
+    aspects: tuple[str, ...] = ()
+
+    def applies(self, body: Mapping[str, Any]) -> bool:
+        """Whether this difference holds for a request with this JSON body."""
+        nvext = body.get("nvext")
+        selected = nvext.get("extra_fields") if isinstance(nvext, dict) else None
+        extra: list[Any] = selected if isinstance(selected, list) else []
+        facts = {
+            "stream": bool(body.get("stream")),
+            "several_choices": (isinstance(body.get("n"), int) and body["n"] > 1) or _is_batch(body.get("prompt")),
+            "stop_string": bool(body.get("stop")),
+            "batch": _is_batch(body.get("prompt")),
+        }
+        for key, want in self.when.items():
+            if key == "selectors":
+                ok = all(s in extra for s in want)
+            elif key == "not_selectors":
+                ok = not any(s in extra for s in want)
+            elif key == "any_selectors":
+                ok = any(s in extra for s in want)
+            elif key == "root":
+                ok = all(k in body for k in want)
+            elif key in facts:
+                ok = facts[key] == want
+            else:
+                raise ValueError(f"{self.id}: unknown condition {key!r}")
+            if not ok:
+                return False
+        return True
+
+
+def _is_batch(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
+DIFFERENCES: tuple[Difference, ...] = (
+    Difference(
+        id="token-id-trio",
+        what=(
+            "`completion_token_ids` also returns `prompt_token_ids` and `kv_transfer_params` under "
+            "`nvext` (finish chunk / unary), and `return_token_ids: true` is accepted as its alias"
+        ),
+        contract="vllm-nvext (Dynamo PR #13588)",
+        reason=(
+            "This project's purpose: the token-id trio of the open Dynamo PR #13588. Dynamo 1.6.1 "
+            "answers only the ids and refuses `return_token_ids` with 400"
+        ),
+        when={"selectors": ["completion_token_ids"], "not_selectors": ["prompt_token_ids"]},
+        nvext_only=("prompt_token_ids", "kv_transfer_params"),
+    ),
+    Difference(
+        id="stop-string-engine-data",
+        what="`engine_data` is answered on a stop-string finish",
+        contract="vllm-nvext",
+        reason=(
+            "Dynamo 1.6.1's frontend matches stop strings itself and cancels its worker before the "
+            "worker's final chunk, so its `engine_data` is lost; vLLM finishes the request and "
+            "reports it"
+        ),
+        when={"stop_string": True, "any_selectors": ["engine_data"]},
+        nvext_only=("engine_data",),
+    ),
+    Difference(
+        id="stream-engine-metrics",
+        what=(
+            "In streams, `timing` has no `prefill_wait_time_ms`/`prefill_time_ms` (`ttft_ms` is the "
+            "middleware's clock at the first token) and `engine_data` has no `kv_cache_hit`"
+        ),
+        contract="Dynamo 1.6.1",
+        reason=(
+            "vLLM reports its per-request metrics and cached-token count only on the usage chunk, "
+            "after the finish chunk; the finish chunk is not held back for them, and no value is "
+            "invented"
+        ),
+        when={"stream": True},
+        dynamo_only=("timing.prefill_wait_time_ms", "timing.prefill_time_ms", "engine_data.kv_cache_hit"),
+    ),
+    Difference(
+        id="several-choices-metrics",
+        what="With n > 1 or a completions batch, unary `timing` has only `request_received_ms` and `total_time_ms`",
+        contract="Dynamo 1.6.1",
+        reason="vLLM reports no per-request metrics for several choices; no value is invented",
+        when={"several_choices": True, "stream": False},
+        dynamo_only=("timing.prefill_wait_time_ms", "timing.prefill_time_ms", "timing.ttft_ms"),
+    ),
+    Difference(
+        id="server-reported-values",
+        what=(
+            "`timing.prefill_wait_time_ms`/`prefill_time_ms` (and unary `ttft_ms`) need vLLM's "
+            "`--enable-per-request-metrics`; `engine_data.kv_cache_hit` needs "
+            "`--enable-prompt-tokens-details`"
+        ),
+        contract="Dynamo 1.6.1",
+        reason="They are vLLM's own measurements; without those flags vLLM reports none, and none is invented",
+    ),
+    Difference(
+        id="worker-id",
+        what="`worker_id` is not answered",
+        contract="Dynamo 1.6.1",
+        reason="A single `vllm serve` has no Dynamo router and no worker ids to report",
+        when={"selectors": ["worker_id"]},
+        dynamo_only=("worker_id",),
+    ),
+    Difference(
+        id="batch-prompt-selectors",
+        what=("A completions batch with `prompt_token_ids`, `engine_data` or `prompt_logprobs` is refused with 400"),
+        contract="vllm-nvext",
+        reason=(
+            "Dynamo documents these selectors as single-prompt; 1.6.1 answers 200 with only the "
+            "last prompt's ids, which a client cannot tell from a right answer"
+        ),
+        when={"batch": True, "any_selectors": ["prompt_token_ids", "engine_data", "prompt_logprobs"]},
+        aspects=("status",),
+    ),
+    Difference(
+        id="greed-sampling",
+        what="`greed_sampling: true` samples greedily (temperature 0)",
+        contract="vllm-nvext",
+        reason=(
+            "Dynamo 1.6.1's frontend drops `temperature`/`top_p` for it, so its vLLM worker samples "
+            "at temperature 1.0: an accident, not its contract"
+        ),
+    ),
+    Difference(
+        id="error-envelope",
+        what='Errors use vLLM\'s envelope `{"error": {message, type, param, code}}` (same HTTP status)',
+        contract="vLLM",
+        reason="The server is vLLM: its clients read vLLM's envelope; Dynamo's is flat `{message, type, code}`",
+        aspects=("error_shape",),
+    ),
+)
+
+
+def find(body: Mapping[str, Any]) -> list[Difference]:
+    """The differences that hold for a request with this body."""
+    return [d for d in DIFFERENCES if d.applies(body)]
+
+
+def readme_table() -> str:
+    """The README's table, generated from this list."""
+    rows = ["| difference | contract | why |", "|---|---|---|"]
+    rows += [f"| {d.what} | {d.contract} | {d.reason} |" for d in DIFFERENCES]
+    return "\n".join(rows)
