@@ -6,7 +6,7 @@
     with none; (with - without) / events is the marginal per-event cost, the empty call the fixed
     per-request cost. A `vllm` plan (`reshapes_response` False) takes the same path.
 (b) Each reshaping plan (`plan_request` on the fixture's request with that mode): per event, the
-    `StreamReshaper.feed` core (framing + reshaping), and the whole `_Reshaping` send wrapper vLLM calls
+    `StreamReshaper.feed` core (framing + reshaping), and the whole `reshaping.ReshapingSend` send wrapper vLLM calls
     (less what a plain `send` costs), against
 (c) the floor: one `orjson.loads` + `orjson.dumps` of the same event's payload.
 
@@ -29,8 +29,8 @@ import orjson
 
 from vllm_nvext import NvextMiddleware
 from vllm_nvext.config import Mode
-from vllm_nvext.middleware import _Reshaping
 from vllm_nvext.request import Plan, plan_request
+from vllm_nvext.reshaping import ReshapingSend
 from vllm_nvext.response import Clock
 from vllm_nvext.sse import data_payload
 from vllm_nvext.stream import StreamReshaper
@@ -99,9 +99,9 @@ def _reshape_pass(plan: Plan, events: list[bytes], sampled: list[bool], out: _Sa
 
 
 def _send_path_pass(plan: Plan, messages: list[dict[str, Any]], sampled: list[bool], out: _Samples) -> None:
-    """The `_Reshaping` send vLLM calls for every body message, down to a send that does nothing."""
+    """The `reshaping.ReshapingSend` send vLLM calls for every body message, down to a send that does nothing."""
     clock = time.perf_counter_ns
-    reshaping = _Reshaping(plan, Clock(), _noop_send)
+    reshaping = ReshapingSend(plan, Clock(), _noop_send)
     run_sync(reshaping({"type": "http.response.start", "status": 200, "headers": list(SSE_HEADERS)}))
     ns = out.ns
     for message, keep in zip(messages, sampled, strict=True):
@@ -195,7 +195,7 @@ def bench_reshaping(case: Case, samples: int, overhead: float) -> tuple[list[lis
         ratios[mode.value] = c_med / f_med
         rows.append(["", "", f"(b) {mode.value}: StreamReshaper.feed", fmt(c_med), fmt(c_p99), fmt(c_cpu),
                      fmt_ratio(c_med / f_med)])  # fmt: skip
-        rows.append(["", "", f"(b) {mode.value}: _Reshaping send - plain send", fmt(s_med), fmt(s_p99), fmt(s_cpu),
+        rows.append(["", "", f"(b) {mode.value}: ReshapingSend - plain send", fmt(s_med), fmt(s_p99), fmt(s_cpu),
                      fmt_ratio(s_med / f_med)])  # fmt: skip
     return rows, ratios
 
@@ -288,7 +288,7 @@ def run(quick: bool = False) -> list[Target]:
             "events = JSON data events (the usage chunk included); [DONE] goes through the framer but is not sampled",
             "StreamReshaper.feed = single-event check (else EventFramer.feed + payload location) "
             "+ StreamReshaper.reshape_event (byte-level for mid-stream deltas, else decode + reshape + encode)",
-            "_Reshaping send = the wrapper vLLM's send goes through (adds message handling, bytes copy and join)",
+            "ReshapingSend = the wrapper vLLM's send goes through (adds message handling, bytes copy and join)",
         ],
     )
 

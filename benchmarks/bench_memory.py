@@ -8,7 +8,7 @@ over the RSS just before) and once under `tracemalloc` (peak of Python allocatio
 generates stream events lazily from the recorded long fixture and the client side keeps nothing,
 so whatever grows is the middleware's.
 
-Streams are driven through `_Reshaping`, the very send wrapper the middleware hands vLLM, so its
+Streams are driven through `reshaping.ReshapingSend`, the very send wrapper the middleware hands vLLM, so its
 `StreamReshaper` can be read after every message. `split` feeds the bytes in random-size pieces
 (1 B .. 8 KB, crossing event boundaries) to make the framer hold partial events.
 
@@ -99,8 +99,8 @@ class _CountingSink:
 
 def _stream_scenario(mode: str, n_events: int, split: bool) -> Callable[[], dict[str, Any]]:
     from vllm_nvext.config import Mode
-    from vllm_nvext.middleware import _Reshaping
     from vllm_nvext.request import plan_request
+    from vllm_nvext.reshaping import ReshapingSend
     from vllm_nvext.response import Clock
 
     case = load_case(STREAM_FIXTURE)
@@ -109,7 +109,7 @@ def _stream_scenario(mode: str, n_events: int, split: bool) -> Callable[[], dict
 
     async def drive() -> dict[str, Any]:
         sink = _CountingSink()
-        send: Any = sink if plan is None else _Reshaping(plan, Clock(), sink)
+        send: Any = sink if plan is None else ReshapingSend(plan, Clock(), sink)
         await send({"type": "http.response.start", "status": 200, "headers": list(SSE_HEADERS)})
         source = _pieces(iterate(), seed=n_events) if split else iterate()
         max_buffered = messages = 0

@@ -1,6 +1,6 @@
 """What the Prometheus counters cost: per reshaped event, per stream and per request.
 
-(a) Per reshaped event: whole recorded streams through the `_Reshaping` send vLLM calls, with
+(a) Per reshaped event: whole recorded streams through the `reshaping.ReshapingSend` send vLLM calls, with
     counting on (a countdown of body messages, the first two and then one in 32 timed, the
     counters added once at the end) and off (`_tally` None, what runs without
     prometheus_client); (on - off) / events per pass, median over interleaved passes. The
@@ -27,8 +27,8 @@ from typing import Any
 
 from vllm_nvext import metrics
 from vllm_nvext.config import Mode
-from vllm_nvext.middleware import _Reshaping
 from vllm_nvext.request import Endpoint, plan_request
+from vllm_nvext.reshaping import ReshapingSend
 from vllm_nvext.response import Clock
 
 from ._common import SSE_HEADERS, Target, fmt, load_case, median, percentile, print_table, run_sync
@@ -48,7 +48,7 @@ def _stream_pass(plan: Any, messages: list[dict[str, Any]], counting: bool) -> i
     """One whole stream through the send wrapper; the CPU time of this thread in ns (immune to preemption)."""
     clock = time.thread_time_ns
     t0 = clock()
-    reshaping = _Reshaping(plan, Clock(), _noop_send)
+    reshaping = ReshapingSend(plan, Clock(), _noop_send)
     run_sync(reshaping(dict(_START)))
     if not counting:
         reshaping._tally = None
@@ -137,7 +137,7 @@ def run(quick: bool = False) -> list[Target]:
     row, marginal = bench_per_event(LONG_FIXTURE, max(20, passes // 10), repeat=10)
     rows.append(row)
     print_table(
-        "(a) Per reshaped event: the _Reshaping send path with counting on vs off (nvext placement)",
+        "(a) Per reshaped event: the ReshapingSend path with counting on vs off (nvext placement)",
         ["fixture", "events", "off us/event", "on us/event", "added ns/event (median)", "p90 ns", "added"],
         rows,
         notes=[

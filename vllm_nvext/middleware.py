@@ -1,37 +1,24 @@
 """The ASGI middleware: wires request and response bytes to the pure modules.
 
+Request plumbing lives in `_asgi.py`, the reshaping `send` in `reshaping.py`.
+
 Only `POST /v1/chat/completions` and `POST /v1/completions` are ever read; everything else,
 and every request that opts into nothing, reaches vLLM and the client byte for byte.
 """
 
 from __future__ import annotations
 
-import email.message
-import logging
-from collections.abc import Awaitable, Callable, MutableMapping
-from time import perf_counter_ns
-from typing import Any
-
 from . import _vllm_compat, metrics
+from ._asgi import ASGIApp, Message, PassThrough, Receive, Replay, Scope, Send, read_as_json, set_header
 from .config import MODE_HEADER, Mode, Settings
-from .request import ECHO_TEXT_LOST, ENDPOINT_PATHS, Endpoint, OptInScan, Plan, RequestError, error_body, read_request
+from .request import ECHO_TEXT_LOST, ENDPOINT_PATHS, Endpoint, OptInScan, RequestError, error_body, read_request
 from .request import plan as plan_request_for
+from .reshaping import ReshapingSend
 from .response import Clock
-from .stream import StreamReshaper
-from .unary import reshape_unary_body
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-logger = logging.getLogger("vllm_nvext")
 
 _MODE_HEADER = MODE_HEADER.encode()
 # Set on the scope by the first instance, so a second mount (plugin and --middleware) is inert.
 _HANDLED = "vllm_nvext.handled"
-_PASS_STATUSES = frozenset({204, 206, 304})
 
 
 class NvextMiddleware:
@@ -71,53 +58,6 @@ class NvextMiddleware:
         await _Exchange(self.app, self.settings, endpoint, scope, receive, send).run()
 
 
-class _Replay:
-    """Hands the app the (possibly rewritten) body, then the server's own `receive`."""
-
-    __slots__ = ("_messages", "_receive")
-
-    def __init__(self, parts: list[bytes], more_body: bool, receive: Receive) -> None:
-        last = len(parts) - 1
-        self._messages: list[Message] = [
-            {"type": "http.request", "body": part, "more_body": more_body or i < last} for i, part in enumerate(parts)
-        ]
-        self._messages.reverse()
-        self._receive = receive
-
-    async def __call__(self) -> Message:
-        if self._messages:
-            return self._messages.pop()
-        return await self._receive()
-
-
-class _PassThrough:
-    """The `receive` for a body over the cap that does not opt in so far: it streams to vLLM.
-
-    The rest of the body is checked as it passes. Should it turn out to opt in after all, vLLM is
-    told the client went away (it has not answered yet: it answers once the body is complete) and
-    the client gets the 413 the middleware owes it.
-    """
-
-    __slots__ = ("_replay", "_receive", "_scan", "aborted")
-
-    def __init__(self, parts: list[bytes], scan: OptInScan, receive: Receive) -> None:
-        self._replay = _Replay(parts, True, receive)
-        self._receive = receive
-        self._scan = scan
-        self.aborted = False
-
-    async def __call__(self) -> Message:
-        if self.aborted:
-            return {"type": "http.disconnect"}
-        if self._replay._messages:
-            return await self._replay()
-        message = await self._receive()
-        if message["type"] == "http.request" and self._scan.feed(bytes(message.get("body", b""))):
-            self.aborted = True
-            return {"type": "http.disconnect"}
-        return message
-
-
 class _Exchange:
     """One request/response cycle through the middleware."""
 
@@ -150,7 +90,7 @@ class _Exchange:
                 dp_rank = value if dp_rank is None else dp_rank
             elif name == b"content-length":
                 declared_length = int(value) if value.isdigit() else -1
-        if not _read_as_json(content_type):
+        if not read_as_json(content_type):
             metrics.count_request(self.endpoint, "none", self.settings.mode, metrics.UNKNOWN)
             await self.app(scope, self.receive, self.send)  # vLLM does not read this body as JSON
             return
@@ -182,7 +122,7 @@ class _Exchange:
             request = read_request(body, self.endpoint) if scan.found else None
             if request is None:
                 metrics.count_request(self.endpoint, "none", self.settings.mode, metrics.UNKNOWN)
-                await self.app(scope, _Replay([body], False, self.receive), self.send)
+                await self.app(scope, Replay([body], False, self.receive), self.send)
                 return
             mode = self._mode(modes)
             plan = plan_request_for(request, mode, dp_rank_header=dp_rank)
@@ -193,16 +133,16 @@ class _Exchange:
             return
         if plan.body is not None:
             body = plan.body
-            _set_header(scope, b"content-length", str(len(body)).encode())
+            set_header(scope, b"content-length", str(len(body)).encode())
         for name, value in plan.headers:
-            _set_header(scope, name, value, replace=False)
+            set_header(scope, name, value, replace=False)
         metrics.count_request(self.endpoint, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY)
         if not plan.reshapes_response:
-            await self.app(scope, _Replay([body], False, self.receive), self.send)
+            await self.app(scope, Replay([body], False, self.receive), self.send)
             return
-        reshaping = _Reshaping(plan, self.clock, self.send)
+        reshaping = ReshapingSend(plan, self.clock, self.send)
         try:
-            await self.app(scope, _Replay([body], False, self.receive), reshaping)
+            await self.app(scope, Replay([body], False, self.receive), reshaping)
         finally:
             reshaping.count_stream()  # also for a stream the client cut short
 
@@ -225,7 +165,7 @@ class _Exchange:
         return chosen.pop() if chosen else mode
 
     async def _pass_through(self, parts: list[bytes], scan: OptInScan) -> None:
-        receive = _PassThrough(parts, scan, self.receive)
+        receive = PassThrough(parts, scan, self.receive)
         started = False
 
         async def send(message: Message) -> None:
@@ -242,7 +182,7 @@ class _Exchange:
     async def _refuse(self, error: RequestError, body: bytes, more_body: bool) -> None:
         if _vllm_compat.auth_refuses(self.scope):
             # Mounted outside vLLM's auth: an unauthenticated caller gets vLLM's 401, not our verdict.
-            await self.app(self.scope, _Replay([body], more_body, self.receive), self.send)
+            await self.app(self.scope, Replay([body], more_body, self.receive), self.send)
             return
         await self._send_error(error)
 
@@ -262,147 +202,5 @@ class _Exchange:
         await self.send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
-def _read_as_json(content_type: bytes | None) -> bool:
-    """Whether vLLM's FastAPI route parses the body as JSON (its own rule, on the first header)."""
-    if content_type is None:
-        return _vllm_compat.untyped_body_is_json()
-    message = email.message.Message()
-    message["content-type"] = content_type.decode("latin-1")
-    if message.get_content_maintype() != "application":
-        return False
-    subtype = message.get_content_subtype()
-    return subtype == "json" or subtype.endswith("+json")
-
-
 def _too_large(cap: int) -> RequestError:
     return RequestError(f"Request body exceeds the {cap}-byte limit of vllm-nvext", None, 413)
-
-
-class _Reshaping:
-    """The `send` handed to vLLM when the response has to be reshaped."""
-
-    __slots__ = ("plan", "clock", "send", "_kind", "_start", "_parts", "_stream", "_tally", "_left")
-
-    _PASS, _UNARY, _STREAM = 0, 1, 2
-
-    def __init__(self, plan: Plan, clock: Clock, send: Send) -> None:
-        self.plan = plan
-        self.clock = clock
-        self.send = send
-        self._kind = self._PASS
-        self._start: Message | None = None
-        self._parts: list[bytes] = []
-        self._stream: StreamReshaper | None = None
-        self._tally: metrics.StreamTally | None = None  # None: metrics off, nothing timed
-        self._left = metrics.StreamTally.FIRST  # body messages until the next timed one
-
-    async def __call__(self, message: Message) -> None:
-        kind = message["type"]
-        if kind == "http.response.start":
-            await self._on_start(message)
-        elif kind == "http.response.body":
-            if self._kind == self._STREAM:
-                await self._on_stream_body(message)
-            elif self._kind == self._UNARY:
-                await self._on_unary_body(message)
-            else:
-                await self.send(message)
-        else:
-            await self.send(message)
-
-    async def _on_start(self, message: Message) -> None:
-        status = message["status"]
-        content_type = b""
-        encoded = False
-        for name, value in message.get("headers", ()):
-            if name.lower() == b"content-type":
-                content_type = value.lower()
-            elif name.lower() == b"content-encoding":
-                encoded = True
-        if status >= 400 or status in _PASS_STATUSES or encoded:
-            self._kind = self._PASS
-        elif content_type.startswith(b"text/event-stream"):
-            self._kind = self._STREAM
-            self._stream = StreamReshaper(self.plan, self.clock)
-            self._tally = metrics.StreamTally() if metrics.enabled() else None
-            message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]
-        elif content_type.startswith(b"application/json"):
-            self._kind = self._UNARY
-            self._start = message
-            return  # held until the body is complete, to fix its length
-        await self.send(message)
-
-    async def _on_stream_body(self, message: Message) -> None:
-        stream = self._stream
-        assert stream is not None
-        more = bool(message.get("more_body", False))
-        body = message.get("body", b"")
-        if type(body) is not bytes:
-            body = bytes(body)  # memoryview or bytearray: `in` and find() need real bytes
-        tally = self._tally
-        if tally is None:
-            out = stream.feed(body)
-        else:
-            left = self._left - 1
-            if left:
-                self._left = left
-                out = stream.feed(body)
-            else:  # one message in a sample is timed (metrics.StreamTally)
-                t0 = perf_counter_ns()
-                out = stream.feed(body)
-                self._left = tally.add(perf_counter_ns() - t0)
-        if not more:
-            out += stream.flush()  # an unterminated tail goes out as it came
-        if out or not more:
-            await self.send({"type": "http.response.body", "body": out, "more_body": more})
-
-    async def _on_unary_body(self, message: Message) -> None:
-        self._parts.append(bytes(message.get("body", b"")))
-        if message.get("more_body", False):
-            return
-        body = b"".join(self._parts)
-        self._parts = []
-        t0 = perf_counter_ns()
-        unchanged = 0
-        try:
-            new = reshape_unary_body(body, self.plan, self.clock)
-            if new is not None:
-                body = new
-        except ValueError:
-            pass  # not JSON after all: forwarded unchanged
-        except Exception:  # never turn a good vLLM answer into a 500
-            logger.exception("vllm-nvext could not reshape a response; forwarded unchanged")
-            unchanged = 1
-        metrics.count_reshaping(self.plan.endpoint, metrics.UNARY, 1, (perf_counter_ns() - t0) / 1e9, unchanged)
-        start = self._start
-        assert start is not None
-        headers = [(n, v) for n, v in start.get("headers", ()) if n.lower() != b"content-length"]
-        headers.append((b"content-length", str(len(body)).encode()))
-        start["headers"] = headers
-        await self.send(start)
-        await self.send({"type": "http.response.body", "body": body, "more_body": False})
-
-    def count_stream(self) -> None:
-        """Add a reshaped stream's events and time to the metrics, once, when it is over."""
-        stream, tally = self._stream, self._tally
-        if stream is not None and tally is not None:
-            self._tally = None
-            left = self._left
-            events = tally.messages(left) - stream.framed + stream.framed_events
-            seconds = tally.seconds(left)
-            metrics.count_reshaping(self.plan.endpoint, metrics.STREAM, events, seconds, stream.unchanged)
-
-
-def _set_header(scope: Scope, name: bytes, value: bytes, *, replace: bool = True) -> None:
-    """Set a request header in the scope's own list (never a copy of the scope).
-
-    With replace=False a header the client already sent is kept.
-    """
-    headers = scope["headers"]
-    if not isinstance(headers, list):
-        headers = scope["headers"] = list(headers)
-    if any(n == name for n, _ in headers):
-        if not replace:
-            return
-        headers[:] = [(n, v) for n, v in headers if n != name]
-    headers.append((name, value))

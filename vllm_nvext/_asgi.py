@@ -1,0 +1,93 @@
+"""ASGI plumbing for the request side: replaying a body, passing a large one through, headers.
+
+Nothing here decides anything about either dialect; `middleware.py` wires these together.
+"""
+
+from __future__ import annotations
+
+import email.message
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from . import _vllm_compat
+from .request import OptInScan
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class Replay:
+    """Hands the app the (possibly rewritten) body, then the server's own `receive`."""
+
+    __slots__ = ("_messages", "_receive")
+
+    def __init__(self, parts: list[bytes], more_body: bool, receive: Receive) -> None:
+        last = len(parts) - 1
+        self._messages: list[Message] = [
+            {"type": "http.request", "body": part, "more_body": more_body or i < last} for i, part in enumerate(parts)
+        ]
+        self._messages.reverse()
+        self._receive = receive
+
+    async def __call__(self) -> Message:
+        if self._messages:
+            return self._messages.pop()
+        return await self._receive()
+
+
+class PassThrough:
+    """The `receive` for a body over the cap that does not opt in so far: it streams to vLLM.
+
+    The rest of the body is checked as it passes. Should it turn out to opt in after all, vLLM is
+    told the client went away (it has not answered yet: it answers once the body is complete) and
+    the client gets the 413 the middleware owes it.
+    """
+
+    __slots__ = ("_replay", "_receive", "_scan", "aborted")
+
+    def __init__(self, parts: list[bytes], scan: OptInScan, receive: Receive) -> None:
+        self._replay = Replay(parts, True, receive)
+        self._receive = receive
+        self._scan = scan
+        self.aborted = False
+
+    async def __call__(self) -> Message:
+        if self.aborted:
+            return {"type": "http.disconnect"}
+        if self._replay._messages:
+            return await self._replay()
+        message = await self._receive()
+        if message["type"] == "http.request" and self._scan.feed(bytes(message.get("body", b""))):
+            self.aborted = True
+            return {"type": "http.disconnect"}
+        return message
+
+
+def read_as_json(content_type: bytes | None) -> bool:
+    """Whether vLLM's FastAPI route parses the body as JSON (its own rule, on the first header)."""
+    if content_type is None:
+        return _vllm_compat.untyped_body_is_json()
+    message = email.message.Message()
+    message["content-type"] = content_type.decode("latin-1")
+    if message.get_content_maintype() != "application":
+        return False
+    subtype = message.get_content_subtype()
+    return subtype == "json" or subtype.endswith("+json")
+
+
+def set_header(scope: Scope, name: bytes, value: bytes, *, replace: bool = True) -> None:
+    """Set a request header in the scope's own list (never a copy of the scope).
+
+    With replace=False a header the client already sent is kept.
+    """
+    headers = scope["headers"]
+    if not isinstance(headers, list):
+        headers = scope["headers"] = list(headers)
+    if any(n == name for n, _ in headers):
+        if not replace:
+            return
+        headers[:] = [(n, v) for n, v in headers if n != name]
+    headers.append((name, value))

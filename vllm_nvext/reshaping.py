@@ -1,0 +1,137 @@
+"""The `send` handed to vLLM when a response is reshaped: ASGI messages in, the client's out.
+
+A stream's bytes go through `stream.StreamReshaper` as they come; a unary body is held until
+complete, reshaped by `unary.reshape_unary_body` and sent with its new length. Errors, 204/206/304
+and encoded bodies pass untouched. Used by `NvextMiddleware`; public for benchmarks.
+"""
+
+from __future__ import annotations
+
+import logging
+from time import perf_counter_ns
+
+from . import metrics
+from ._asgi import Message, Send
+from .request import Plan
+from .response import Clock
+from .stream import StreamReshaper
+from .unary import reshape_unary_body
+
+logger = logging.getLogger("vllm_nvext")
+
+_PASS_STATUSES = frozenset({204, 206, 304})
+
+
+class ReshapingSend:
+    """The `send` handed to vLLM when the response has to be reshaped."""
+
+    __slots__ = ("plan", "clock", "send", "_kind", "_start", "_parts", "_stream", "_tally", "_left")
+
+    _PASS, _UNARY, _STREAM = 0, 1, 2
+
+    def __init__(self, plan: Plan, clock: Clock, send: Send) -> None:
+        self.plan = plan
+        self.clock = clock
+        self.send = send
+        self._kind = self._PASS
+        self._start: Message | None = None
+        self._parts: list[bytes] = []
+        self._stream: StreamReshaper | None = None
+        self._tally: metrics.StreamTally | None = None  # None: metrics off, nothing timed
+        self._left = metrics.StreamTally.FIRST  # body messages until the next timed one
+
+    async def __call__(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            await self._on_start(message)
+        elif kind == "http.response.body":
+            if self._kind == self._STREAM:
+                await self._on_stream_body(message)
+            elif self._kind == self._UNARY:
+                await self._on_unary_body(message)
+            else:
+                await self.send(message)
+        else:
+            await self.send(message)
+
+    async def _on_start(self, message: Message) -> None:
+        status = message["status"]
+        content_type = b""
+        encoded = False
+        for name, value in message.get("headers", ()):
+            if name.lower() == b"content-type":
+                content_type = value.lower()
+            elif name.lower() == b"content-encoding":
+                encoded = True
+        if status >= 400 or status in _PASS_STATUSES or encoded:
+            self._kind = self._PASS
+        elif content_type.startswith(b"text/event-stream"):
+            self._kind = self._STREAM
+            self._stream = StreamReshaper(self.plan, self.clock)
+            self._tally = metrics.StreamTally() if metrics.enabled() else None
+            message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]
+        elif content_type.startswith(b"application/json"):
+            self._kind = self._UNARY
+            self._start = message
+            return  # held until the body is complete, to fix its length
+        await self.send(message)
+
+    async def _on_stream_body(self, message: Message) -> None:
+        stream = self._stream
+        assert stream is not None
+        more = bool(message.get("more_body", False))
+        body = message.get("body", b"")
+        if type(body) is not bytes:
+            body = bytes(body)  # memoryview or bytearray: `in` and find() need real bytes
+        tally = self._tally
+        if tally is None:
+            out = stream.feed(body)
+        else:
+            left = self._left - 1
+            if left:
+                self._left = left
+                out = stream.feed(body)
+            else:  # one message in a sample is timed (metrics.StreamTally)
+                t0 = perf_counter_ns()
+                out = stream.feed(body)
+                self._left = tally.add(perf_counter_ns() - t0)
+        if not more:
+            out += stream.flush()  # an unterminated tail goes out as it came
+        if out or not more:
+            await self.send({"type": "http.response.body", "body": out, "more_body": more})
+
+    async def _on_unary_body(self, message: Message) -> None:
+        self._parts.append(bytes(message.get("body", b"")))
+        if message.get("more_body", False):
+            return
+        body = b"".join(self._parts)
+        self._parts = []
+        t0 = perf_counter_ns()
+        unchanged = 0
+        try:
+            new = reshape_unary_body(body, self.plan, self.clock)
+            if new is not None:
+                body = new
+        except ValueError:
+            pass  # not JSON after all: forwarded unchanged
+        except Exception:  # never turn a good vLLM answer into a 500
+            logger.exception("vllm-nvext could not reshape a response; forwarded unchanged")
+            unchanged = 1
+        metrics.count_reshaping(self.plan.endpoint, metrics.UNARY, 1, (perf_counter_ns() - t0) / 1e9, unchanged)
+        start = self._start
+        assert start is not None
+        headers = [(n, v) for n, v in start.get("headers", ()) if n.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        start["headers"] = headers
+        await self.send(start)
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def count_stream(self) -> None:
+        """Add a reshaped stream's events and time to the metrics, once, when it is over."""
+        stream, tally = self._stream, self._tally
+        if stream is not None and tally is not None:
+            self._tally = None
+            left = self._left
+            events = tally.messages(left) - stream.framed + stream.framed_events
+            seconds = tally.seconds(left)
+            metrics.count_reshaping(self.plan.endpoint, metrics.STREAM, events, seconds, stream.unchanged)
