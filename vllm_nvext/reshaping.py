@@ -41,16 +41,33 @@ class ReshapingSend:
         self._left = metrics.StreamTally.FIRST  # body messages until the next timed one
 
     async def __call__(self, message: Message) -> None:
+        if self._kind == 2 and message["type"] == "http.response.body":  # _STREAM: the hot path, inlined
+            stream = self._stream
+            assert stream is not None
+            body = message.get("body", b"")
+            if type(body) is not bytes:
+                body = bytes(body)  # memoryview or bytearray: `in` and find() need real bytes
+            left = self._left - 1
+            if left or self._tally is None:
+                self._left = left
+                out = stream.feed(body)
+            else:  # one message in a sample is timed (metrics.StreamTally)
+                t0 = perf_counter_ns()
+                out = stream.feed(body)
+                self._left = self._tally.add(perf_counter_ns() - t0)
+            more = message.get("more_body", False)
+            if not more:
+                out += stream.flush()  # an unterminated tail goes out as it came
+            if out is not body:
+                message["body"] = out  # vLLM's message dict is its own per send: reused, not copied
+            if out or not more:
+                await self.send(message)
+            return
         kind = message["type"]
         if kind == "http.response.start":
             await self._on_start(message)
-        elif kind == "http.response.body":
-            if self._kind == self._STREAM:
-                await self._on_stream_body(message)
-            elif self._kind == self._UNARY:
-                await self._on_unary_body(message)
-            else:
-                await self.send(message)
+        elif kind == "http.response.body" and self._kind == self._UNARY:
+            await self._on_unary_body(message)
         else:
             await self.send(message)
 
@@ -75,30 +92,6 @@ class ReshapingSend:
             self._start = message
             return  # held until the body is complete, to fix its length
         await self.send(message)
-
-    async def _on_stream_body(self, message: Message) -> None:
-        stream = self._stream
-        assert stream is not None
-        more = bool(message.get("more_body", False))
-        body = message.get("body", b"")
-        if type(body) is not bytes:
-            body = bytes(body)  # memoryview or bytearray: `in` and find() need real bytes
-        tally = self._tally
-        if tally is None:
-            out = stream.feed(body)
-        else:
-            left = self._left - 1
-            if left:
-                self._left = left
-                out = stream.feed(body)
-            else:  # one message in a sample is timed (metrics.StreamTally)
-                t0 = perf_counter_ns()
-                out = stream.feed(body)
-                self._left = tally.add(perf_counter_ns() - t0)
-        if not more:
-            out += stream.flush()  # an unterminated tail goes out as it came
-        if out or not more:
-            await self.send({"type": "http.response.body", "body": out, "more_body": more})
 
     async def _on_unary_body(self, message: Message) -> None:
         self._parts.append(bytes(message.get("body", b"")))
