@@ -14,6 +14,12 @@ are read with `vllm_nvext.client` from whichever placement the server used, then
 - with `--hidden-states`, both requests' `kv_transfer_params.hidden_states_path` files load
   (PROTOCOL §2) with the prompt ids and hold equal tensors.
 
+With `--dynamo-url`, a Dynamo frontend is the baseline instead: each case of the conformance
+matrix (`vllm_nvext.dynamo_conformance`: chat and completions, unary and streamed, every nvext
+selector, stop/EOS, token_data, seeded n=2, unknown keys) goes as the same bytes to Dynamo and to
+`--url` (nvext mode), and the two answers must agree up to the differences
+`vllm_nvext.dynamo_differences` allows; one row per case names the first other difference.
+
 Exit status: 0 all checks passed (skips allowed), 1 a check failed or a request failed,
 2 a usage error or an unreachable server.
 """
@@ -29,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from . import dynamo_conformance
 from .config import MODE_HEADER
 from .parity_checks import (
     BUILTIN_PROMPTS,
@@ -48,10 +55,12 @@ from .parity_checks import (
     error_message,
     format_table,
     judge_case,
+    judge_dynamo_case,
     judge_hidden_states,
     load_prompts,
     outcome_report,
     read_answer,
+    read_conformance_answer,
     request_body,
     token_data_unsupported,
 )
@@ -80,9 +89,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.epilog = "exit status: 0 all checks passed, 1 a check or request failed, 2 usage error or unreachable server"
     parser.add_argument("--url", default=DEFAULT_URL, help=f"the vllm-nvext server (default {DEFAULT_URL})")
-    parser.add_argument(
+    baseline = parser.add_mutually_exclusive_group()
+    baseline.add_argument(
         "--baseline-url",
         help="a stock vLLM server: the vLLM dialect goes there, the nvext dialect to --url",
+    )
+    baseline.add_argument(
+        "--dynamo-url",
+        help="a Dynamo frontend: the conformance cases go as the same bytes there and to --url (nvext mode); "
+        "the answers must agree up to vllm_nvext/dynamo_differences.py (--prompts, --hidden-states and "
+        "--max-tokens do not apply; --api-key is sent to --url only)",
     )
     parser.add_argument(
         "--prompts",
@@ -135,6 +151,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO, transport: httpx.Ba
         import httpx
     except ImportError:
         raise UsageError(f"needs httpx, which is not installed: {CLIENT_EXTRA}") from None
+    if getattr(args, "dynamo_url", None):
+        return _run_dynamo(args, out, err, transport)
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     prompts = load_prompts(args.prompts) if args.prompts is not None else builtin_prompts()
@@ -184,11 +202,87 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO, transport: httpx.Ba
             "rows": [asdict(r) for r in rows],
             "cases": session.case_reports,
         }
-        try:
-            args.json_report.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-        except OSError as exc:
-            raise UsageError(f"cannot write the JSON report: {exc}") from exc
+        _write_report(args.json_report, report)
     return 1 if tally[FAIL] else 0
+
+
+def _run_dynamo(args: argparse.Namespace, out: TextIO, err: TextIO, transport: httpx.BaseTransport | None) -> int:
+    import httpx
+
+    for flag, given in (("--prompts", args.prompts is not None), ("--hidden-states", args.hidden_states)):
+        if given:
+            raise UsageError(f"{flag} does not apply with --dynamo-url (it runs the conformance cases)")
+    auth = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    nvext_target = Target(args.url.rstrip("/"), {**auth, MODE_HEADER: NVEXT_DIALECT})
+    dynamo_target = Target(args.dynamo_url.rstrip("/"), send_mode_header=False)  # Dynamo has no key
+    rows: list[Row] = []
+    case_reports: list[dict[str, Any]] = []
+    with httpx.Client(timeout=args.timeout, transport=transport) as http:
+        model = _resolve_model(http, nvext_target, args.model)
+        _resolve_model(http, dynamo_target, model)
+        cases = dynamo_conformance.cases(model)
+        print(
+            f"vllm-nvext parity: {len(cases)} conformance cases, model {model!r}, Dynamo {dynamo_target.url} "
+            f"vs vllm-nvext {nvext_target.url} (nvext mode)",
+            file=err,
+            flush=True,
+        )
+        for number, case in enumerate(cases, 1):
+            print(f"[{number}/{len(cases)}] {case.name}", file=err, flush=True)
+            dynamo = _exchange(http, dynamo_target, case)
+            ours = _exchange(http, nvext_target, case)
+            row, differences = judge_dynamo_case(case, dynamo, ours)
+            rows.append(row)
+            case_reports.append(
+                {
+                    "case": case.name,
+                    "path": case.path,
+                    "request": case.body,
+                    "status": {"dynamo": _status_of(dynamo), "nvext": _status_of(ours)},
+                    "result": row.status,
+                    "differences": differences,
+                }
+            )
+
+    print(format_table(rows), file=out)
+    tally = counts(rows)
+    verdict = "FAILED" if tally[FAIL] else "OK"
+    print(f"\n{verdict}: {len(rows)} cases, {tally[PASS]} agree, {tally[FAIL]} differ", file=out)
+    if args.json_report is not None:
+        report = {
+            "passed": not tally[FAIL],
+            "url": nvext_target.url,
+            "dynamo_url": dynamo_target.url,
+            "model": model,
+            "summary": {"checks": len(rows), "passed": tally[PASS], "failed": tally[FAIL], "skipped": tally[SKIP]},
+            "rows": [asdict(r) for r in rows],
+            "cases": case_reports,
+        }
+        _write_report(args.json_report, report)
+    return 1 if tally[FAIL] else 0
+
+
+def _exchange(http: httpx.Client, target: Target, case: dynamo_conformance.Case) -> dynamo_conformance.Answer | str:
+    """POST the case's exact bytes; the answer, or why there is none."""
+    import httpx
+
+    headers = {"content-type": "application/json", **target.headers}
+    try:
+        response = http.post(target.url + case.path, content=case.content(), headers=headers)
+    except httpx.HTTPError as exc:
+        return f"request failed: {type(exc).__name__}: {exc}"
+    return read_conformance_answer(response.status_code, response.content, case.stream)
+
+
+def _status_of(answer: dynamo_conformance.Answer | str) -> int | str:
+    return answer if isinstance(answer, str) else answer.status
+
+
+def _write_report(path: Path, report: dict[str, Any]) -> None:
+    try:
+        path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    except OSError as exc:
+        raise UsageError(f"cannot write the JSON report: {exc}") from exc
 
 
 # --- requests ----------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import dynamo_conformance
 from ._shapes import first_difference
 from .client import TokenIds, TokenIdsError, extract, extract_stream, parse_sse
 from .request import ENDPOINT_PATHS, Endpoint
@@ -398,6 +399,45 @@ def judge_hidden_states(
     status = PASS if max_diff <= atol else FAIL
     rows.append(Row(case.label, "hidden states equal", status, f"max abs diff {max_diff:.3g} (atol {atol:g})"))
     return rows, report
+
+
+# --- against a Dynamo frontend (--dynamo-url) --------------------------------------------------
+
+DYNAMO_CHECK = "nvext == Dynamo"
+
+
+def read_conformance_answer(status: int, content: bytes, stream: bool) -> dynamo_conformance.Answer | str:
+    """One server's reply to a conformance case, or why it cannot be compared."""
+    try:
+        return dynamo_conformance.parse_answer(status, content, stream)
+    except dynamo_conformance.AnswerError as exc:
+        return f"HTTP {status}, {exc}"
+
+
+def judge_dynamo_case(
+    case: dynamo_conformance.Case,
+    dynamo: dynamo_conformance.Answer | str,
+    ours: dynamo_conformance.Answer | str,
+) -> tuple[Row, list[str]]:
+    """One conformance case: PASS when the answers agree up to the allowed differences
+    (`vllm_nvext.dynamo_differences`), else FAIL naming the first difference; also every difference.
+
+    A side given as a string failed (the request, or reading its answer): that is the difference.
+    """
+    if isinstance(dynamo, str) or isinstance(ours, str):
+        differences = [f"Dynamo: {dynamo}"] if isinstance(dynamo, str) else []
+        differences += [f"vllm-nvext: {ours}"] if isinstance(ours, str) else []
+    else:
+        differences = dynamo_conformance.unexplained_differences(case, dynamo, ours)
+    if not differences:
+        assert not isinstance(dynamo, str) and not isinstance(ours, str)
+        if dynamo.status == ours.status:
+            detail = f"HTTP {ours.status} both"
+        else:  # an allowed refusal
+            detail = f"HTTP {dynamo.status} Dynamo, {ours.status} vllm-nvext (allowed)"
+        return Row(case.name, DYNAMO_CHECK, PASS, detail), differences
+    more = f" (+{len(differences) - 1} more)" if len(differences) > 1 else ""
+    return Row(case.name, DYNAMO_CHECK, FAIL, differences[0] + more), differences
 
 
 # --- reporting ---------------------------------------------------------------------------------
