@@ -29,11 +29,15 @@ def _events(body: bytes) -> list[bytes]:
 
 
 def _run(reshaper: StreamReshaper, events: list[bytes]) -> list[dict]:
-    out = []
+    sent = b""
     for raw in events:
         new = reshaper.reshape_event(raw)
-        assert (new or raw).startswith(b"data: {") and (new or raw).endswith(b"}\n\n")
-        event = json.loads((new or raw)[6:])
+        sent += raw if new is None else new  # a finish chunk may wait for the next event
+    sent += reshaper.flush()
+    out = []
+    for block in sent.split(b"\n\n")[:-1]:
+        assert block.startswith(b"data: {") and block.endswith(b"}")
+        event = json.loads(block[6:])
         event.get("nvext", {}).pop("timing", None)  # wall-clock values differ run to run
         out.append(event)
     return out
@@ -129,6 +133,97 @@ def test_unterminated_tail_is_flushed_as_it_came():
         Mode.NVEXT,
     )
     stream = StreamReshaper(plan, Clock())
-    assert stream.feed(b"data: {\"partial") == b""
-    assert stream.buffered == len(b"data: {\"partial")
-    assert stream.flush() == b"data: {\"partial" and stream.buffered == 0
+    assert stream.feed(b'data: {"partial') == b""
+    assert stream.buffered == len(b'data: {"partial')
+    assert stream.flush() == b'data: {"partial' and stream.buffered == 0
+
+
+def _with_usage_reports(body: bytes) -> bytes:
+    """The recorded stream as vLLM sends it with --enable-per-request-metrics and
+    --enable-prompt-tokens-details: both ride on the usage-only chunk."""
+    out = []
+    for block in body.split(b"\n\n")[:-1]:
+        if block.startswith(b"data: {"):
+            event = json.loads(block[6:])
+            if event.get("choices") == []:
+                event["usage"]["prompt_tokens_details"] = {"cached_tokens": 3}
+                event["metrics"] = {"time_to_first_token_ms": 4.25, "queue_time_ms": 0.5}
+                block = b"data: " + json.dumps(event, separators=(",", ":")).encode()
+        out.append(block + b"\n\n")
+    return b"".join(out)
+
+
+def _stream_plan(rec, selectors):
+    request = {k: v for k, v in rec.request.items() if k != "return_token_ids"}
+    plan = plan_request(
+        json.dumps({**request, "nvext": {"extra_fields": selectors}}).encode(), rec.endpoint, Mode.NVEXT
+    )
+    assert plan is not None
+    return plan
+
+
+USAGE_STREAMS = [n for n in STREAMS if any(e.get("choices") == [] for e in recordings()[n].events())]
+
+
+@pytest.mark.parametrize("name", USAGE_STREAMS)
+def test_finish_chunk_waits_for_the_usage_chunk_and_carries_what_vllm_reports_there(name):
+    rec = recordings()[name]
+    body = _with_usage_reports(rec.body)
+    plan = _stream_plan(rec, ["timing", "engine_data"])
+    assert plan.await_usage
+    stream = StreamReshaper(plan, Clock())
+    events = [b + b"\n\n" for b in body.split(b"\n\n")[:-1]]
+    sent = [stream.feed(e) for e in events] + [stream.flush()]
+    usage_at = next(i for i, e in enumerate(events) if b'"choices":[]' in e)
+    assert sent[usage_at - 1] == b"", "the finish chunk is held until the usage chunk"
+    finish, usage = sent[usage_at].split(b"\n\n")[:2]
+    assert usage + b"\n\n" == events[usage_at], "the usage chunk itself goes out as vLLM sent it"
+    nv = json.loads(finish[6:])["nvext"]
+    assert list(nv) == ["timing", "engine_data"]
+    timing = nv["timing"]
+    assert list(timing) == [
+        "request_received_ms",
+        "prefill_wait_time_ms",
+        "prefill_time_ms",
+        "ttft_ms",
+        "total_time_ms",
+    ]
+    assert (timing["prefill_wait_time_ms"], timing["prefill_time_ms"], timing["ttft_ms"]) == (0.5, 4.25, 4.75)
+    engine = nv["engine_data"]
+    assert list(engine)[:2] == ["prompt_token_ids", "kv_cache_hit"]
+    assert engine["kv_cache_hit"] == {"prompt_tokens": len(engine["prompt_token_ids"]), "reused_tokens": 3}
+
+
+@pytest.mark.parametrize("name", STREAMS)
+def test_without_a_usage_chunk_the_finish_chunk_goes_out_before_done(name):
+    rec = recordings()[name]
+    body = b"".join(b + b"\n\n" for b in rec.body.split(b"\n\n")[:-1] if b'"choices":[]' not in b)
+    plan = _stream_plan(rec, ["timing"])
+    stream = StreamReshaper(plan, Clock())
+    out = b"".join(stream.feed(b + b"\n\n") for b in body.split(b"\n\n")[:-1]) + stream.flush()
+    blocks = out.split(b"\n\n")[:-1]
+    assert blocks[-1] == b"data: [DONE]" and len(blocks) == len(body.split(b"\n\n")[:-1])
+    finishes = [json.loads(b[6:]) for b in blocks[:-1] if b'"finish_reason":"' in b]
+    assert finishes and all("timing" in f["nvext"] for f in finishes)
+    assert "prefill_time_ms" not in finishes[-1]["nvext"]["timing"], "nothing vLLM did not report"
+
+
+def test_a_stream_cut_after_the_finish_chunk_still_delivers_it():
+    rec = recordings()["chat_stream_ids"]
+    plan = _stream_plan(rec, ["engine_data"])
+    stream = StreamReshaper(plan, Clock())
+    events = [b + b"\n\n" for b in rec.body.split(b"\n\n")[:-1]]
+    finish_at = next(i for i, e in enumerate(events) if b'"finish_reason":"' in e)
+    sent = b"".join(stream.feed(e) for e in events[: finish_at + 1])
+    assert b"engine_data" not in sent
+    tail = stream.flush()
+    assert json.loads(tail[6:-2])["nvext"]["engine_data"]["finished"] is True
+
+
+def test_several_choices_never_wait():
+    rec = recordings()["completions_stream_ids_n2"]
+    request = {k: v for k, v in rec.request.items() if k != "return_token_ids"}
+    plan = plan_request(
+        json.dumps({**request, "nvext": {"extra_fields": ["timing"]}}).encode(), rec.endpoint, Mode.NVEXT
+    )
+    assert plan is not None and not plan.await_usage

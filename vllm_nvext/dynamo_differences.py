@@ -11,6 +11,8 @@ comparison (the tests, a migration check) can set exactly those keys aside and c
   selectors: nvext.extra_fields includes all of these;  not_selectors: none of these;
   any_selectors: at least one of these;  stream: bool;  several_choices: n > 1 or a completions batch (bool);
   stop_string: a `stop` string is set (bool);  batch: a completions batch (bool);
+  usage_reports: a one-choice stream with `stream_options.include_usage` (vLLM's usage chunk
+  follows the finish chunk, which waits for it) (bool);
   root: the body has all of these root keys.
 `dynamo_only` / `nvext_only`: `nvext` key paths (dotted, e.g. `engine_data.kv_cache_hit`) that
 only that side writes under those conditions. `aspects`: other compared aspects that may differ
@@ -47,6 +49,7 @@ class Difference:
             "several_choices": (isinstance(body.get("n"), int) and body["n"] > 1) or _is_batch(body.get("prompt")),
             "stop_string": bool(body.get("stop")),
             "batch": _is_batch(body.get("prompt")),
+            "usage_reports": _usage_reports(body),
         }
         for key, want in self.when.items():
             if key == "selectors":
@@ -64,6 +67,14 @@ class Difference:
             if not ok:
                 return False
         return True
+
+
+def _usage_reports(body: Mapping[str, Any]) -> bool:
+    options = body.get("stream_options")
+    include_usage = isinstance(options, dict) and options.get("include_usage") is True
+    n = body.get("n")
+    several = (isinstance(n, int) and n > 1) or _is_batch(body.get("prompt"))
+    return bool(body.get("stream")) and include_usage and not several
 
 
 def _is_batch(prompt: Any) -> bool:
@@ -100,16 +111,17 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference(
         id="stream-engine-metrics",
         what=(
-            "In streams, `timing` has no `prefill_wait_time_ms`/`prefill_time_ms` (`ttft_ms` is the "
-            "middleware's clock at the first token) and `engine_data` has no `kv_cache_hit`"
+            "In streams without `stream_options.include_usage` (or with n > 1), `timing` has no "
+            "`prefill_wait_time_ms`/`prefill_time_ms` (`ttft_ms` is the middleware's clock at the "
+            "first token) and `engine_data` has no `kv_cache_hit`"
         ),
         contract="Dynamo 1.6.1",
         reason=(
             "vLLM reports its per-request metrics and cached-token count only on the usage chunk, "
-            "after the finish chunk; the finish chunk is not held back for them, and no value is "
-            "invented"
+            "for one choice; the finish chunk waits for that chunk when it comes (the client asked "
+            "for usage), and no value is invented when it does not"
         ),
-        when={"stream": True},
+        when={"stream": True, "usage_reports": False},
         dynamo_only=("timing.prefill_wait_time_ms", "timing.prefill_time_ms", "engine_data.kv_cache_hit"),
     ),
     Difference(

@@ -308,7 +308,7 @@ class ChunkReshaper:
     and is not taken while `decode_every_chunk` is set.
     """
 
-    __slots__ = ("plan", "clock", "prompt_ids", "ids", "logprobs", "ttft_ms", "engine", "_choices")
+    __slots__ = ("plan", "clock", "prompt_ids", "ids", "logprobs", "ttft_ms", "engine", "_choices", "pending")
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
         self.plan = plan
@@ -319,6 +319,9 @@ class ChunkReshaper:
         self.ttft_ms: float | None = None
         self.engine = ENGINE_DATA in plan.selectors
         self._choices: dict[int, _Choice] = {0: _Choice(self.ids, self.logprobs)}
+        # With plan.await_usage: the finish chunk's nvext and engine_data arguments, to be
+        # completed from the usage chunk (`complete_from_usage`) before the chunk goes out.
+        self.pending: tuple[dict[str, Any], dict[str, Any] | None] | None = None
 
     @property
     def decode_every_chunk(self) -> bool:
@@ -378,17 +381,20 @@ class ChunkReshaper:
         kv = _take_kv(obj, plan) if plan.nvext_trio else None  # vLLM >= 0.33 sends it on the finish chunk
         prompt_logprobs = _take_prompt_logprobs(obj, choice, plan)
         routed_experts = _take_routed_experts(choice, plan)
-        engine = None
+        engine = engine_args = None
         if self.engine:
-            engine = engine_data(
-                prompt_ids=self.prompt_ids,
-                prompt_logprobs=prompt_logprobs,
-                kv_transfer_params=obj.get("kv_transfer_params") if kv is None else kv,
-                routed_experts=routed_experts,
-                completion_ids=list(state.ids),
-                finished=True,
-                logprobs=state.logprobs,
-            )
+            engine_args = {
+                "prompt_ids": self.prompt_ids,
+                "prompt_logprobs": prompt_logprobs,
+                "kv_transfer_params": obj.get("kv_transfer_params") if kv is None else kv,
+                "routed_experts": routed_experts,
+                "completion_ids": list(state.ids),
+                "finished": True,
+                "logprobs": state.logprobs,
+            }
+            engine = engine_data(**engine_args)
+        if plan.await_usage:
+            self.pending = (nv, engine_args)
         nv.update(
             _final_nvext(
                 plan,
@@ -404,3 +410,19 @@ class ChunkReshaper:
             )
         )
         return True  # the final selectors may move values out of the chunk
+
+    def complete_from_usage(self, usage_chunk: Any) -> None:
+        """Fill the pending finish chunk's nvext with what vLLM reports on its usage chunk.
+
+        vLLM sends its per-request metrics (`--enable-per-request-metrics`) and cached-token count
+        (`--enable-prompt-tokens-details`) only there; Dynamo has them on the finish chunk.
+        """
+        pending, self.pending = self.pending, None
+        if pending is None or not isinstance(usage_chunk, dict):
+            return
+        nv, engine_args = pending
+        if "timing" in nv:  # replaced in place: the key keeps its position
+            nv["timing"] = timing(self.clock, self.ttft_ms, usage_chunk.get("metrics"))
+        if engine_args is not None and "engine_data" in nv:
+            cache_hit = kv_cache_hit(self.prompt_ids, usage_chunk.get("usage"))
+            nv["engine_data"] = engine_data(**engine_args, cache_hit=cache_hit)

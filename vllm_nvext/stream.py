@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 from . import _json
 from .request import Plan
@@ -31,6 +32,7 @@ _DELTA_TAIL = re.compile(
     rb"((?:" + _NULL_KEY + rb")*\}\](?:" + _NULL_KEY + rb")*\}\n\n)\Z"
 )
 _ID_BYTES = b"0123456789,"
+_NOT_JSON = object()
 
 
 def _is_plain_data_event(event: bytes) -> bool:
@@ -50,7 +52,7 @@ class StreamReshaper:
     sent it, and at most one partial event is held back.
     """
 
-    __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "_head", "_tail", "_held",
+    __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "_head", "_tail", "_held", "_waiting",
                  "framed", "framed_events", "unchanged")  # fmt: skip
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
@@ -62,6 +64,9 @@ class StreamReshaper:
         self._head = b""  # the bytes from finish_reason to the ids, and after them, of the last delta matched
         self._tail = b""
         self._held = False  # the framer holds a partial event (the `buffered` property, as a plain slot)
+        # A finish chunk waiting for the usage chunk (plan.await_usage): the bytes before its JSON,
+        # the decoded chunk, the bytes after. It goes out with the next event, whatever that is.
+        self._waiting: tuple[bytes, Any, bytes] | None = None
         # For the metrics: messages and events that went through the framer (every other message
         # is one event), and events forwarded unchanged after a failure.
         self.framed = 0
@@ -86,7 +91,8 @@ class StreamReshaper:
             # (_is_plain_data_event inlined). Same bytes as framing it:
             # tests/test_stream.py::test_feeding_whole_events_equals_feeding_split_bytes.
             try:
-                return self.reshape_event(body) or body
+                new = self.reshape_event(body)
+                return body if new is None else new
             except Exception:
                 logger.exception("vllm-nvext could not reshape a stream event; forwarded unchanged")
                 self.unchanged += 1
@@ -102,7 +108,8 @@ class StreamReshaper:
     def flush(self) -> bytes:
         """Whatever is held back at the end of the stream (an unterminated tail), as it came."""
         self._held = False
-        return self._framer.flush()
+        tail = self._framer.flush()
+        return tail if self._waiting is None else self._release() + tail
 
     def reshape_event(self, event: bytes) -> bytes | None:
         """The new bytes for one whole `data: {...}\\n\\n` event, or None to forward it as sent.
@@ -115,7 +122,7 @@ class StreamReshaper:
         tests/test_stream_layouts.py::test_byte_level_path_gives_the_general_paths_bytes.
         Everything else, the first and final chunks among them, is decoded.
         """
-        if self._fast:
+        if self._fast and self._waiting is None:
             tail = self._tail
             if tail and event.endswith(tail):
                 end = len(event) - len(tail)
@@ -144,7 +151,7 @@ class StreamReshaper:
                     self._tail = m.group(2)
                 return self._delta(event, start, end)
         if event == b"data: [DONE]\n\n":
-            return None
+            return None if self._waiting is None else self._release() + event
         return self._decoded_event(event)
 
     def _delta(self, event: bytes, start: int, end: int) -> bytes | None:
@@ -172,38 +179,53 @@ class StreamReshaper:
             )
         return event[:start] + b"null" + event[end:] if strip else None
 
-    def _decoded_event(self, event: bytes) -> bytes | None:
-        new = self.reshape_payload(event[6:-2])
-        return None if new is None else b"data: " + new + b"\n\n"
+    def _decoded_event(self, event: bytes) -> bytes:
+        return self._data_event(b"data: ", event[6:-2], b"\n\n", event)
 
-    def reshape_payload(self, payload: bytes) -> bytes | None:
-        """The general path for one `data:` JSON payload, or None to forward it as sent."""
+    def _data_event(self, before: bytes, payload: bytes, after: bytes, event: bytes) -> bytes:
+        """The general path for one `data:` event whose JSON payload sits between `before` and `after`."""
         try:
             obj = _json.loads(payload)
         except ValueError:
-            return None  # not JSON: forwarded untouched
+            obj = _NOT_JSON  # forwarded untouched ([DONE] among them)
+        released = b""
+        if self._waiting is not None:
+            if isinstance(obj, dict) and obj.get("choices") == []:
+                self.chunks.complete_from_usage(obj)  # the usage chunk the finish chunk waited for
+            released = self._release()
+        if obj is _NOT_JSON:
+            return released + event
         chunks = self.chunks
         changed = chunks.reshape(obj)
+        if chunks.pending is not None:
+            self._waiting = (before, obj, after)  # a finish chunk that waits for the usage chunk
+            return released
         if isinstance(obj, dict) and obj.get("choices"):
             # engine_data keeps each choice's ids and logprobs apart, so it always decodes.
             self._fast = not chunks.decode_every_chunk
-        return _json.dumps(obj) if changed else None
+        return released + (before + _json.dumps(obj) + after if changed else event)
+
+    def _release(self) -> bytes:
+        """The waiting finish chunk, as it stands (completed from the usage chunk if one came)."""
+        waiting, self._waiting = self._waiting, None
+        self.chunks.pending = None
+        if waiting is None:
+            return b""
+        before, obj, after = waiting
+        return before + _json.dumps(obj) + after
 
     def _reshape_framed(self, event: bytes) -> bytes:
         """One event the framer delimited: any SSE shape, only single-line `data:` JSON is read."""
         try:
             if _is_plain_data_event(event):
-                return self.reshape_event(event) or event
+                new = self.reshape_event(event)
+                return event if new is None else new
             span = data_payload(event)
-            if span is None:
-                return event  # comments, keep-alives, other fields, multi-line data
+            if span is None:  # comments, keep-alives, other fields, multi-line data
+                return event if self._waiting is None else self._release() + event
             start, end = span
-            payload = event[start:end]
-            if payload == b"[DONE]":
-                return event
-            new = self.reshape_payload(payload)
+            return self._data_event(event[:start], event[start:end], event[end:], event)
         except Exception:
             logger.exception("vllm-nvext could not reshape a stream event; forwarded unchanged")
             self.unchanged += 1
-            return event
-        return event if new is None else event[:start] + new + event[end:]
+            return event if self._waiting is None else self._release() + event
