@@ -164,6 +164,8 @@ class Plan:
     # What the client asked in (`vllm`, `nvext` or `both`) and whether it streams: for the metrics.
     dialect: str = "vllm"
     stream: bool = False
+    # One prompt and n == 1: every chunk is about choice 0.
+    single_choice: bool = True
     # A one-choice stream with `timing` or `engine_data`: vLLM reports its per-request metrics and
     # cached tokens on the usage chunk right after the finish chunk, which waits for it.
     await_usage: bool = False
@@ -439,6 +441,7 @@ def plan(request: Request, mode: Mode, *, dp_rank_header: bytes | None = None) -
         headers=headers,
         dialect=("both" if "nvext" in data else "vllm") if return_token_ids else "nvext",
         stream=fields.stream is True,
+        single_choice=n * prompts == 1,
         await_usage=fields.stream is True and n * prompts == 1 and bool(selectors & {TIMING, ENGINE_DATA}),
     )
 

@@ -325,8 +325,8 @@ class ChunkReshaper:
 
     @property
     def decode_every_chunk(self) -> bool:
-        """engine_data keeps each choice's ids and logprobs apart (n > 1): every chunk is read."""
-        return self.engine
+        """engine_data with logprobs, or with several choices to keep apart, reads every chunk."""
+        return self.engine and (self.logprobs is not None or not self.plan.single_choice)
 
     def _choice(self, index: int) -> _Choice:
         state = self._choices.get(index)

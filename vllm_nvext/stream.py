@@ -201,7 +201,7 @@ class StreamReshaper:
             self._waiting = (before, obj, after)  # a finish chunk that waits for the usage chunk
             return released
         if isinstance(obj, dict) and obj.get("choices"):
-            # engine_data keeps each choice's ids and logprobs apart, so it always decodes.
+            # engine_data with logprobs or several choices needs every chunk decoded.
             self._fast = not chunks.decode_every_chunk
         return released + (before + _json.dumps(obj) + after if changed else event)
 
