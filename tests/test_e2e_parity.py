@@ -1,7 +1,8 @@
 """`vllm-nvext parity` and the examples, end to end on the real servers.
 
-Parity must pass on the middleware server (alone, and against stock vLLM as the baseline) and
-must fail, naming the first differing id, when a proxy in front of stock vLLM alters one id.
+Parity must pass on the middleware server (alone, against stock vLLM as the baseline, and against
+a real Dynamo 1.6.1 with `--dynamo-url`) and must fail, naming the first differing id, when a
+proxy alters one id.
 The examples run as a user runs them, as subprocesses against the `mw` server.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ import pytest
 
 from vllm_nvext import cli
 from vllm_nvext.client import extract
+from vllm_nvext.dynamo_conformance import cases
 
 from .helpers import API_KEY, proxy, rows, run_parity
 
@@ -181,6 +184,59 @@ def test_hidden_states_on_a_real_connector_server(hs_server):
     result = _example("hidden_states_capture.py", url, key)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all hidden-state files check out" in result.stdout
+
+
+# --- against a real Dynamo 1.6.1 (--dynamo-url) ------------------------------------------------
+
+
+def _dynamo_row(table: str, case: str) -> tuple[str, str]:
+    """(result, detail) of a case's row in a `--dynamo-url` table."""
+    for line in table.splitlines():
+        if line.startswith(case + " "):
+            _, _, result, *detail = re.split(r"\s{2,}", line, maxsplit=3)
+            return result, detail[0] if detail else ""
+    raise AssertionError(f"no row for {case}:\n{table}")
+
+
+def test_parity_against_a_real_dynamo_passes(dynamo_server, nvext_dynamo_server, tmp_path):
+    report_path = tmp_path / "report.json"
+    status, table, progress, report = run_parity(
+        "--url", nvext_dynamo_server.url, "--dynamo-url", dynamo_server.url, "--json", str(report_path)
+    )
+    assert status == 0, table
+    assert f"Dynamo {dynamo_server.url} vs vllm-nvext {nvext_dynamo_server.url} (nvext mode)" in progress
+    assert table.rstrip().endswith("OK: 79 cases, 79 agree, 0 differ"), table
+    assert _dynamo_row(table, "chat-ids-stream") == ("PASS", "HTTP 200 both")
+    # A batch with engine_data: Dynamo answers, vllm-nvext refuses; the allow-list lists it.
+    assert _dynamo_row(table, "completions-batch-engine_data") == ("PASS", "HTTP 200 Dynamo, 400 vllm-nvext (allowed)")
+    assert report is not None and report["passed"] is True and report["dynamo_url"] == dynamo_server.url
+    assert all(case["differences"] == [] for case in report["cases"])
+
+
+def test_parity_against_dynamo_names_an_id_a_proxy_altered(dynamo_server, nvext_dynamo_server):
+    altered: dict[str, tuple[list[int], list[int]]] = {}
+
+    def bump_last_unary_id(path, request, status, content_type, body):
+        if status != 200 or request.get("stream"):
+            return status, body
+        obj = json.loads(body)
+        ids = (obj.get("nvext") or {}).get("completion_token_ids")
+        if not ids:
+            return status, body
+        before = list(ids)
+        ids[-1] += 1
+        altered[json.dumps(request)] = (before, list(ids))
+        return status, json.dumps(obj).encode()
+
+    with proxy(nvext_dynamo_server.url, bump_last_unary_id) as url:
+        status, table, _, _ = run_parity("--url", url, "--dynamo-url", dynamo_server.url)
+    assert status == 1
+    assert altered and f"FAILED: 79 cases, {79 - len(altered)} agree, {len(altered)} differ" in table
+    ids_case = next(c for c in cases("tiny") if c.name == "chat-ids-unary")
+    before, after = altered[json.dumps(ids_case.body)]
+    expected = f"nvext.completion_token_ids: Dynamo {json.dumps(before)} vs vllm-nvext {json.dumps(after)}"
+    assert _dynamo_row(table, "chat-ids-unary") == ("FAIL", expected)
+    assert _dynamo_row(table, "chat-ids-stream")[0] == "PASS"
 
 
 # --- the examples, run as a user runs them -----------------------------------------------------
