@@ -330,3 +330,18 @@ def test_a_dropped_request_fails_the_case_saying_so():
         FAIL,
         "Dynamo: request failed: ReadError: connection reset by peer",
     )
+
+
+def test_a_stream_whose_deltas_were_merged_into_the_finish_chunk_still_compares():
+    """A lagging server sends one choice's tokens in its finish chunk: no content-only chunk."""
+    case = next(c for c in cases("m") if c.name == "completions-ids-stream")
+    events = _answer(case).events
+    merged = {
+        "choices": [{"index": 0, "text": "ab", "finish_reason": "length"}],
+        "nvext": {"completion_token_ids": [5, 6]},
+    }
+    assert unexplained_differences(case, _answer(case), Answer(200, events=[merged])) == []
+    assert "delta.nvext" in facts(case, Answer(200, events=events))
+    # Merged or not, the ids still have to agree.
+    wrong = {**merged, "nvext": {"completion_token_ids": [5, 7]}}
+    assert unexplained_differences(case, _answer(case), Answer(200, events=[wrong])) != []
