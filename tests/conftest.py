@@ -183,11 +183,21 @@ def listen_port() -> int:
     raise RuntimeError(f"no free port outside the ephemeral range {low}-{high}")
 
 
-def tiny_vllm(name: str, *args: str, env: dict[str, str] | None = None) -> Callable[[], VllmServer]:
-    """A factory for a vLLM server of the tiny model, served as "tiny", with extra vLLM args."""
+def tiny_vllm(name: str, *args: str, env: dict[str, str] | None = None, vllm: str = "0.32") -> Callable[[], Server]:
+    """A factory for a vLLM server of the tiny model, served as "tiny", with extra vLLM args.
 
-    def factory() -> VllmServer:
-        return VllmServer(
+    `vllm="0.33"`: vLLM 0.33's own `vllm serve` over a scripted engine core
+    (scripts/vllm033_harness.py); its reference venv comes from `make setup-vllm033`, and without
+    it the tests using it fail, naming that target.
+    """
+
+    def factory() -> Server:
+        server_class: Callable[..., Server] = VllmServer
+        if vllm == "0.33":
+            from scripts.vllm033_harness import Vllm033Server
+
+            server_class = Vllm033Server
+        return server_class(
             model=tiny_model_dir(),
             args=(*TINY_ARGS, "--served-model-name", MODEL_NAME, *args),
             # Unbuffered: a test that reads the log sees everything printed before it reads.
@@ -234,29 +244,11 @@ def _hidden_states_vllm() -> VllmServer:
 hs_server = register("hs", _hidden_states_vllm, url_env="VLLM_NVEXT_HS_URL")
 
 
-def tiny_vllm033(name: str, *args: str, env: dict[str, str] | None = None) -> Callable[[], Server]:
-    """vLLM 0.33's own `vllm serve` over a scripted engine core (scripts/vllm033_harness.py).
-
-    Its reference venv comes from `make setup-vllm033`; without it the tests using it fail, naming that target.
-    """
-
-    def factory() -> Server:
-        from scripts.vllm033_harness import Vllm033Server
-
-        return Vllm033Server(
-            model=tiny_model_dir(),
-            args=(*TINY_ARGS, "--served-model-name", MODEL_NAME, *args),
-            env={"PYTHONUNBUFFERED": "1", **(env or {})},
-            name=name,
-            port=listen_port(),
-        )
-
-    return factory
-
-
-raw033_server = register("raw033", tiny_vllm033("raw033"))
-mw033_server = register("mw033", tiny_vllm033("mw033", "--middleware", MIDDLEWARE, "--api-key", API_KEY))
-plugin033_server = register("plugin033", tiny_vllm033("plugin033", "--api-key", API_KEY, env={"VLLM_PLUGINS": "nvext"}))
+raw033_server = register("raw033", tiny_vllm("raw033", vllm="0.33"))
+mw033_server = register("mw033", tiny_vllm("mw033", "--middleware", MIDDLEWARE, "--api-key", API_KEY, vllm="0.33"))
+plugin033_server = register(
+    "plugin033", tiny_vllm("plugin033", "--api-key", API_KEY, env={"VLLM_PLUGINS": "nvext"}, vllm="0.33")
+)
 
 
 # A real NVIDIA Dynamo 1.6.1 (frontend + `dynamo.vllm` worker), the conformance reference; its venv
