@@ -12,10 +12,11 @@ import json
 import httpx
 import pytest
 
+from .helpers import COMPLETIONS, MODEL_NAME
+
 pytestmark = pytest.mark.e2e
 
-COMPLETIONS = "/v1/completions"
-PLAIN = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+PLAIN = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
 NVEXT_IDS = {"extra_fields": ["completion_token_ids"]}
 JSON = {"content-type": "application/json"}
 

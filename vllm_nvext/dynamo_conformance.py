@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import dynamo_differences
+from ._shapes import choice_logprobs
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 SIX = ("completion_token_ids", "prompt_token_ids", "engine_data", "timing", "stop_reason", "detailed_finish_reason")
@@ -202,13 +203,6 @@ def f32(values: Any) -> Any:
     return [struct.unpack("f", struct.pack("f", v))[0] if isinstance(v, float) else v for v in values]
 
 
-def _choice_logprobs(path: str, choice: dict[str, Any]) -> Any:
-    lp = choice.get("logprobs")
-    if not isinstance(lp, dict):
-        return None
-    return [c.get("logprob") for c in lp.get("content") or []] if path == CHAT else lp.get("token_logprobs")
-
-
 def _has_content(choice: dict[str, Any]) -> bool:
     text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
     return bool(text) or bool(choice.get("token_ids"))
@@ -246,7 +240,7 @@ def facts(case: Case, answer: Answer) -> dict[str, Any]:
         out["nvext.types"] = json_shape(nv)
         for i, choice in enumerate(body.get("choices") or []):
             out[f"choice{i}.finish_reason"] = choice.get("finish_reason")
-            out[f"choice{i}.logprobs"] = f32(_choice_logprobs(case.path, choice))
+            out[f"choice{i}.logprobs"] = f32(choice_logprobs(choice))
             out[f"choice{i}.nvext_inside_choice"] = "nvext" in choice
         _nvext_values("nvext", nv, out)
         return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ._shapes import choice_logprobs
 from .request import (
     DETAILED_FINISH_REASON,
     ENGINE_DATA,
@@ -49,19 +50,6 @@ def detailed_finish_reason(finish_reason: str | None, stop_reason: Any) -> str |
     if finish_reason == "abort":
         return "cancelled"
     return str(finish_reason)
-
-
-def _choice_logprobs(choice: dict[str, Any], endpoint: Endpoint) -> list[Any] | None:
-    lp = choice.get("logprobs")
-    if not isinstance(lp, dict):
-        return None
-    if endpoint is Endpoint.CHAT:
-        content = lp.get("content")
-        if not isinstance(content, list):
-            return None
-        return [c.get("logprob") if isinstance(c, dict) else None for c in content]
-    values = lp.get("token_logprobs")
-    return list(values) if isinstance(values, list) else None
 
 
 def _prompt_ids(obj: dict[str, Any], choice: dict[str, Any] | None, endpoint: Endpoint) -> Any:
@@ -267,7 +255,7 @@ def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
             routed_experts=routed_experts,
             completion_ids=list(completion_ids),
             finished=True,
-            logprobs=_choice_logprobs(choice, plan.endpoint) if plan.logprobs else None,
+            logprobs=choice_logprobs(choice) if plan.logprobs else None,
         )
     nv = _final_nvext(
         plan,
@@ -367,7 +355,7 @@ class ChunkReshaper:
         if self.engine:
             state.ids.extend(delta_ids)
             if state.logprobs is not None:
-                chunk_lp = _choice_logprobs(choice, plan.endpoint)
+                chunk_lp = choice_logprobs(choice)
                 if chunk_lp is None and delta_ids:
                     state.logprobs = None  # counts can no longer align
                 elif chunk_lp:
