@@ -83,5 +83,13 @@ def reshape_unary_body(body: bytes, plan: Plan, clock: Clock) -> bytes | None:
         return None
     out = _json.dumps(obj)
     del obj
-    markers = re.compile(re.escape(marker) + rb'([0-9]+)"')
-    return markers.sub(lambda m: body[slice(*spans[int(m.group(1))])], out)
+    # The cut values go back as views of the body: the new body is the only copy made of them.
+    view = memoryview(body)
+    pieces: list[bytes | memoryview] = []
+    last = 0
+    for m in re.finditer(re.escape(marker) + rb'([0-9]+)"', out):
+        start, end = spans[int(m.group(1))]
+        pieces += (out[last : m.start()], view[start:end])
+        last = m.end()
+    pieces.append(out[last:])
+    return b"".join(pieces)
