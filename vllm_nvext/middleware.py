@@ -119,7 +119,7 @@ class _Exchange:
         body = parts[0] if len(parts) == 1 else b"".join(parts)
 
         try:
-            request = read_request(body, self.endpoint) if scan.found else None
+            request = read_request(body, self.endpoint, scanned=True) if scan.found else None
             if request is None:
                 metrics.count_request(self.endpoint, "none", self.settings.mode, metrics.UNKNOWN)
                 await self.app(scope, Replay([body], False, self.receive), self.send)

@@ -339,14 +339,17 @@ class Request:
     nvext: dict[str, Any]
 
 
-def read_request(body: bytes, endpoint: Endpoint) -> Request | None:
+def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> Request | None:
     """Read `body` as vLLM will; None when it opts into nothing (it then goes to vLLM as sent).
+
+    `scanned`: the caller already found that `might_opt_in(body)` (an `OptInScan` over the body
+    as it arrived), so the body is not scanned again.
 
     A body vLLM cannot decode (not JSON, nested deeper than Python allows) or that is not an
     object is None too: vLLM refuses it with its own error whatever it holds. Raises
     RequestError when a field the middleware decides on is invalid (vLLM refuses those too).
     """
-    if not might_opt_in(body):
+    if not scanned and not might_opt_in(body):
         return None
     try:
         data = _json.loads_as_vllm(body)
