@@ -44,12 +44,16 @@ class Difference:
         nvext = body.get("nvext")
         selected = nvext.get("extra_fields") if isinstance(nvext, dict) else None
         extra: list[Any] = selected if isinstance(selected, list) else []
+        batch = _is_batch(body.get("prompt"))
+        several = (isinstance(body.get("n"), int) and body["n"] > 1) or batch
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
         facts = {
             "stream": bool(body.get("stream")),
-            "several_choices": (isinstance(body.get("n"), int) and body["n"] > 1) or _is_batch(body.get("prompt")),
+            "several_choices": several,
             "stop_string": bool(body.get("stop")),
-            "batch": _is_batch(body.get("prompt")),
-            "usage_reports": _usage_reports(body),
+            "batch": batch,
+            "usage_reports": bool(body.get("stream")) and include_usage and not several,
         }
         for key, want in self.when.items():
             if key == "selectors":
@@ -67,14 +71,6 @@ class Difference:
             if not ok:
                 return False
         return True
-
-
-def _usage_reports(body: Mapping[str, Any]) -> bool:
-    options = body.get("stream_options")
-    include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    n = body.get("n")
-    several = (isinstance(n, int) and n > 1) or _is_batch(body.get("prompt"))
-    return bool(body.get("stream")) and include_usage and not several
 
 
 def _is_batch(prompt: Any) -> bool:
