@@ -15,6 +15,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from .config import MODE_HEADER
+
 PREFIX = "vllm_nvext:"
 
 # Dialect a request asked in (`none`: it opted into nothing and was never parsed).
@@ -28,7 +30,7 @@ BODY = "body"
 _TOP_LEVEL_PARAMS = frozenset(
     {
         "nvext",
-        "x-nvext-mode",
+        MODE_HEADER,
         # vLLM's request fields the middleware reads (request.field_reader) or refuses a combination of
         "return_token_ids",
         "n",
