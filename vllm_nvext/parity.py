@@ -182,27 +182,28 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO, transport: httpx.Ba
         for case in cases:
             session.check_case(case)
 
-    rows = session.rows
+    report = {
+        "url": nvext_target.url,
+        "baseline_url": args.baseline_url,
+        "model": model,
+        "max_tokens": args.max_tokens,
+        "hidden_states": bool(args.hidden_states),
+    }
+    summary = "{checks} checks, {passed} passed, {failed} failed, {skipped} skipped"
+    return _conclude(session.rows, session.case_reports, summary, report, args.json_report, out)
+
+
+def _conclude(
+    rows: list[Row], cases: list[dict[str, Any]], summary: str, report: dict[str, Any], path: Any, out: TextIO
+) -> int:
+    """Print the table and the verdict, write the JSON report when asked; the exit status."""
     print(format_table(rows), file=out)
     tally = counts(rows)
-    verdict = "FAILED" if tally[FAIL] else "OK"
-    print(
-        f"\n{verdict}: {len(rows)} checks, {tally[PASS]} passed, {tally[FAIL]} failed, {tally[SKIP]} skipped",
-        file=out,
-    )
-    if args.json_report is not None:
-        report = {
-            "passed": not tally[FAIL],
-            "url": nvext_target.url,
-            "baseline_url": args.baseline_url,
-            "model": model,
-            "max_tokens": args.max_tokens,
-            "hidden_states": bool(args.hidden_states),
-            "summary": {"checks": len(rows), "passed": tally[PASS], "failed": tally[FAIL], "skipped": tally[SKIP]},
-            "rows": [asdict(r) for r in rows],
-            "cases": session.case_reports,
-        }
-        _write_report(args.json_report, report)
+    totals = {"checks": len(rows), "passed": tally[PASS], "failed": tally[FAIL], "skipped": tally[SKIP]}
+    print(f"\n{'FAILED' if tally[FAIL] else 'OK'}: {summary.format(**totals)}", file=out)
+    if path is not None:
+        rows_out = [asdict(r) for r in rows]
+        _write_report(path, {"passed": not tally[FAIL], **report, "summary": totals, "rows": rows_out, "cases": cases})
     return 1 if tally[FAIL] else 0
 
 
@@ -244,22 +245,9 @@ def _run_dynamo(args: argparse.Namespace, out: TextIO, err: TextIO, transport: h
                 }
             )
 
-    print(format_table(rows), file=out)
-    tally = counts(rows)
-    verdict = "FAILED" if tally[FAIL] else "OK"
-    print(f"\n{verdict}: {len(rows)} cases, {tally[PASS]} agree, {tally[FAIL]} differ", file=out)
-    if args.json_report is not None:
-        report = {
-            "passed": not tally[FAIL],
-            "url": nvext_target.url,
-            "dynamo_url": dynamo_target.url,
-            "model": model,
-            "summary": {"checks": len(rows), "passed": tally[PASS], "failed": tally[FAIL], "skipped": tally[SKIP]},
-            "rows": [asdict(r) for r in rows],
-            "cases": case_reports,
-        }
-        _write_report(args.json_report, report)
-    return 1 if tally[FAIL] else 0
+    report = {"url": nvext_target.url, "dynamo_url": dynamo_target.url, "model": model}
+    summary = "{checks} cases, {passed} agree, {failed} differ"
+    return _conclude(rows, case_reports, summary, report, args.json_report, out)
 
 
 def _exchange(http: httpx.Client, target: Target, case: dynamo_conformance.Case) -> dynamo_conformance.Answer | str:
