@@ -1,4 +1,4 @@
-"""Offline hidden-state capture, the way speculators drives a vLLM server (PROTOCOL §2 and §4).
+"""Offline hidden-state capture, the way speculators drives a vLLM server (docs/protocol.md §2 and §4).
 
 Each prompt goes to `/v1/completions` as token ids with `max_tokens: 1` and
 `return_token_ids: true`; the answer's prompt ids must equal the sent ids, and

@@ -1,4 +1,4 @@
-"""An RL rollout loop that needs token ids and logprobs, in both dialects (PROTOCOL §4).
+"""An RL rollout loop that needs token ids and logprobs, in both dialects (docs/protocol.md §4).
 
 - Dynamo dialect, as NeMo-RL / NeMo Gym renderers send it: chat with
   `nvext.extra_fields: ["engine_data"]` and `logprobs: true`, unary and streamed; the trainer

@@ -1,6 +1,6 @@
 """What the end-to-end tests share: request bodies, reading answers, and comparing streams.
 
-Streams are compared by what is deterministic (PROTOCOL §1, README "Guarantees"): vLLM merges
+Streams are compared by what is deterministic (docs/protocol.md §7, docs/guarantees.md): vLLM merges
 the outputs of several engine steps into one chunk whenever its API server lags the engine, so
 chunk boundaries differ between two servers, and between two runs, by timing alone.
 `stream_digest` is a stream with its chunking forgotten (concatenated deltas, ids, logprobs,
@@ -46,7 +46,7 @@ def nvext(*selectors: str, **fields: Any) -> dict[str, Any]:
 
 
 def nvext_placed(mode: str, dialect: str) -> bool:
-    """Whether ids go under `nvext` for this mode and request dialect (README "Modes")."""
+    """Whether ids go under `nvext` for this mode and request dialect (docs/protocol.md §6)."""
     return mode in ("nvext", "both") or (mode == "auto" and dialect != "vllm")
 
 
@@ -181,7 +181,7 @@ def assert_stream_consistent(path: str, events: list[dict[str, Any]], usage: boo
         own = [c for e in content for c in e["choices"] if c["index"] == index]
         finishes = [i for i, c in enumerate(own) if c["finish_reason"] is not None]
         assert finishes == [len(own) - 1], "a finish_reason on the choice's last chunk only"
-    # vLLM placement (PROTOCOL §1): prompt ids on the first chunk only; none later.
+    # vLLM placement (docs/protocol.md §1): prompt ids on the first chunk only; none later.
     if path == CHAT:
         assert all("prompt_token_ids" not in e for e in content[1:]), "chat: prompt ids on the first chunk only"
     else:
@@ -190,7 +190,7 @@ def assert_stream_consistent(path: str, events: list[dict[str, Any]], usage: boo
 
 
 def assert_nvext_chunks(events: list[dict[str, Any]], prompt: list[int], ids: list[int], both: bool) -> None:
-    """`nvext` on a stream (PROTOCOL §3): each chunk's own delta ids, prompt ids on the finish chunk
+    """`nvext` on a stream (docs/protocol.md §7): each chunk's own delta ids, prompt ids on the finish chunk
     only, nothing on the usage-only chunk; with `both`, each chunk's nvext ids are its `token_ids`."""
     for event in events:
         if not event["choices"]:

@@ -2,7 +2,7 @@
 
 The vLLM-placement inputs are the recordings under tests/fixtures; their nvext and
 engine_data twins are made from the same recordings by the middleware's own reshaping, and
-the hand-written shapes follow PROTOCOL §1/§3 where no recording exists (vLLM >= 0.33,
+the hand-written shapes follow docs/protocol.md §1/§3 where no recording exists (vLLM >= 0.33,
 Dynamo's flat errors). tests/test_e2e_client.py reads live answers from the servers.
 """
 
@@ -37,7 +37,7 @@ NVEXT_TRIO = {"nvext": {"extra_fields": ["completion_token_ids"]}}
 ENGINE = {"nvext": {"extra_fields": ["engine_data"]}}
 
 
-# --- oracles: the ids read straight off the recorded JSON, per PROTOCOL §1 ---------------------
+# --- oracles: the ids read straight off the recorded JSON, per docs/protocol.md §1 ------------------
 
 
 def recorded_ids(rec: Recording) -> tuple[list[int], dict[int, list[int]]]:

@@ -28,7 +28,7 @@ from .helpers import (
 
 pytestmark = pytest.mark.e2e
 
-# (mode, dialect) -> (vLLM placement, nvext placement); PROTOCOL §1/§3, README "Modes".
+# (mode, dialect) -> (vLLM placement, nvext placement); docs/protocol.md §6.
 PLACEMENT = {
     ("auto", "vllm"): (True, False),
     ("auto", "nvext"): (False, True),

@@ -13,7 +13,7 @@ def choice_logprobs(choice: dict[str, Any]) -> list[Any] | None:
     """The logprob of each generated token of one choice, or None when it carries none.
 
     Chat puts them in `logprobs.content[i].logprob`, completions in `logprobs.token_logprobs`
-    (PROTOCOL §1); the two shapes share no key, so the shape itself says which it is.
+    (docs/protocol.md §1); the two shapes share no key, so the shape itself says which it is.
     """
     lp = choice.get("logprobs")
     if not isinstance(lp, dict):

@@ -1,7 +1,7 @@
 """Read token ids out of any response a vllm-nvext (or stock vLLM, or Dynamo) server sends.
 
 One call gives the prompt ids, the generated ids per choice and `kv_transfer_params`, wherever
-the server put them (PROTOCOL §1 and §3):
+the server put them (docs/protocol.md §1 and §3):
 
 - ``"vllm"``: vLLM's own placement (`return_token_ids: true`): root `prompt_token_ids` (chat)
   or `choices[i].prompt_token_ids` (completions), `choices[i].token_ids`, root

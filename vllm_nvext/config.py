@@ -25,8 +25,8 @@ class Mode(str, enum.Enum):
     """Where the token-id trio (completion ids, prompt ids, kv_transfer_params) goes."""
 
     AUTO = "auto"  # follow the request's dialect
-    VLLM = "vllm"  # vLLM placement (PROTOCOL §1)
-    NVEXT = "nvext"  # Dynamo placement, PR #13588 semantics (PROTOCOL §3)
+    VLLM = "vllm"  # vLLM placement (docs/protocol.md §6)
+    NVEXT = "nvext"  # Dynamo placement with the token-id trio (docs/protocol.md §3.4)
     BOTH = "both"  # both placements in one response
 
     @classmethod

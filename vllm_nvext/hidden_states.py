@@ -1,4 +1,4 @@
-"""Read the hidden-states files that vLLM's hidden-states connectors write (PROTOCOL §2).
+"""Read the hidden-states files that vLLM's hidden-states connectors write (docs/protocol.md §2).
 
 One safetensors file per request, named by `kv_transfer_params.hidden_states_path`:
 `hidden_states` `[num_tokens, num_layers, hidden_size]` and `token_ids` `[num_tokens]`.

@@ -7,12 +7,12 @@ header naming the placement), or the vLLM dialect to a stock vLLM at `--baseline
 are read with `vllm_nvext.client` from whichever placement the server used, then checked
 (the prompts, requests and verdicts are the pure `parity_checks` module; this one sends and reports):
 
-- each request succeeded and its ids sit in the dialect's placement (PROTOCOL §1, §3);
+- each request succeeded and its ids sit in the dialect's placement (docs/protocol.md §1, §3);
 - prompt and completion ids are identical across dialects (and equal the sent ids for
   token-id prompts);
 - a stream's concatenated ids equal the unary answer, in each dialect;
 - with `--hidden-states`, both requests' `kv_transfer_params.hidden_states_path` files load
-  (PROTOCOL §2) with the prompt ids and hold equal tensors.
+  (docs/protocol.md §2) with the prompt ids and hold equal tensors.
 
 With `--dynamo-url`, a Dynamo frontend is the baseline instead: each case of the conformance
 matrix (`vllm_nvext.dynamo_conformance`: chat and completions, unary and streamed, every nvext

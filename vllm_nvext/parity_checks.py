@@ -30,7 +30,7 @@ REQUESTS: tuple[tuple[str, bool], ...] = (
     (VLLM_DIALECT, True),
 )
 PATHS = {endpoint: path for path, endpoint in ENDPOINT_PATHS.items()}
-# Dynamo's chat clients send a placeholder message next to `nvext.token_data` (PROTOCOL §3).
+# Dynamo's chat clients send a placeholder message next to `nvext.token_data` (docs/protocol.md §3.1).
 TOKEN_DATA_PLACEHOLDER = [{"role": "user", "content": "(prompt sent as nvext.token_data)"}]
 
 BUILTIN_PROMPTS: tuple[dict[str, Any], ...] = (

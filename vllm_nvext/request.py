@@ -1,7 +1,7 @@
 """Pure request side: validate a token-endpoint body and normalize both dialects into a Plan.
 
 `return_token_ids` (vLLM) and `nvext.extra_fields` (Dynamo) fold into one nvext form; vLLM
-then receives `return_token_ids: true` and no `nvext`. See PROTOCOL §1 and §3.
+then receives `return_token_ids: true` and no `nvext`. See docs/protocol.md §1 and §3.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ ENDPOINT_PATHS = {
     "/v1/completions": Endpoint.COMPLETIONS,
 }
 
-# Response selectors Dynamo understands (PROTOCOL §3); other strings are ignored, as Dynamo does.
+# Response selectors Dynamo understands (docs/protocol.md §3.2); other strings are ignored, as Dynamo does.
 COMPLETION_TOKEN_IDS = "completion_token_ids"
 PROMPT_TOKEN_IDS = "prompt_token_ids"
 ENGINE_DATA = "engine_data"
@@ -104,7 +104,7 @@ _NUMBER: _Check = (_is_number, "a number")
 _STR: _Check = (_is_str, "a string")
 _STRS: _Check = (_is_str_list, "a list of strings")
 
-# Dynamo's NvExt and its nested objects, all `deny_unknown_fields` (PROTOCOL §3).
+# Dynamo's NvExt and its nested objects, all `deny_unknown_fields` (docs/protocol.md §3.1).
 _OBJECTS: dict[str, dict[str, _Check]] = {
     "metadata_upload": {"url": _STR},
     "agent_hints": {
@@ -140,9 +140,9 @@ class Plan:
     """What to send upstream and how to reshape what comes back, for one request."""
 
     endpoint: Endpoint
-    # The client gets vLLM's own placement of the ids (PROTOCOL §1).
+    # The client gets vLLM's own placement of the ids (docs/protocol.md §1).
     vllm_ids: bool
-    # The PR #13588 trio under `nvext`: completion_token_ids, prompt_token_ids, kv_transfer_params.
+    # The trio under `nvext` (docs/protocol.md §3.4): completion_token_ids, prompt_token_ids, kv_transfer_params.
     nvext_trio: bool
     # `nvext.prompt_token_ids` without the rest of the trio.
     nvext_prompt_ids: bool
@@ -385,7 +385,7 @@ def plan(request: Request, mode: Mode, *, dp_rank_header: bytes | None = None) -
     return_token_ids = fields.return_token_ids is True
     requested = set(nvext.get("extra_fields") or [])
     nvext_ids = requested & ID_SELECTORS
-    # PROTOCOL §3 / PR #13588: `return_token_ids: true` is an alias of the completion_token_ids selector.
+    # docs/protocol.md §3.4: `return_token_ids: true` is an alias of the completion_token_ids selector.
     normalized = set(requested)
     if return_token_ids:
         normalized.add(COMPLETION_TOKEN_IDS)
@@ -639,6 +639,6 @@ def _json_type(value: Any) -> str:
 
 
 def error_body(message: str, param: str | None, status: int) -> bytes:
-    """vLLM's error envelope (PROTOCOL §1)."""
+    """vLLM's error envelope (docs/protocol.md §9)."""
     kind = {400: "BadRequestError", 413: "RequestEntityTooLarge"}.get(status, "BadRequestError")
     return _json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})

@@ -2,7 +2,7 @@
 
 Bytes and SSE framing live in `stream.py`; this module only sees parsed JSON.
 
-vLLM placement (PROTOCOL §1) is what vLLM writes; nvext placement (PROTOCOL §3) is a root
+vLLM placement (docs/protocol.md §1) is what vLLM writes; nvext placement (§3) is a root
 `nvext` object. Only what the middleware caused is removed: a vLLM copy is set back to
 `null`, exactly what vLLM writes when `return_token_ids` is off.
 """
@@ -197,7 +197,7 @@ def _final_nvext(
     Dynamo 1.6.1 writes, on a finish chunk: [worker_id, routed_experts,] timing, engine_data,
     stop_reason, detailed_finish_reason, completion_token_ids, prompt_token_ids, prompt_logprobs;
     unary: completion_token_ids first, then the same order. `kv_transfer_params`, which 1.6.1
-    lacks, follows `completion_token_ids`, where the token-id PR (#13588) places it.
+    lacks, follows `completion_token_ids`, where the token-id trio places it (docs/protocol.md §3.4).
     """
     sel = plan.selectors
     nv: dict[str, Any] = {}

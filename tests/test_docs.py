@@ -1,0 +1,116 @@
+"""The documentation holds together: every `docs/protocol.md §N` citation names a section that
+exists, and every relative link in the project's markdown reaches a file (and heading) that exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTOCOL = ROOT / "docs" / "protocol.md"
+# Where code, tests and docs may cite the protocol document.
+SOURCE_DIRS = ("vllm_nvext", "tests", "examples", "scripts", "benchmarks")
+SOURCE_SUFFIXES = {".py", ".sh", ".md", ".toml", ".txt"}
+
+# `docs/protocol.md §3`, `§1 and §3`, `§1, §3`, `§1/§3`, `§3.2`, `§1-§5`.
+CITATION = re.compile(r"docs/protocol\.md((?:[\s,/-]|and\b|or\b|§\d+(?:\.\d+)*)*)")
+SECTION = re.compile(r"§(\d+(?:\.\d+)*)(?:-§?(\d+))?")
+# The old bare form, which names no file (spelled in two parts so that this line is not one).
+BARE_CITATION = re.compile("PROTOCOL" + " §")
+NUMBERED_HEADING = re.compile(r"^#{1,6} (\d+(?:\.\d+)*)\.?\s", re.MULTILINE)
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+LINK = re.compile(r"(?<!!)\[[^\]\n]*\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6} (.+?)\s*#*\s*$", re.MULTILINE)
+
+
+def _markdown_files() -> list[Path]:
+    files = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [f for f in files if f.exists()]
+
+
+def _source_files() -> list[Path]:
+    files = [f for d in SOURCE_DIRS for f in sorted((ROOT / d).rglob("*")) if f.suffix in SOURCE_SUFFIXES]
+    files = [f for f in files if f.is_file() and "fixtures" not in f.relative_to(ROOT).parts]
+    return files + _markdown_files()
+
+
+def _protocol_sections() -> set[str]:
+    return set(NUMBERED_HEADING.findall(PROTOCOL.read_text()))
+
+
+def _cited_sections(text: str) -> list[str]:
+    cited: list[str] = []
+    for citation in CITATION.finditer(text):
+        for first, last in SECTION.findall(citation.group(1)):
+            if last:
+                cited += [str(n) for n in range(int(first), int(last) + 1)]
+            else:
+                cited.append(first)
+    return cited
+
+
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(markdown: Path) -> set[str]:
+    anchors: set[str] = set()
+    for heading in HEADING.findall(FENCE.sub("", markdown.read_text())):
+        base = slug(heading)
+        anchor, n = base, 0
+        while anchor in anchors:  # repeated headings get -1, -2, ...
+            n += 1
+            anchor = f"{base}-{n}"
+        anchors.add(anchor)
+    return anchors
+
+
+def test_citation_parsing():
+    assert _cited_sections("see docs/protocol.md §1 and §3, then docs/protocol.md §3.2/§9.") == ["1", "3", "3.2", "9"]
+    assert _cited_sections("(docs/protocol.md §1-§3)") == ["1", "2", "3"]
+    assert _cited_sections("docs/protocol.md says nothing here §7") == []
+    assert slug("3.2 Response selectors (`extra_fields`)") == "32-response-selectors-extra_fields"
+    assert slug("5. Differences from Dynamo 1.6.1") == "5-differences-from-dynamo-161"
+
+
+def test_the_protocol_document_numbers_its_sections():
+    sections = _protocol_sections()
+    assert {"1", "2", "3", "4", "5", "6", "7", "8", "9"} <= sections
+
+
+def test_every_protocol_citation_resolves_to_a_section():
+    sections = _protocol_sections()
+    unresolved, bare = [], []
+    for path in _source_files():
+        text = path.read_text(errors="replace")
+        name = path.relative_to(ROOT)
+        for n, line in enumerate(text.splitlines(), 1):
+            if BARE_CITATION.search(line):
+                bare.append(f"{name}:{n}: {line.strip()}")
+        unresolved += [f"{name}: §{s}" for s in _cited_sections(text) if s not in sections]
+    assert not bare, "cite the protocol as `docs/protocol.md §N`:\n" + "\n".join(bare)
+    assert not unresolved, f"no such section in {PROTOCOL.relative_to(ROOT)}:\n" + "\n".join(unresolved)
+
+
+def test_the_code_cites_the_protocol_document():
+    # The citations this test checks exist (a renamed document would otherwise pass vacuously).
+    cited = [f for f in _source_files() if f.suffix == ".py" and _cited_sections(f.read_text())]
+    assert len(cited) >= 5, cited
+
+
+@pytest.mark.parametrize("markdown", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_reach_an_existing_file_and_heading(markdown: Path):
+    broken = []
+    for target in LINK.findall(FENCE.sub("", markdown.read_text())):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):
+            continue  # http:, https:, mailto:
+        path_part, _, anchor = target.partition("#")
+        resolved = (markdown.parent / path_part).resolve() if path_part else markdown
+        if not resolved.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+            broken.append(f"{target}: no heading with that anchor in {resolved.relative_to(ROOT)}")
+    assert not broken, f"{markdown.relative_to(ROOT)}:\n" + "\n".join(broken)
