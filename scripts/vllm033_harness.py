@@ -11,7 +11,7 @@ deterministic functions of the prompt ids, the seed and the choice index; every 
 HTTP answer around them is vLLM 0.33's.
 
 What this is not: a model. It proves the middleware on 0.33's serving layer and its wire
-format (see README "Supported vLLM"), not 0.33's engine.
+format (see docs/supported-vllm.md), not 0.33's engine.
 
 Scripted behaviour, per engine-core request:
 - `max_tokens` ids, one per step, each printable ASCII in the tiny model's byte vocabulary:

@@ -8,7 +8,7 @@ chunk's own content (a delta, a choice's finish chunk, the usage-only chunk), ne
 chunk boundaries fall; key order inside `nvext`, `engine_data` and `timing`; JSON types; and the
 values that must agree (all ids, prompt ids, logprobs, stop_reason, finish reasons). Every
 remaining difference must be on the allow-list in `vllm_nvext.dynamo_differences`, which is also
-the README's "Differences from Dynamo 1.6.1" table; a new difference fails. The case matrix and
+the table of docs/dynamo-differences.md; a new difference fails. The case matrix and
 the comparison live in `vllm_nvext.dynamo_conformance` (`vllm-nvext parity --dynamo-url` runs them
 against a user's servers).
 """

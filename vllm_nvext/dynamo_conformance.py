@@ -6,7 +6,7 @@ ride on which kind of chunk -- judged by the chunk's own content (a delta, a cho
 chunk, the usage-only chunk), never by where chunk boundaries fall; key order inside `nvext`,
 `engine_data` and `timing`; JSON types; and the values that must agree (all ids, prompt ids,
 logprobs, stop_reason, finish reasons). Every remaining difference must be on the allow-list in
-`vllm_nvext.dynamo_differences` (the README's "Differences from Dynamo 1.6.1" table).
+`vllm_nvext.dynamo_differences` (the table of docs/dynamo-differences.md).
 
 Used by the conformance tests (tests/test_e2e_dynamo_conformance.py) and by
 `vllm-nvext parity --dynamo-url`. Nothing here does I/O: callers send `Case.content()` and read

@@ -2,8 +2,8 @@
 
 This list is the contract for Dynamo compatibility: the conformance tests
 (tests/test_e2e_dynamo_conformance.py) send the same requests to a real Dynamo 1.6.1 and to
-vllm-nvext and fail on any difference not listed here; the README's "Differences from Dynamo
-1.6.1" table shows exactly these entries. Each entry says what differs, which side is the
+vllm-nvext and fail on any difference not listed here; the table of docs/dynamo-differences.md
+shows exactly these entries. Each entry says what differs, which side is the
 contract, why, and as data, for which requests and which `nvext` keys it holds, so that a
 comparison (the tests, a migration check) can set exactly those keys aside and compare the rest.
 
@@ -31,7 +31,7 @@ DYNAMO_VERSION = "1.6.1"
 @dataclass(frozen=True)
 class Difference:
     id: str
-    what: str  # the difference, as the README table states it
+    what: str  # the difference, as the docs table states it
     contract: str  # which side is the contract
     reason: str  # why vllm-nvext differs
     when: Mapping[str, Any] = field(default_factory=dict)
@@ -182,7 +182,7 @@ def find(body: Mapping[str, Any]) -> list[Difference]:
 
 
 def readme_table() -> str:
-    """The README's table, generated from this list."""
+    """The table of docs/dynamo-differences.md, generated from this list."""
     rows = ["| difference | contract | why |", "|---|---|---|"]
     rows += [f"| {d.what} | {d.contract} | {d.reason} |" for d in DIFFERENCES]
     return "\n".join(rows)
