@@ -26,14 +26,19 @@ HEADING = re.compile(r"^#{1,6} (.+?)\s*#*\s*$", re.MULTILINE)
 
 
 def _markdown_files() -> list[Path]:
-    files = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+    files = [
+        ROOT / "README.md",
+        ROOT / "CONTRIBUTING.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        ROOT / "benchmarks" / "README.md",
+    ]
     return [f for f in files if f.exists()]
 
 
 def _source_files() -> list[Path]:
     files = [f for d in SOURCE_DIRS for f in sorted((ROOT / d).rglob("*")) if f.suffix in SOURCE_SUFFIXES]
     files = [f for f in files if f.is_file() and "fixtures" not in f.relative_to(ROOT).parts]
-    return files + _markdown_files()
+    return sorted(set(files + _markdown_files()))
 
 
 def _protocol_sections() -> set[str]:
