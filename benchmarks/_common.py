@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_nvext.request import ENDPOINT_PATHS, Endpoint
+from vllm_nvext.protocol import ENDPOINT_PATHS, Endpoint
 from vllm_nvext.sse import EventFramer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -27,7 +27,8 @@ from typing import Any
 
 from vllm_nvext import metrics
 from vllm_nvext.config import Mode
-from vllm_nvext.request import Endpoint, plan_request
+from vllm_nvext.protocol import Endpoint
+from vllm_nvext.request import plan_request
 from vllm_nvext.reshaping import ReshapingSend
 from vllm_nvext.response import Clock
 
@@ -106,7 +107,7 @@ def _multiprocess_request_ns(calls: int) -> float | None:
         import time
         from vllm_nvext import metrics
         from vllm_nvext.config import Mode
-        from vllm_nvext.request import Endpoint
+        from vllm_nvext.protocol import Endpoint
         metrics.count_request(Endpoint.CHAT, "none", Mode.AUTO, "unknown")
         samples = []
         for _ in range({max(5, calls // 1000)}):

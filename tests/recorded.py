@@ -43,7 +43,7 @@ class Recording:
 
     @property
     def endpoint(self):
-        from vllm_nvext.request import ENDPOINT_PATHS
+        from vllm_nvext.protocol import ENDPOINT_PATHS
 
         return ENDPOINT_PATHS[self.path]
 

@@ -28,7 +28,8 @@ from vllm_nvext.client import (
     parse_sse,
 )
 from vllm_nvext.config import Mode
-from vllm_nvext.request import ENDPOINT_PATHS, plan_request
+from vllm_nvext.protocol import ENDPOINT_PATHS
+from vllm_nvext.request import plan_request
 from vllm_nvext.response import ChunkReshaper, Clock, reshape_unary
 
 from .recorded import Recording, recording

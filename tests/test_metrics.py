@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY, generate_latest
 from vllm_nvext import Mode, NvextMiddleware, Settings, metrics
 from vllm_nvext import _json as nvjson
 from vllm_nvext import response as nvresponse
-from vllm_nvext.request import _NVEXT_FIELDS, _OBJECTS
+from vllm_nvext.nvext_schema import NVEXT_FIELDS, NVEXT_OBJECTS, param_names
 
 from .asgi import Upstream, call
 from .recorded import Recording, recording
@@ -301,7 +301,7 @@ async def test_mode_header_and_size_refusals_are_counted():
 
 
 def test_every_field_the_middleware_validates_is_its_own_refusal_label():
-    known = [f"nvext.{k}" for k in _NVEXT_FIELDS] + [f"nvext.{o}.{k}" for o, f in _OBJECTS.items() for k in f]
+    known = [f"nvext.{k}" for k in NVEXT_FIELDS] + [f"nvext.{o}.{k}" for o, f in NVEXT_OBJECTS.items() for k in f]
     for param in [*known, "nvext", "return_token_ids", "n", "prompt", "x-nvext-mode"]:
         assert metrics.refusal_param(param) == param
     assert metrics.refusal_param(None) == "body"
@@ -311,9 +311,9 @@ _LABELS = {
     "body",
     "other",
     "nvext.<unknown>",
-    *(f"nvext.{o}.<unknown>" for o in _OBJECTS),
+    *(f"nvext.{o}.<unknown>" for o in NVEXT_OBJECTS),
     *metrics._TOP_LEVEL_PARAMS,
-    *metrics._nvext_params(),
+    *param_names(),
 }
 
 
@@ -373,7 +373,7 @@ def test_counters_of_several_processes_are_summed_in_multiprocess_mode(tmp_path)
     count = """
         from vllm_nvext import metrics
         from vllm_nvext.config import Mode
-        from vllm_nvext.request import Endpoint
+        from vllm_nvext.protocol import Endpoint
         for _ in range(3):
             metrics.count_request(Endpoint.CHAT, "nvext", Mode.AUTO, "stream")
         metrics.count_refusal("n", 400)

@@ -6,8 +6,10 @@ import json
 
 import pytest
 
+from vllm_nvext._optin import might_opt_in
 from vllm_nvext.config import Mode
-from vllm_nvext.request import Endpoint, RequestError, might_opt_in, plan_request
+from vllm_nvext.protocol import Endpoint, RequestError
+from vllm_nvext.request import plan_request
 
 CHAT, COMPLETIONS = Endpoint.CHAT, Endpoint.COMPLETIONS
 

@@ -18,16 +18,10 @@ from hypothesis import strategies as st
 
 from vllm_nvext import Mode, NvextMiddleware, Settings
 from vllm_nvext import _json as nvjson
-from vllm_nvext.request import (
-    Endpoint,
-    OptInScan,
-    RequestError,
-    field_reader,
-    might_opt_in,
-    plan_request,
-    read_request,
-    replica_model,
-)
+from vllm_nvext._fields import field_reader, replica_model
+from vllm_nvext._optin import OptInScan, might_opt_in
+from vllm_nvext.protocol import Endpoint, RequestError
+from vllm_nvext.request import plan_request, read_request
 
 from .asgi import Upstream, call
 

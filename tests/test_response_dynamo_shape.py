@@ -7,7 +7,8 @@ import json
 import pytest
 
 from vllm_nvext.config import Mode
-from vllm_nvext.request import Endpoint, plan_request
+from vllm_nvext.protocol import Endpoint
+from vllm_nvext.request import plan_request
 from vllm_nvext.response import ChunkReshaper, Clock, detailed_finish_reason, kv_cache_hit, reshape_unary, timing
 
 SIX = ["completion_token_ids", "prompt_token_ids", "engine_data", "timing", "stop_reason", "detailed_finish_reason"]

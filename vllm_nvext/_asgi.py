@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from . import _vllm_compat
-from .request import OptInScan
+from ._optin import OptInScan
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

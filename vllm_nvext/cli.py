@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from . import parity
 from .config import ENV_MODE, Mode
 from .parity_checks import PATHS
-from .request import Endpoint
+from .protocol import Endpoint
 from .server import MIDDLEWARE, TINY_ARGS, VllmServer
 
 DEFAULT_PORT = 8000

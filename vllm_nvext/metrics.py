@@ -16,11 +16,10 @@ import threading
 from typing import Any
 
 from .config import MODE_HEADER
+from .nvext_schema import param_names
 
 PREFIX = "vllm_nvext:"
 
-# Dialect a request asked in (`none`: it opted into nothing and was never parsed).
-DIALECTS = ("vllm", "nvext", "both", "none")
 STREAM, UNARY, UNKNOWN = "stream", "unary", "unknown"
 # Refusals without a field to name: the body-size cap.
 BODY = "body"
@@ -43,6 +42,7 @@ _TOP_LEVEL_PARAMS = frozenset(
         "kv_transfer_params",
     }
 )
+_NVEXT_PARAMS = param_names()
 UNKNOWN_KEY = "<unknown>"
 OTHER = "other"
 
@@ -143,26 +143,12 @@ def refusal_param(param: str | None) -> str:
     """The label value for a refusal's `param`: a field the middleware knows, never a client's key."""
     if param is None:
         return BODY
-    if param in _TOP_LEVEL_PARAMS or param in _nvext_params():
+    if param in _TOP_LEVEL_PARAMS or param in _NVEXT_PARAMS:
         return param
     where = param.rpartition(".")[0]
-    if where == "nvext" or where in _nvext_params():
+    if where == "nvext" or where in _NVEXT_PARAMS:
         return f"{where}.{UNKNOWN_KEY}"
     return OTHER
-
-
-_NVEXT_PARAMS: frozenset[str] | None = None
-
-
-def _nvext_params() -> frozenset[str]:
-    global _NVEXT_PARAMS
-    if _NVEXT_PARAMS is None:
-        from .request import _NVEXT_FIELDS, _OBJECTS
-
-        names = {f"nvext.{name}" for name in _NVEXT_FIELDS}
-        names |= {f"nvext.{obj}.{name}" for obj, fields in _OBJECTS.items() for name in fields}
-        _NVEXT_PARAMS = frozenset(names)
-    return _NVEXT_PARAMS
 
 
 def count_refusal(param: str | None, status: int) -> None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from . import _vllm_compat, metrics
 from ._asgi import ASGIApp, Message, PassThrough, Receive, Replay, Scope, Send, read_as_json, set_header
+from ._optin import OptInScan
 from .config import MODE_HEADER, Mode, Settings
-from .request import ECHO_TEXT_LOST, ENDPOINT_PATHS, Endpoint, OptInScan, RequestError, error_body, read_request
+from .protocol import ENDPOINT_PATHS, Endpoint, RequestError, error_body
+from .request import ECHO_TEXT_LOST, read_request
 from .request import plan as plan_request_for
 from .reshaping import ReshapingSend
 from .response import Clock

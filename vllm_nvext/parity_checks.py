@@ -17,7 +17,7 @@ from typing import Any
 from . import dynamo_conformance
 from ._shapes import first_difference
 from .client import TokenIds, TokenIdsError, extract, extract_stream, parse_sse
-from .request import ENDPOINT_PATHS, Endpoint
+from .protocol import ENDPOINT_PATHS, Endpoint
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 VLLM_DIALECT, NVEXT_DIALECT = "vllm", "nvext"

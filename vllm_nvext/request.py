@@ -6,49 +6,29 @@ then receives `return_token_ids: true` and no `nvext`. See docs/protocol.md §1 
 
 from __future__ import annotations
 
-import enum
 import logging
-import re
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeGuard
+from typing import Any
 
 from . import _json, _vllm_compat
+from ._fields import read_fields
+from ._optin import might_opt_in
 from .config import Mode
+from .nvext_schema import json_type, validate_nvext
+from .protocol import (
+    COMPLETION_TOKEN_IDS,
+    ENGINE_DATA,
+    ID_SELECTORS,
+    NVEXT_ONLY_SELECTORS,
+    PROMPT_LOGPROBS,
+    PROMPT_TOKEN_IDS,
+    SINGLE_PROMPT_SELECTORS,
+    TIMING,
+    Endpoint,
+    RequestError,
+)
 
 logger = logging.getLogger("vllm_nvext")
-
-
-class Endpoint(str, enum.Enum):
-    CHAT = "chat"
-    COMPLETIONS = "completions"
-
-
-ENDPOINT_PATHS = {
-    "/v1/chat/completions": Endpoint.CHAT,
-    "/v1/completions": Endpoint.COMPLETIONS,
-}
-
-# Response selectors Dynamo understands (docs/protocol.md §3.2); other strings are ignored, as Dynamo does.
-COMPLETION_TOKEN_IDS = "completion_token_ids"
-PROMPT_TOKEN_IDS = "prompt_token_ids"
-ENGINE_DATA = "engine_data"
-TIMING = "timing"
-WORKER_ID = "worker_id"
-STOP_REASON = "stop_reason"
-DETAILED_FINISH_REASON = "detailed_finish_reason"
-PROMPT_LOGPROBS = "prompt_logprobs"
-ROUTED_EXPERTS = "routed_experts"
-ID_SELECTORS = frozenset({COMPLETION_TOKEN_IDS, PROMPT_TOKEN_IDS})
-# Selectors answered under `nvext` in every mode: vLLM has no place for them.
-NVEXT_ONLY_SELECTORS = frozenset(
-    {ENGINE_DATA, TIMING, STOP_REASON, DETAILED_FINISH_REASON, PROMPT_LOGPROBS, ROUTED_EXPERTS}
-)
-# Dynamo 1.6.1 refuses n > 1 (and a completions batch) only for the nvext-placed trio; every
-# other selector is answered per choice. Selectors that describe one prompt are refused on a
-# completions batch: Dynamo documents them as single-prompt (1.6.1 answers the last prompt's ids).
-SINGLE_PROMPT_SELECTORS = (PROMPT_TOKEN_IDS, ENGINE_DATA, PROMPT_LOGPROBS)
 
 
 ECHO_TEXT_LOST = (
@@ -56,83 +36,6 @@ ECHO_TEXT_LOST = (
     "mode): vLLM then leaves the echoed prompt out of `text`. Send `return_token_ids: true` in vLLM "
     "placement (the answer stock vLLM gives), or leave out `echo`"
 )
-
-
-class RequestError(Exception):
-    """A request the middleware refuses; rendered in vLLM's error envelope."""
-
-    def __init__(self, message: str, param: str | None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-
-
-def _is_int(v: Any) -> TypeGuard[int]:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_uint(v: Any) -> bool:
-    return _is_int(v) and v >= 0
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _is_bool(v: Any) -> bool:
-    return isinstance(v, bool)
-
-
-def _is_str(v: Any) -> bool:
-    return isinstance(v, str)
-
-
-def _is_uint_list(v: Any) -> bool:
-    return isinstance(v, list) and all(_is_uint(x) for x in v)
-
-
-def _is_str_list(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(x, str) for x in v)
-
-
-_Check = tuple[Callable[[Any], bool], str]
-_BOOL: _Check = (_is_bool, "a boolean")
-_UINT: _Check = (_is_uint, "a non-negative integer")
-_INT: _Check = (_is_int, "an integer")
-_NUMBER: _Check = (_is_number, "a number")
-_STR: _Check = (_is_str, "a string")
-_STRS: _Check = (_is_str_list, "a list of strings")
-
-# Dynamo's NvExt and its nested objects, all `deny_unknown_fields` (docs/protocol.md §3.1).
-_OBJECTS: dict[str, dict[str, _Check]] = {
-    "metadata_upload": {"url": _STR},
-    "agent_hints": {
-        "priority": _INT,
-        "strict_priority": _UINT,
-        "osl": _UINT,
-        "speculative_prefill": _BOOL,
-        "latency_sensitivity": _NUMBER,
-    },
-    "routing_constraints": {"required_taints": _STRS, "preferred_taints": _STRS},
-    "router": {"ttft_target": _NUMBER, "itl_target": _NUMBER},
-}
-_NVEXT_FIELDS: dict[str, _Check] = {
-    "greed_sampling": _BOOL,
-    "use_raw_prompt": _BOOL,
-    "annotations": _STRS,
-    "backend_instance_id": _UINT,
-    "token_data": (_is_uint_list, "a list of non-negative integers"),
-    "max_thinking_tokens": _UINT,
-    "cache_salt": _STR,
-    "extra_fields": _STRS,
-    "prefill_worker_id": _UINT,
-    "decode_worker_id": _UINT,
-    "dp_rank": _UINT,
-    "prefill_dp_rank": _UINT,
-    "request_timestamp_ms": _NUMBER,
-    **{name: ((lambda v: isinstance(v, dict)), "an object") for name in _OBJECTS},
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,159 +78,6 @@ class Plan:
         return bool(self.nvext_trio or self.nvext_prompt_ids or self.selectors or self.strip_vllm_ids)
 
 
-# --- Which bodies the middleware has to read ----------------------------------------------
-# A body opts in through a root key `nvext` or `return_token_ids`. vLLM decodes the JSON string
-# of a key, so either can be spelled with `\uXXXX` escapes; a JSON string token that spells one
-# of them, anywhere, makes the middleware read the body. A body that is not plain UTF-8 (a BOM,
-# UTF-16, UTF-32: vLLM's `json.loads` reads those too) is always read.
-def _spelled(word: str) -> bytes:
-    def char(c: str) -> str:
-        hexes = "".join(f"[{d.lower()}{d.upper()}]" if d.isalpha() else d for d in f"{ord(c):04x}")
-        return f"(?:{re.escape(c)}|\\\\u{hexes})"
-
-    return ('"' + "".join(char(c) for c in word) + '"').encode()
-
-
-_KEY_MARKERS = (b"nvext", b"return_token_ids", b"\\u")
-_KEY_TOKEN = re.compile(_spelled("nvext") + b"|" + _spelled("return_token_ids"))
-_LONGEST_KEY_TOKEN = 2 + 6 * len("return_token_ids")
-
-
-def _mentions_key(data: bytes) -> bool:
-    if not any(marker in data for marker in _KEY_MARKERS):
-        return False  # the common case: two or three C scans
-    return _KEY_TOKEN.search(data) is not None
-
-
-def might_opt_in(body: bytes) -> bool:
-    """False means the body cannot ask for anything the middleware does: it goes to vLLM as sent."""
-    return _json.needs_decoding(body) or _mentions_key(body)
-
-
-class OptInScan:
-    """The `might_opt_in` test over a body that arrives in pieces (keys split across pieces too)."""
-
-    __slots__ = ("found", "_head", "_tail")
-
-    def __init__(self) -> None:
-        self.found = False
-        self._head = b""
-        self._tail = b""
-
-    def feed(self, chunk: bytes) -> bool:
-        if self.found:
-            return True
-        if len(self._head) < 4:
-            self._head += chunk[: 4 - len(self._head)]
-            if len(self._head) == 4 and _json.needs_decoding(self._head):
-                self.found = True
-                return True
-        window = self._tail + chunk
-        if _mentions_key(window):
-            self.found = True
-        self._tail = window[-(_LONGEST_KEY_TOKEN - 1) :]
-        return self.found
-
-
-# --- vLLM's reading of the fields the middleware decides on -----------------------------------
-# The same pydantic annotations as vLLM 0.32's request models, so the same lax coercion
-# (`"2"` and `2.0` are 2, `"true"` and `1` are true, `[72.0, 105.0]` is one prompt of ids).
-# Inside a vLLM server the field definitions are taken from vLLM's own models instead. pydantic
-# comes with vLLM; it is imported on the first request, so the CLI works without it.
-_VLLM_MODELS = {
-    Endpoint.COMPLETIONS: (
-        ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
-        ("vllm.entrypoints.openai.protocol", "CompletionRequest"),
-    ),
-    Endpoint.CHAT: (
-        ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
-        ("vllm.entrypoints.openai.protocol", "ChatCompletionRequest"),
-    ),
-}
-_readers: dict[tuple[Endpoint, bool], Any] = {}
-
-
-def replica_model(endpoint: Endpoint) -> Any:
-    """The decision fields with vLLM 0.32's annotations and defaults (a pydantic model)."""
-    reader = _readers.get((endpoint, False))
-    if reader is not None:
-        return reader
-    from pydantic import BaseModel, ConfigDict, Field
-
-    token_ids = list[Annotated[int, Field(ge=0)]]
-
-    class CompletionFields(BaseModel):
-        model_config = ConfigDict(extra="ignore")
-
-        return_token_ids: bool | None = None
-        n: int = 1
-        prompt: token_ids | list[token_ids] | str | list[str] | None = None  # type: ignore[valid-type]
-        prompt_embeds: bytes | list[bytes] | None = None
-        echo: bool | None = False
-        logprobs: int | None = None
-        stream: bool | None = False
-        prompt_logprobs: int | None = None
-        kv_transfer_params: dict[str, Any] | None = None
-
-    class ChatFields(BaseModel):
-        model_config = ConfigDict(extra="ignore")
-
-        return_token_ids: bool | None = None
-        n: int | None = 1
-        echo: bool = False
-        logprobs: bool | None = False
-        stream: bool | None = False
-        prompt_logprobs: int | None = None
-        kv_transfer_params: dict[str, Any] | None = None
-
-    _readers[(Endpoint.COMPLETIONS, False)] = CompletionFields
-    _readers[(Endpoint.CHAT, False)] = ChatFields
-    return _readers[(endpoint, False)]
-
-
-def vllm_request_model(endpoint: Endpoint) -> Any:
-    """vLLM's own request model, when the running process has loaded vLLM's serving code."""
-    for module_name, class_name in _VLLM_MODELS[endpoint]:
-        model = getattr(sys.modules.get(module_name), class_name, None)
-        if isinstance(model, type) and hasattr(model, "model_fields"):
-            return model
-    return None
-
-
-def field_reader(endpoint: Endpoint) -> Any:
-    """The model that reads the decision fields: vLLM's field definitions when loaded, else the replica."""
-    reader = _readers.get((endpoint, True))
-    if reader is not None:
-        return reader
-    replica = replica_model(endpoint)
-    vllm_model = vllm_request_model(endpoint)
-    if vllm_model is None:
-        return replica
-    from pydantic import ConfigDict, create_model
-
-    fields: dict[str, Any] = {}
-    for name, info in replica.model_fields.items():
-        theirs = vllm_model.model_fields.get(name, info)
-        fields[name] = (theirs.annotation, theirs)
-    reader = create_model(f"{vllm_model.__name__}Fields", __config__=ConfigDict(extra="ignore"), **fields)
-    _readers[(endpoint, True)] = reader
-    return reader
-
-
-def _read_fields(data: dict[str, Any], endpoint: Endpoint, names: Any = None) -> Any:
-    reader = field_reader(endpoint)
-    if names is not None:
-        data = {k: data[k] for k in names if k in data}
-    from pydantic import ValidationError
-
-    try:
-        return reader.model_validate(data)
-    except ValidationError as exc:
-        error = exc.errors(include_url=False)[0]
-        name = str(error["loc"][0]) if error["loc"] else None
-        raise RequestError(f"`{name}` is invalid for vLLM: {error['msg']}", name) from None
-
-
 @dataclass(frozen=True, slots=True)
 class Request:
     """A token-endpoint body that opts in, read as vLLM reads it."""
@@ -357,16 +107,16 @@ def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> R
         return None  # vLLM answers with its own 400
     if not isinstance(data, dict):
         return None
-    return_token_ids = _read_fields(data, endpoint, ("return_token_ids",)).return_token_ids
+    return_token_ids = read_fields(data, endpoint, ("return_token_ids",)).return_token_ids
     if return_token_ids is not True and "nvext" not in data:
         return None  # opts into nothing
-    fields = _read_fields(data, endpoint)
+    fields = read_fields(data, endpoint)
     nvext = data.get("nvext")
     if nvext is None:
         nvext = {}
     elif not isinstance(nvext, dict):
-        raise RequestError(f"`nvext` must be an object, got {_json_type(nvext)}", "nvext")
-    _validate_nvext(nvext)
+        raise RequestError(f"`nvext` must be an object, got {json_type(nvext)}", "nvext")
+    validate_nvext(nvext)
     return Request(endpoint, body, data, fields, nvext)
 
 
@@ -487,28 +237,6 @@ class _Rewrite:
         return _json.encode_text(text)
 
 
-def _validate_nvext(nvext: dict[str, Any]) -> None:
-    _validate_object(nvext, _NVEXT_FIELDS, "nvext")
-    for name, fields in _OBJECTS.items():
-        value = nvext.get(name)
-        if value is not None:
-            _validate_object(value, fields, f"nvext.{name}")
-    upload = nvext.get("metadata_upload")
-    if upload is not None and not (upload.get("url") or "").strip():
-        raise RequestError("`nvext.metadata_upload.url` must not be empty", "nvext.metadata_upload.url")
-
-
-def _validate_object(obj: dict[str, Any], fields: dict[str, _Check], where: str) -> None:
-    for key, value in obj.items():
-        spec = fields.get(key)
-        if spec is None:
-            expected = ", ".join(f"`{k}`" for k in fields)
-            raise RequestError(f"invalid {where}: unknown field `{key}`, expected one of {expected}", f"{where}.{key}")
-        check, kind = spec
-        if value is not None and not check(value):
-            raise RequestError(f"`{where}.{key}` must be {kind}, got {_describe(value, check)}", f"{where}.{key}")
-
-
 def _apply_nvext_fields(
     rewrite: _Rewrite, request: Request, dp_rank_header: bytes | None
 ) -> tuple[tuple[bytes, bytes], ...]:
@@ -609,36 +337,3 @@ def _logprobs_requested(fields: Any, endpoint: Endpoint) -> bool:
     if endpoint is Endpoint.CHAT:
         return lp is True
     return lp is not None and lp >= 0
-
-
-def _describe(value: Any, check: Callable[[Any], bool]) -> str:
-    """What is wrong with `value`: for a list, its first bad element and where it is."""
-    if isinstance(value, list) and check in (_is_uint_list, _is_str_list):
-        item = _is_uint if check is _is_uint_list else _is_str
-        for i, element in enumerate(value):
-            if not item(element):
-                shown = (
-                    _json.dumps_text(element) if isinstance(element, (bool, int, float, str)) else _json_type(element)
-                )
-                return f"{shown} at index {i}"
-    return _json_type(value)
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
-
-
-def error_body(message: str, param: str | None, status: int) -> bytes:
-    """vLLM's error envelope (docs/protocol.md §9)."""
-    kind = {400: "BadRequestError", 413: "RequestEntityTooLarge"}.get(status, "BadRequestError")
-    return _json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from ._shapes import choice_logprobs
-from .request import (
+from .protocol import (
     DETAILED_FINISH_REASON,
     ENGINE_DATA,
     PROMPT_LOGPROBS,
@@ -21,8 +21,8 @@ from .request import (
     STOP_REASON,
     TIMING,
     Endpoint,
-    Plan,
 )
+from .request import Plan
 
 
 class Clock:

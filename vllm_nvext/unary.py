@@ -14,7 +14,8 @@ import re
 import secrets
 
 from . import _json
-from .request import ENGINE_DATA, PROMPT_LOGPROBS, Plan
+from .protocol import ENGINE_DATA, PROMPT_LOGPROBS
+from .request import Plan
 from .response import Clock, reshape_unary
 
 # A key vLLM writes right after the value that is cut, for each value that may be cut.

@@ -1,0 +1,107 @@
+"""vLLM's reading of the request fields the middleware decides on (pydantic, as vLLM coerces them).
+
+The same pydantic annotations as vLLM 0.32's request models, so the same lax coercion
+(`"2"` and `2.0` are 2, `"true"` and `1` are true, `[72.0, 105.0]` is one prompt of ids).
+Inside a vLLM server the field definitions are taken from vLLM's own models instead. pydantic
+comes with vLLM; it is imported on the first request, so the CLI works without it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any
+
+from .protocol import Endpoint, RequestError
+
+_VLLM_MODELS = {
+    Endpoint.COMPLETIONS: (
+        ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
+        ("vllm.entrypoints.openai.protocol", "CompletionRequest"),
+    ),
+    Endpoint.CHAT: (
+        ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
+        ("vllm.entrypoints.openai.protocol", "ChatCompletionRequest"),
+    ),
+}
+_readers: dict[tuple[Endpoint, bool], Any] = {}
+
+
+def replica_model(endpoint: Endpoint) -> Any:
+    """The decision fields with vLLM 0.32's annotations and defaults (a pydantic model)."""
+    reader = _readers.get((endpoint, False))
+    if reader is not None:
+        return reader
+    from pydantic import BaseModel, ConfigDict, Field
+
+    token_ids = list[Annotated[int, Field(ge=0)]]
+
+    class CompletionFields(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+
+        return_token_ids: bool | None = None
+        n: int = 1
+        prompt: token_ids | list[token_ids] | str | list[str] | None = None  # type: ignore[valid-type]
+        prompt_embeds: bytes | list[bytes] | None = None
+        echo: bool | None = False
+        logprobs: int | None = None
+        stream: bool | None = False
+        prompt_logprobs: int | None = None
+        kv_transfer_params: dict[str, Any] | None = None
+
+    class ChatFields(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+
+        return_token_ids: bool | None = None
+        n: int | None = 1
+        echo: bool = False
+        logprobs: bool | None = False
+        stream: bool | None = False
+        prompt_logprobs: int | None = None
+        kv_transfer_params: dict[str, Any] | None = None
+
+    _readers[(Endpoint.COMPLETIONS, False)] = CompletionFields
+    _readers[(Endpoint.CHAT, False)] = ChatFields
+    return _readers[(endpoint, False)]
+
+
+def vllm_request_model(endpoint: Endpoint) -> Any:
+    """vLLM's own request model, when the running process has loaded vLLM's serving code."""
+    for module_name, class_name in _VLLM_MODELS[endpoint]:
+        model = getattr(sys.modules.get(module_name), class_name, None)
+        if isinstance(model, type) and hasattr(model, "model_fields"):
+            return model
+    return None
+
+
+def field_reader(endpoint: Endpoint) -> Any:
+    """The model that reads the decision fields: vLLM's field definitions when loaded, else the replica."""
+    reader = _readers.get((endpoint, True))
+    if reader is not None:
+        return reader
+    replica = replica_model(endpoint)
+    vllm_model = vllm_request_model(endpoint)
+    if vllm_model is None:
+        return replica
+    from pydantic import ConfigDict, create_model
+
+    fields: dict[str, Any] = {}
+    for name, info in replica.model_fields.items():
+        theirs = vllm_model.model_fields.get(name, info)
+        fields[name] = (theirs.annotation, theirs)
+    reader = create_model(f"{vllm_model.__name__}Fields", __config__=ConfigDict(extra="ignore"), **fields)
+    _readers[(endpoint, True)] = reader
+    return reader
+
+
+def read_fields(data: dict[str, Any], endpoint: Endpoint, names: Any = None) -> Any:
+    reader = field_reader(endpoint)
+    if names is not None:
+        data = {k: data[k] for k in names if k in data}
+    from pydantic import ValidationError
+
+    try:
+        return reader.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        name = str(error["loc"][0]) if error["loc"] else None
+        raise RequestError(f"`{name}` is invalid for vLLM: {error['msg']}", name) from None

@@ -1,0 +1,62 @@
+"""Which bodies the middleware has to read: a byte-level test that never decodes JSON.
+
+A body opts in through a root key `nvext` or `return_token_ids`. vLLM decodes the JSON string
+of a key, so either can be spelled with `\\uXXXX` escapes; a JSON string token that spells one
+of them, anywhere, makes the middleware read the body. A body that is not plain UTF-8 (a BOM,
+UTF-16, UTF-32: vLLM's `json.loads` reads those too) is always read.
+"""
+
+from __future__ import annotations
+
+import re
+
+from . import _json
+
+
+def _spelled(word: str) -> bytes:
+    def char(c: str) -> str:
+        hexes = "".join(f"[{d.lower()}{d.upper()}]" if d.isalpha() else d for d in f"{ord(c):04x}")
+        return f"(?:{re.escape(c)}|\\\\u{hexes})"
+
+    return ('"' + "".join(char(c) for c in word) + '"').encode()
+
+
+_KEY_MARKERS = (b"nvext", b"return_token_ids", b"\\u")
+_KEY_TOKEN = re.compile(_spelled("nvext") + b"|" + _spelled("return_token_ids"))
+_LONGEST_KEY_TOKEN = 2 + 6 * len("return_token_ids")
+
+
+def _mentions_key(data: bytes) -> bool:
+    if not any(marker in data for marker in _KEY_MARKERS):
+        return False  # the common case: two or three C scans
+    return _KEY_TOKEN.search(data) is not None
+
+
+def might_opt_in(body: bytes) -> bool:
+    """False means the body cannot ask for anything the middleware does: it goes to vLLM as sent."""
+    return _json.needs_decoding(body) or _mentions_key(body)
+
+
+class OptInScan:
+    """The `might_opt_in` test over a body that arrives in pieces (keys split across pieces too)."""
+
+    __slots__ = ("found", "_head", "_tail")
+
+    def __init__(self) -> None:
+        self.found = False
+        self._head = b""
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> bool:
+        if self.found:
+            return True
+        if len(self._head) < 4:
+            self._head += chunk[: 4 - len(self._head)]
+            if len(self._head) == 4 and _json.needs_decoding(self._head):
+                self.found = True
+                return True
+        window = self._tail + chunk
+        if _mentions_key(window):
+            self.found = True
+        self._tail = window[-(_LONGEST_KEY_TOKEN - 1) :]
+        return self.found

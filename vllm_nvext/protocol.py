@@ -1,0 +1,56 @@
+"""The vocabulary both dialects share: endpoints, response selectors, and the error the middleware answers.
+
+Pure data; see docs/protocol.md for what each name means on the wire.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from . import _json
+
+
+class Endpoint(str, enum.Enum):
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+
+
+# The routes the middleware reads, relative to vLLM's root path; every other route passes byte for byte.
+ENDPOINT_PATHS = {
+    "/v1/chat/completions": Endpoint.CHAT,
+    "/v1/completions": Endpoint.COMPLETIONS,
+}
+
+# Response selectors Dynamo understands (docs/protocol.md §3.2); other strings are ignored, as Dynamo does.
+COMPLETION_TOKEN_IDS = "completion_token_ids"
+PROMPT_TOKEN_IDS = "prompt_token_ids"
+ENGINE_DATA = "engine_data"
+TIMING = "timing"
+STOP_REASON = "stop_reason"
+DETAILED_FINISH_REASON = "detailed_finish_reason"
+PROMPT_LOGPROBS = "prompt_logprobs"
+ROUTED_EXPERTS = "routed_experts"
+ID_SELECTORS = frozenset({COMPLETION_TOKEN_IDS, PROMPT_TOKEN_IDS})
+# Selectors answered under `nvext` in every mode: vLLM has no place for them.
+NVEXT_ONLY_SELECTORS = frozenset(
+    {ENGINE_DATA, TIMING, STOP_REASON, DETAILED_FINISH_REASON, PROMPT_LOGPROBS, ROUTED_EXPERTS}
+)
+# Dynamo 1.6.1 refuses n > 1 (and a completions batch) only for the nvext-placed trio; every
+# other selector is answered per choice. Selectors that describe one prompt are refused on a
+# completions batch: Dynamo documents them as single-prompt (1.6.1 answers the last prompt's ids).
+SINGLE_PROMPT_SELECTORS = (PROMPT_TOKEN_IDS, ENGINE_DATA, PROMPT_LOGPROBS)
+
+class RequestError(Exception):
+    """A request the middleware refuses; rendered in vLLM's error envelope."""
+
+    def __init__(self, message: str, param: str | None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+
+
+def error_body(message: str, param: str | None, status: int) -> bytes:
+    """vLLM's error envelope (docs/protocol.md §9)."""
+    kind = {400: "BadRequestError", 413: "RequestEntityTooLarge"}.get(status, "BadRequestError")
+    return _json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})
