@@ -106,8 +106,7 @@ def test_the_code_cites_the_protocol_document():
     assert len(cited) >= 5, cited
 
 
-@pytest.mark.parametrize("markdown", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_relative_links_reach_an_existing_file_and_heading(markdown: Path):
+def _broken_links(markdown: Path) -> list[str]:
     broken = []
     for target in LINK.findall(FENCE.sub("", markdown.read_text())):
         if re.match(r"[a-z][a-z0-9+.-]*:", target):
@@ -117,5 +116,55 @@ def test_relative_links_reach_an_existing_file_and_heading(markdown: Path):
         if not resolved.exists():
             broken.append(f"{target}: no such file")
         elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
-            broken.append(f"{target}: no heading with that anchor in {resolved.relative_to(ROOT)}")
+            broken.append(f"{target}: no heading with that anchor in {resolved.name}")
+    return broken
+
+
+# `tests/test_x.py`, `tests/test_x.py::test_name`, `tests/test_x.py::test_prefix_*` in the markdown.
+NAMED_PATH = re.compile(r"`((?:tests|vllm_nvext|scripts|benchmarks|examples|docs)/[\w./-]+)(?:::(\w+)(\*)?)?([^`]?)")
+
+
+def _missing_names(text: str) -> list[str]:
+    missing = []
+    for path, test, prefix, after in NAMED_PATH.findall(text):
+        if after and after in "*<{":
+            continue  # a pattern such as `tests/test_e2e_*.py`
+        target = ROOT / path
+        if not target.exists():
+            missing.append(f"{path}: no such file")
+        elif test and not re.search(f"def {test}" + ("" if prefix else r"\b"), target.read_text()):
+            missing.append(f"{path}::{test}{prefix}: no such test")
+    return missing
+
+
+def test_the_checks_find_what_is_broken(tmp_path: Path):
+    (tmp_path / "other.md").write_text("# Other page\n\n## 2. A section\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "[ok](other.md) [ok](other.md#2-a-section) [ok](#here) [web](https://example.com)\n"
+        "[gone](missing.md) [bad anchor](other.md#nowhere)\n\n## Here\n"
+        "```\n[in code](ignored.md)\n```\n"
+    )
+    assert _broken_links(page) == [
+        "missing.md: no such file",
+        "other.md#nowhere: no heading with that anchor in other.md",
+    ]
+    text = "`tests/test_docs.py::test_the_checks_find_what_is_broken`, `tests/test_docs.py::test_the_*`"
+    text += ", `tests/test_e2e_*.py`"
+    assert _missing_names(text) == []
+    assert _missing_names("`tests/test_nothing.py` `tests/test_docs.py::test_not_here`") == [
+        "tests/test_nothing.py: no such file",
+        "tests/test_docs.py::test_not_here: no such test",
+    ]
+
+
+@pytest.mark.parametrize("markdown", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_reach_an_existing_file_and_heading(markdown: Path):
+    broken = _broken_links(markdown)
     assert not broken, f"{markdown.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+@pytest.mark.parametrize("markdown", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_files_and_tests_named_in_the_docs_exist(markdown: Path):
+    missing = _missing_names(markdown.read_text())
+    assert not missing, f"{markdown.relative_to(ROOT)}:\n" + "\n".join(missing)
