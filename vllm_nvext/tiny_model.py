@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 SEED = 0
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -28,7 +32,7 @@ def default_dir() -> Path:
     return Path(base) / "vllm-nvext" / f"tiny-model-v{FORMAT_VERSION}"
 
 
-def _build_tokenizer():
+def _build_tokenizer() -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -50,6 +54,12 @@ def _build_tokenizer():
     return fast
 
 
+def _token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    assert isinstance(token_id, int), token_id
+    return token_id
+
+
 def write(directory: str | os.PathLike[str]) -> Path:
     """Write the tiny model and tokenizer into `directory` and return its path."""
     import torch
@@ -69,8 +79,8 @@ def write(directory: str | os.PathLike[str]) -> Path:
         head_dim=64,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        bos_token_id=_token_id(tokenizer, "<|endoftext|>"),
+        eos_token_id=_token_id(tokenizer, "<|im_end|>"),
         torch_dtype="bfloat16",
     )
     torch.manual_seed(SEED)
