@@ -268,7 +268,7 @@ BAD_INPUTS = [
     ({"nvext": {"router": {"ttft_target": "fast"}}}, {}, 400, "nvext.router.ttft_target"),
     ({"nvext": {"completion_token_ids": True}}, {}, 400, "nvext.completion_token_ids"),
     ({"n": 3, "temperature": 1, "nvext": {"extra_fields": ["completion_token_ids"]}}, {}, 400, "n"),
-    ({"prompt": ["a", "b"], "return_token_ids": True}, {"x-nvext-mode": "nvext"}, 400, "n"),
+    ({"prompt": ["a", "b"], "return_token_ids": True}, {"x-nvext-mode": "nvext"}, 400, "prompt"),
     ({"return_token_ids": True}, {"x-nvext-mode": "dynamo"}, 400, "x-nvext-mode"),
     ({"return_token_ids": True, "prompt": "x" * (33 * 1024 * 1024)}, {}, 413, None),
     (b'{"model": "tiny", "prompt": "hi", "nvext": {"extra_fields": ["completion_token_ids"]', {}, 400, "body"),

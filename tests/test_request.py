@@ -103,17 +103,18 @@ def test_return_token_ids_false_in_vllm_mode_asks_nothing():
 
 
 @pytest.mark.parametrize(
-    ("fields", "endpoint"),
+    ("fields", "endpoint", "param"),
     [
-        ({"n": 2, "nvext": {"extra_fields": ["completion_token_ids"]}}, CHAT),
-        ({"n": 2, "nvext": {"extra_fields": ["engine_data", "completion_token_ids"]}}, COMPLETIONS),
-        ({"prompt": ["a", "b"], "nvext": {"extra_fields": ["completion_token_ids"]}}, COMPLETIONS),
+        ({"n": 2, "nvext": {"extra_fields": ["completion_token_ids"]}}, CHAT, "n"),
+        ({"n": 2, "nvext": {"extra_fields": ["engine_data", "completion_token_ids"]}}, COMPLETIONS, "n"),
+        ({"prompt": ["a", "b"], "nvext": {"extra_fields": ["completion_token_ids"]}}, COMPLETIONS, "prompt"),
     ],
 )
-def test_completion_token_ids_with_more_than_one_choice_is_refused(fields, endpoint):
+def test_completion_token_ids_with_more_than_one_choice_is_refused(fields, endpoint, param):
     with pytest.raises(RequestError) as err:
         plan_request(_body(**fields), endpoint, Mode.AUTO)
-    assert err.value.param == "n" and "requires exactly one generated choice" in err.value.message
+    assert err.value.param == param, "the field the client sent that makes several choices"
+    assert "requires exactly one generated choice" in err.value.message
 
 
 @pytest.mark.parametrize(

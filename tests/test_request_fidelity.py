@@ -340,11 +340,19 @@ def test_float_token_ids_are_one_prompt_not_a_batch():
     assert plan is not None and plan.nvext_trio
 
 
-def test_echo_with_ids_the_middleware_turns_on_is_flagged():
+def test_echo_with_ids_the_middleware_turns_on_puts_the_prompt_back():
     plan = _plan({**BASE[COMPLETIONS], "echo": True, "nvext": NVEXT_IDS})
-    assert plan is not None and plan.echo_text_lost
+    assert plan is not None and plan.echo_prompts == (BASE[COMPLETIONS]["prompt"],)
+    ids = _plan({**BASE[COMPLETIONS], "prompt": [72.0, 105.0], "echo": True, "nvext": NVEXT_IDS})
+    assert ids is not None and ids.echo_prompts == ((72, 105),), "id prompts are decoded by vLLM before going upstream"
+    batch = _plan({**BASE[COMPLETIONS], "prompt": ["a", "b"], "n": 2, "echo": True, "nvext": NVEXT_IDS},
+                  mode=Mode.VLLM)  # fmt: skip
+    assert batch is not None and batch.echo_prompts == ("a", "b") and batch.n == 2
     own = _plan({**BASE[COMPLETIONS], "echo": "true", "return_token_ids": True}, mode=Mode.NVEXT)
-    assert own is not None and not own.echo_text_lost, "the client's own return_token_ids: stock vLLM drops it too"
+    assert own is not None and own.echo_prompts == (), "the client's own return_token_ids: stock vLLM drops it too"
+    with pytest.raises(RequestError) as refused:
+        _plan({**BASE[COMPLETIONS], "prompt": None, "prompt_embeds": "AAAA", "echo": True, "nvext": NVEXT_IDS})
+    assert refused.value.param == "echo", "embeddings have no text to put back"
 
 
 def test_unary_echo_never_keeps_prompt_ids_the_client_did_not_ask_for():
@@ -439,12 +447,13 @@ async def test_empty_mode_header_counts_as_absent_and_differing_repeats_are_refu
     assert json.loads(result.body)["error"]["param"] == "x-nvext-mode"
 
 
-async def test_echo_with_ids_the_middleware_turns_on_is_a_400_naming_echo():
+async def test_echo_with_ids_the_middleware_turns_on_is_served():
+    # The echoed prompt is put back in the answer (tests/test_e2e_edges.py compares it with stock vLLM).
     app, upstream = _upstream_app()
     body = json.dumps({**BASE[COMPLETIONS], "echo": True, "nvext": NVEXT_IDS}).encode()
     result = await call(app, "/v1/completions", body)
-    assert result.status == 400 and upstream.calls == 0
-    assert json.loads(result.body)["error"]["param"] == "echo"
+    assert result.status == 200 and upstream.calls == 1
+    assert upstream.received is not None and json.loads(upstream.received)["return_token_ids"] is True
 
 
 @pytest.mark.parametrize("cuts", [(), (10, 500, 1500)])

@@ -22,6 +22,7 @@ _VLLM_MODELS = {
         ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
         ("vllm.entrypoints.openai.protocol", "ChatCompletionRequest"),
     ),
+    Endpoint.CHAT_BATCH: (("vllm.entrypoints.openai.chat_completion.protocol", "BatchChatCompletionRequest"),),
 }
 _readers: dict[tuple[Endpoint, bool], Any] = {}
 
@@ -61,6 +62,7 @@ def replica_model(endpoint: Endpoint) -> Any:
 
     _readers[(Endpoint.COMPLETIONS, False)] = CompletionFields
     _readers[(Endpoint.CHAT, False)] = ChatFields
+    _readers[(Endpoint.CHAT_BATCH, False)] = ChatFields  # vLLM's batch model has no `stream`: the replica's reads it
     return _readers[(endpoint, False)]
 
 

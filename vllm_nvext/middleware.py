@@ -8,12 +8,16 @@ and every request that opts into nothing, reaches vLLM and the client byte for b
 
 from __future__ import annotations
 
-from . import _vllm_compat, metrics
+import asyncio
+from dataclasses import replace
+from typing import Any
+
+from . import _json, _vllm_compat, metrics
 from ._asgi import ASGIApp, Message, PassThrough, Receive, Replay, Scope, Send, read_as_json, set_header
 from ._optin import OptInScan
 from .config import MODE_HEADER, Mode, Settings
 from .protocol import ENDPOINT_PATHS, Endpoint, RequestError, error_body
-from .request import ECHO_TEXT_LOST, read_request
+from .request import Plan, read_request
 from .request import plan as plan_request_for
 from .reshaping import ReshapingSend
 from .response import Clock
@@ -128,11 +132,14 @@ class _Exchange:
                 return
             mode = self._mode(modes)
             plan = plan_request_for(request, mode, dp_rank_header=dp_rank)
-            if plan.echo_text_lost:
-                raise RequestError(ECHO_TEXT_LOST, "echo")
         except RequestError as exc:
             await self._refuse(exc, body, False)
             return
+        if any(not isinstance(p, str) for p in plan.echo_prompts):
+            decoded = await self._decode_echo_prompts(plan, request.data.get("model"))
+            if decoded is None:
+                return  # vLLM's own answer about the ids went to the client
+            plan = replace(plan, echo_prompts=decoded)
         if plan.body is not None:
             body = plan.body
             set_header(scope, b"content-length", str(len(body)).encode())
@@ -165,6 +172,25 @@ class _Exchange:
             names = ", ".join(sorted(m.value for m in chosen))
             raise RequestError(f"header `{MODE_HEADER}` is repeated with different modes ({names})", MODE_HEADER)
         return chosen.pop() if chosen else mode
+
+    async def _decode_echo_prompts(self, plan: Plan, model: Any) -> tuple[str, ...] | None:
+        """Each echoed id prompt as vLLM echoes it: decoded by vLLM's own `/detokenize`.
+
+        None when vLLM refused to decode one; its answer (it names the bad id) went to the client.
+        """
+        texts: list[str] = []
+        for prompt in plan.echo_prompts:
+            if isinstance(prompt, str):
+                texts.append(prompt)
+                continue
+            status, headers, body = await _internal_post(self.app, self.scope, "/detokenize", model, prompt)
+            decoded = _json.loads(body) if status == 200 else None
+            if not isinstance(decoded, dict) or not isinstance(decoded.get("prompt"), str):
+                await self.send({"type": "http.response.start", "status": status, "headers": headers})
+                await self.send({"type": "http.response.body", "body": body, "more_body": False})
+                return None
+            texts.append(decoded["prompt"])
+        return tuple(texts)
 
     async def _pass_through(self, parts: list[bytes], scan: OptInScan) -> None:
         receive = PassThrough(parts, scan, self.receive)
@@ -206,3 +232,40 @@ class _Exchange:
 
 def _too_large(cap: int) -> RequestError:
     return RequestError(f"Request body exceeds the {cap}-byte limit of vllm-nvext", None, 413)
+
+
+async def _internal_post(
+    app: ASGIApp, scope: Scope, route: str, model: Any, tokens: tuple[int, ...]
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """POST `{"model", "tokens"}` to one of vLLM's own routes in this process, with the client's credentials."""
+    payload = {"tokens": list(tokens)} if model is None else {"model": model, "tokens": list(tokens)}
+    body = _json.dumps(payload)
+    root = scope.get("root_path", "")
+    headers = [(n, v) for n, v in scope["headers"] if n == b"authorization"]
+    headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    sub: Scope = {
+        **{k: v for k, v in scope.items() if k != _HANDLED},
+        "path": root + route,
+        "raw_path": (root + route).encode(),
+        "query_string": b"",
+        "headers": headers,
+    }
+    result: dict[str, Any] = {"status": 500, "headers": [], "body": []}
+    sent = False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if sent:  # vLLM listens for a disconnect while it answers: none comes
+            await asyncio.Event().wait()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            result["status"] = message["status"]
+            result["headers"] = list(message.get("headers", ()))
+        elif message["type"] == "http.response.body":
+            result["body"].append(bytes(message.get("body", b"")))
+
+    await app(sub, receive, send)
+    return result["status"], result["headers"], b"".join(result["body"])

@@ -13,12 +13,19 @@ from . import _json
 class Endpoint(str, enum.Enum):
     CHAT = "chat"
     COMPLETIONS = "completions"
+    # One chat.completion answering several conversations, one choice each (vLLM 0.32+).
+    CHAT_BATCH = "chat_batch"
+    # SageMaker's route: vLLM serves the body as chat when it holds `messages`, else as completions.
+    INVOCATIONS = "invocations"
 
 
-# The routes the middleware reads, relative to vLLM's root path; every other route passes byte for byte.
+# The routes the middleware reads, relative to vLLM's root path; every other route passes byte for
+# byte (docs/protocol.md §10 lists what each of vLLM's routes gets).
 ENDPOINT_PATHS = {
     "/v1/chat/completions": Endpoint.CHAT,
     "/v1/completions": Endpoint.COMPLETIONS,
+    "/v1/chat/completions/batch": Endpoint.CHAT_BATCH,
+    "/invocations": Endpoint.INVOCATIONS,
 }
 
 # Response selectors Dynamo understands (docs/protocol.md §3.2); other strings are ignored, as Dynamo does.
@@ -39,6 +46,7 @@ NVEXT_ONLY_SELECTORS = frozenset(
 # other selector is answered per choice. Selectors that describe one prompt are refused on a
 # completions batch: Dynamo documents them as single-prompt (1.6.1 answers the last prompt's ids).
 SINGLE_PROMPT_SELECTORS = (PROMPT_TOKEN_IDS, ENGINE_DATA, PROMPT_LOGPROBS)
+
 
 class RequestError(Exception):
     """A request the middleware refuses; rendered in vLLM's error envelope."""

@@ -31,10 +31,10 @@ from .protocol import (
 logger = logging.getLogger("vllm_nvext")
 
 
-ECHO_TEXT_LOST = (
-    "`echo` cannot be combined with token ids vllm-nvext turns on (nvext selectors, or an nvext-placing "
-    "mode): vLLM then leaves the echoed prompt out of `text`. Send `return_token_ids: true` in vLLM "
-    "placement (the answer stock vLLM gives), or leave out `echo`"
+ECHO_EMBEDS = (
+    "`echo` of `prompt_embeds` cannot be combined with token ids vllm-nvext turns on (nvext selectors, or an "
+    "nvext-placing mode): vLLM then leaves the echoed prompt out of `text`, and embeddings have no text to put "
+    "back. Send `return_token_ids: true` in vLLM placement (the answer stock vLLM gives), or leave out `echo`"
 )
 
 
@@ -56,8 +56,10 @@ class Plan:
     # A completions stream with `echo`: vLLM sends prompt ids by itself: leave those alone.
     echo: bool
     # The middleware turned `return_token_ids` on for a completions `echo`: vLLM then drops the
-    # echoed prompt from `text`, which the response side does not restore (the server refuses it).
-    echo_text_lost: bool
+    # echoed prompt from `text`, and the response side puts it back in front of each choice's first
+    # text. One entry per prompt: its text, or its ids (the middleware has vLLM decode those, as vLLM
+    # echoes them, before the request goes upstream); empty when nothing is to be put back.
+    echo_prompts: tuple[str | tuple[int, ...], ...]
     # The client asked for logprobs (engine_data.completion_logprobs follows them).
     logprobs: bool
     # The rewritten upstream body; None keeps the client's bytes.
@@ -69,13 +71,28 @@ class Plan:
     stream: bool = False
     # One prompt and n == 1: every chunk is about choice 0.
     single_choice: bool = True
+    # Choices per prompt (vLLM's `n`): choice `i` answers prompt `i // n`.
+    n: int = 1
     # A one-choice stream with `timing` or `engine_data`: vLLM reports its per-request metrics and
     # cached tokens on the usage chunk right after the finish chunk, which waits for it.
     await_usage: bool = False
+    # The client sent a root `kv_transfer_params` (an orchestrator's prefill/decode handoff):
+    # vLLM's root `kv_transfer_params` comes back at the root in every mode.
+    root_kv: bool = False
+    # (vLLM's field, the client's field) for each vLLM field set from an nvext field: an error
+    # vLLM raises about the former names the latter (docs/protocol.md §9).
+    error_params: tuple[tuple[str, str], ...] = ()
 
     @property
     def reshapes_response(self) -> bool:
-        return bool(self.nvext_trio or self.nvext_prompt_ids or self.selectors or self.strip_vllm_ids)
+        return bool(
+            self.nvext_trio
+            or self.nvext_prompt_ids
+            or self.selectors
+            or self.strip_vllm_ids
+            or self.error_params
+            or self.echo_prompts
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +124,8 @@ def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> R
         return None  # vLLM answers with its own 400
     if not isinstance(data, dict):
         return None
+    if endpoint is Endpoint.INVOCATIONS:
+        endpoint = Endpoint.CHAT if "messages" in data else Endpoint.COMPLETIONS
     return_token_ids = read_fields(data, endpoint, ("return_token_ids",)).return_token_ids
     if return_token_ids is not True and "nvext" not in data:
         return None  # opts into nothing
@@ -156,18 +175,26 @@ def plan(request: Request, mode: Mode, *, dp_rank_header: bytes | None = None) -
     if PROMPT_LOGPROBS in selectors and fields.prompt_logprobs is None:
         selectors = selectors - {PROMPT_LOGPROBS}  # only answered when vLLM's prompt_logprobs is set
 
-    prompts = _num_prompts(fields) if endpoint is Endpoint.COMPLETIONS else 1
+    batch = endpoint is Endpoint.CHAT_BATCH
+    if batch:
+        _check_chat_batch(request)
+        messages = data.get("messages")
+        prompts = len(messages) if isinstance(messages, list) and messages else 1
+    else:
+        prompts = _num_prompts(fields) if endpoint is Endpoint.COMPLETIONS else 1
     n = fields.n if fields.n is not None and fields.n > 0 else 1
+    prompt_param = "messages" if batch else "prompt"
     if nvext_trio and n * prompts > 1:
         raise RequestError(
-            f'`nvext.extra_fields=["{COMPLETION_TOKEN_IDS}"]` requires exactly one generated choice', "n"
+            f'`nvext.extra_fields=["{COMPLETION_TOKEN_IDS}"]` requires exactly one generated choice',
+            prompt_param if prompts > 1 else "n",
         )
     if prompts > 1:
         asked = selectors | ({PROMPT_TOKEN_IDS} if nvext_prompt_ids else set())
         single_prompt = [s for s in SINGLE_PROMPT_SELECTORS if s in asked]
         if single_prompt:
             name = single_prompt[0]
-            raise RequestError(f'`nvext.extra_fields=["{name}"]` requires a single prompt, got a batch', "prompt")
+            raise RequestError(f'`nvext.extra_fields=["{name}"]` requires a single prompt, got a batch', prompt_param)
 
     # timing's ttft_ms is the first chunk carrying a token id: ask for ids to see them.
     needs_ids = vllm_ids or nvext_trio or nvext_prompt_ids or bool(selectors & {ENGINE_DATA, TIMING})
@@ -188,33 +215,39 @@ def plan(request: Request, mode: Mode, *, dp_rank_header: bytes | None = None) -
         # vLLM sends prompt ids by itself only on completions streams with echo.
         echo=echo and fields.stream is True,
         # vLLM leaves the echoed prompt out of `text` whenever `return_token_ids` is on.
-        echo_text_lost=echo and needs_ids and not return_token_ids,
+        echo_prompts=_echo_prompts(request) if echo and needs_ids and not return_token_ids else (),
         logprobs=_logprobs_requested(fields, endpoint),
         body=rewrite.apply(request.body),
         headers=headers,
         dialect=("both" if "nvext" in data else "vllm") if return_token_ids else "nvext",
         stream=fields.stream is True,
         single_choice=n * prompts == 1,
+        n=n,
         await_usage=fields.stream is True and n * prompts == 1 and bool(selectors & {TIMING, ENGINE_DATA}),
+        root_kv=fields.kv_transfer_params is not None,
+        error_params=tuple(rewrite.sources.items()),
     )
 
 
 class _Rewrite:
     """Root members to drop or set; everything else reaches vLLM as the client wrote it."""
 
-    __slots__ = ("dropped", "added", "kv_prompt_ids")
+    __slots__ = ("dropped", "added", "kv_prompt_ids", "sources")
 
     def __init__(self) -> None:
         self.dropped: set[str] = set()
         self.added: dict[str, str] = {}
         self.kv_prompt_ids: list[int] | None = None
+        self.sources: dict[str, str] = {}  # vLLM's field -> the nvext field it was set from
 
     def drop(self, key: str) -> None:
         self.dropped.add(key)
 
-    def set(self, key: str, encoded: str) -> None:
+    def set(self, key: str, encoded: str, source: str | None = None) -> None:
         self.dropped.add(key)
         self.added[key] = encoded
+        if source is not None:
+            self.sources[key] = source
 
     def apply(self, body: bytes) -> bytes | None:
         if not self.dropped and self.kv_prompt_ids is None:
@@ -243,15 +276,15 @@ def _apply_nvext_fields(
     """Map the nvext request fields vLLM has an equivalent for; routing-only ones are dropped."""
     nvext, data = request.nvext, request.data
     if nvext.get("greed_sampling") is True:
-        rewrite.set("temperature", "0.0")
+        rewrite.set("temperature", "0.0", "nvext.greed_sampling")
     salt = nvext.get("cache_salt")
-    if salt:  # an empty salt counts as absent, as in Dynamo
-        rewrite.set("cache_salt", _json.dumps_text(salt))  # nvext wins over a root cache_salt, as in Dynamo
+    if salt:  # an empty salt counts as absent, as in Dynamo; nvext wins over a root cache_salt, as in Dynamo
+        rewrite.set("cache_salt", _json.dumps_text(salt), "nvext.cache_salt")
     budget = nvext.get("max_thinking_tokens")
     if budget is not None and data.get("thinking_token_budget") is None:
         # A root thinking_token_budget wins, as in Dynamo.
         if _vllm_compat.has_thinking_token_budget():
-            rewrite.set("thinking_token_budget", str(budget))
+            rewrite.set("thinking_token_budget", str(budget), "nvext.max_thinking_tokens")
         else:
             logger.debug("nvext.max_thinking_tokens ignored: this vLLM has no thinking_token_budget")
     token_data = nvext.get("token_data")
@@ -259,7 +292,7 @@ def _apply_nvext_fields(
         if not token_data:
             raise RequestError("`nvext.token_data` must not be empty", "nvext.token_data")
         if request.endpoint is Endpoint.COMPLETIONS:
-            rewrite.set("prompt", _json.dumps_text(token_data))
+            rewrite.set("prompt", _json.dumps_text(token_data), "nvext.token_data")
         else:
             _chat_from_token_ids(rewrite, request, token_data)
     dp_rank = nvext.get("dp_rank")
@@ -303,6 +336,7 @@ def _chat_from_token_ids(rewrite: _Rewrite, request: Request, token_data: list[i
             "`nvext.token_data` cannot be combined with `echo` or non-text message content", "nvext.token_data"
         )
     rewrite.kv_prompt_ids = token_data
+    rewrite.sources["kv_transfer_params.prompt_token_ids"] = "nvext.token_data"
 
 
 def _has_non_text_content(messages: Any) -> bool:
@@ -315,6 +349,40 @@ def _has_non_text_content(messages: Any) -> bool:
         ):
             return True
     return False
+
+
+def _check_chat_batch(request: Request) -> None:
+    """What /v1/chat/completions/batch cannot serve as asked, refused instead of answered wrong."""
+    if request.fields.stream is True:
+        # vLLM does not refuse it: each conversation is then generated as a stream whose unary
+        # answer keeps only the last delta (one token instead of the completion).
+        raise RequestError(
+            "`stream` is not supported on /v1/chat/completions/batch (vLLM would answer each conversation "
+            "with its last token only); leave it out, or stream each conversation from /v1/chat/completions",
+            "stream",
+        )
+    if request.nvext.get("token_data") is not None:
+        raise RequestError(
+            "`nvext.token_data` is not supported on /v1/chat/completions/batch; send it to /v1/chat/completions",
+            "nvext.token_data",
+        )
+
+
+def _echo_prompts(request: Request) -> tuple[str | tuple[int, ...], ...]:
+    """The prompts vLLM echoes, in its order: a text as sent, ids as vLLM will decode them."""
+    token_data = request.nvext.get("token_data")
+    if token_data:
+        return (tuple(token_data),)
+    prompt, embeds = request.fields.prompt, request.fields.prompt_embeds
+    if embeds is not None:
+        raise RequestError(ECHO_EMBEDS, "echo")
+    if isinstance(prompt, str):
+        return (prompt,)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return (tuple(prompt),)
+    if isinstance(prompt, list):
+        return tuple(p if isinstance(p, str) else tuple(p) for p in prompt)
+    return ()
 
 
 def _num_prompts(fields: Any) -> int:
@@ -334,6 +402,6 @@ def _num_prompts(fields: Any) -> int:
 
 def _logprobs_requested(fields: Any, endpoint: Endpoint) -> bool:
     lp = fields.logprobs
-    if endpoint is Endpoint.CHAT:
+    if endpoint is not Endpoint.COMPLETIONS:
         return lp is True
     return lp is not None and lp >= 0

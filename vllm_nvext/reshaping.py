@@ -1,8 +1,9 @@
 """The `send` handed to vLLM when a response is reshaped: ASGI messages in, the client's out.
 
 A stream's bytes go through `stream.StreamReshaper` as they come; a unary body is held until
-complete, reshaped by `unary.reshape_unary_body` and sent with its new length. Errors, 204/206/304
-and encoded bodies pass untouched. Used by `NvextMiddleware`; public for benchmarks.
+complete, reshaped by `unary.reshape_unary_body` and sent with its new length. A JSON error about
+a field the middleware set from an nvext field is renamed to that field (`response.rename_error`);
+other errors, 204/206/304 and encoded bodies pass untouched. Used by `NvextMiddleware`; public for benchmarks.
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from __future__ import annotations
 import logging
 from time import perf_counter_ns
 
-from . import metrics
+from . import _json, metrics
 from ._asgi import Message, Send
 from .request import Plan
-from .response import Clock
+from .response import Clock, rename_error
 from .stream import StreamReshaper
 from .unary import reshape_unary_body
 
@@ -27,7 +28,7 @@ class ReshapingSend:
 
     __slots__ = ("plan", "clock", "send", "_kind", "_start", "_parts", "_stream", "_tally", "_left")
 
-    _PASS, _UNARY, _STREAM = 0, 1, 2
+    _PASS, _UNARY, _STREAM, _ERROR = 0, 1, 2, 3
 
     def __init__(self, plan: Plan, clock: Clock, send: Send) -> None:
         self.plan = plan
@@ -66,7 +67,7 @@ class ReshapingSend:
         kind = message["type"]
         if kind == "http.response.start":
             await self._on_start(message)
-        elif kind == "http.response.body" and self._kind == self._UNARY:
+        elif kind == "http.response.body" and self._kind in (self._UNARY, self._ERROR):
             await self._on_unary_body(message)
         else:
             await self.send(message)
@@ -80,6 +81,10 @@ class ReshapingSend:
                 content_type = value.lower()
             elif name.lower() == b"content-encoding":
                 encoded = True
+        if status >= 400 and self.plan.error_params and not encoded and content_type.startswith(b"application/json"):
+            self._kind = self._ERROR
+            self._start = message
+            return  # held until the body is complete, to fix its length
         if status >= 400 or status in _PASS_STATUSES or encoded:
             self._kind = self._PASS
         elif content_type.startswith(b"text/event-stream"):
@@ -102,7 +107,10 @@ class ReshapingSend:
         t0 = perf_counter_ns()
         unchanged = 0
         try:
-            new = reshape_unary_body(body, self.plan, self.clock)
+            if self._kind == self._ERROR:
+                new = _renamed_error(body, self.plan)
+            else:
+                new = reshape_unary_body(body, self.plan, self.clock)
             if new is not None:
                 body = new
         except ValueError:
@@ -128,3 +136,8 @@ class ReshapingSend:
             events = tally.messages(left) - stream.framed + stream.framed_events
             seconds = tally.seconds(left)
             metrics.count_reshaping(self.plan.endpoint, metrics.STREAM, events, seconds, stream.unchanged)
+
+
+def _renamed_error(body: bytes, plan: Plan) -> bytes | None:
+    obj = _json.loads(body)
+    return _json.dumps(obj) if rename_error(obj, plan) else None

@@ -52,8 +52,35 @@ def detailed_finish_reason(finish_reason: str | None, stop_reason: Any) -> str |
     return str(finish_reason)
 
 
+def _reported_ids(choice: dict[str, Any]) -> list[int] | None:
+    """A copy of a choice's generated ids; None where vLLM withheld them.
+
+    vLLM writes `token_ids: null` under `return_token_ids` when it hides them on purpose
+    (`include_reasoning: false` on a server with a reasoning or tool parser): "not reported",
+    which the middleware never turns into "no tokens" (docs/protocol.md §3.4).
+    """
+    ids = choice.get("token_ids")
+    return list(ids) if isinstance(ids, list) else None
+
+
+def _put_back_echo(choice: dict[str, Any], plan: Plan) -> bool:
+    """Put the echoed prompt vLLM left out (Plan.echo_prompts) in front of the choice's text; True if done."""
+    index = choice.get("index")
+    text = choice.get("text")
+    if not isinstance(index, int) or isinstance(index, bool) or not isinstance(text, str):
+        return False
+    prompt_index = index // plan.n
+    if not 0 <= prompt_index < len(plan.echo_prompts):
+        return False
+    prompt = plan.echo_prompts[prompt_index]
+    if not isinstance(prompt, str):
+        return False  # never decoded: the middleware refused such a request before it went upstream
+    choice["text"] = prompt + text
+    return True
+
+
 def _prompt_ids(obj: dict[str, Any], choice: dict[str, Any] | None, endpoint: Endpoint) -> Any:
-    if endpoint is Endpoint.CHAT:
+    if endpoint is not Endpoint.COMPLETIONS:
         return obj.get("prompt_token_ids")
     return choice.get("prompt_token_ids") if choice is not None else None
 
@@ -69,7 +96,7 @@ def _strip_vllm_ids(obj: dict[str, Any], choices: list[Any], plan: Plan) -> bool
             if plan.endpoint is Endpoint.COMPLETIONS and not plan.echo and choice.get("prompt_token_ids") is not None:
                 choice["prompt_token_ids"] = None
                 stripped = True
-    if plan.endpoint is Endpoint.CHAT and obj.get("prompt_token_ids") is not None:
+    if plan.endpoint is not Endpoint.COMPLETIONS and obj.get("prompt_token_ids") is not None:
         obj["prompt_token_ids"] = None
         stripped = True
     return stripped
@@ -77,7 +104,7 @@ def _strip_vllm_ids(obj: dict[str, Any], choices: list[Any], plan: Plan) -> bool
 
 def _take_prompt_logprobs(obj: dict[str, Any], choice: dict[str, Any], plan: Plan) -> Any:
     """vLLM's prompt_logprobs (root in chat, per choice in completions); moved out when selected."""
-    owner = obj if plan.endpoint is Endpoint.CHAT else choice
+    owner = obj if plan.endpoint is not Endpoint.COMPLETIONS else choice
     value = owner.get("prompt_logprobs")
     if value is not None and PROMPT_LOGPROBS in plan.selectors:
         owner["prompt_logprobs"] = None
@@ -137,7 +164,7 @@ def kv_cache_hit(prompt_ids: Any, usage: Any) -> dict[str, int] | None:
 def engine_data(
     *,
     prompt_ids: Any,
-    completion_ids: list[int],
+    completion_ids: list[int] | None,
     finished: bool,
     logprobs: list[Any] | None,
     cache_hit: dict[str, int] | None = None,
@@ -157,17 +184,22 @@ def engine_data(
         data["kv_transfer_params"] = kv_transfer_params
     if routed_experts is not None:
         data["routed_experts"] = routed_experts
-    data["completion_token_ids"] = completion_ids
+    data["completion_token_ids"] = completion_ids  # None: vLLM did not report them (never `[]`)
     data["finished"] = finished
-    if logprobs and len(logprobs) == len(completion_ids) and all(isinstance(v, (int, float)) for v in logprobs):
+    aligned = completion_ids is not None and logprobs is not None and len(logprobs) == len(completion_ids)
+    if logprobs and aligned and all(isinstance(v, (int, float)) for v in logprobs):
         data["completion_logprobs"] = logprobs  # only when aligned one to one with the ids, as Dynamo
     return data
 
 
 def _take_kv(obj: dict[str, Any], plan: Plan) -> Any:
-    """vLLM's kv_transfer_params for the trio; moved out of the root unless vLLM placement is on."""
+    """vLLM's kv_transfer_params for the trio; moved out of the root unless vLLM placement is on.
+
+    A request that carried a root `kv_transfer_params` is an orchestrator's (a prefill/decode
+    handoff): vLLM's answer to it stays at the root in every mode, where the orchestrator reads it.
+    """
     kv = obj.get("kv_transfer_params")
-    if kv is not None and plan.nvext_trio and not plan.vllm_ids:
+    if kv is not None and plan.nvext_trio and not plan.vllm_ids and not plan.root_kv:
         obj["kv_transfer_params"] = None
     return kv
 
@@ -201,7 +233,7 @@ def _final_nvext(
     """
     sel = plan.selectors
     nv: dict[str, Any] = {}
-    if unary and completion_ids is not None:
+    if unary and plan.nvext_trio:
         nv["completion_token_ids"] = completion_ids
         if kv is not None:
             nv["kv_transfer_params"] = kv
@@ -217,7 +249,7 @@ def _final_nvext(
         reason = detailed_finish_reason(choice.get("finish_reason"), choice.get("stop_reason"))
         if reason is not None:
             nv["detailed_finish_reason"] = reason
-    if not unary and completion_ids is not None:
+    if not unary and plan.nvext_trio:
         nv["completion_token_ids"] = completion_ids
         if kv is not None:
             nv["kv_transfer_params"] = kv
@@ -241,7 +273,7 @@ def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
         return False
     choice = choices[-1]
     prompt_ids = _prompt_ids(obj, choice, plan.endpoint)
-    completion_ids = list(choice.get("token_ids") or ())  # a copy: never aliased with vLLM's
+    completion_ids = _reported_ids(choice)
     kv = _take_kv(obj, plan) if plan.nvext_trio else None
     prompt_logprobs = _take_prompt_logprobs(obj, choice, plan)
     routed_experts = _take_routed_experts(choice, plan)
@@ -253,7 +285,7 @@ def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
             prompt_logprobs=prompt_logprobs,
             kv_transfer_params=obj.get("kv_transfer_params") if kv is None else kv,
             routed_experts=routed_experts,
-            completion_ids=list(completion_ids),
+            completion_ids=None if completion_ids is None else list(completion_ids),
             finished=True,
             logprobs=choice_logprobs(choice) if plan.logprobs else None,
         )
@@ -271,20 +303,51 @@ def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
     )
     if plan.strip_vllm_ids:
         _strip_vllm_ids(obj, choices, plan)
+    if plan.echo_prompts:
+        for each in choices:
+            if isinstance(each, dict):
+                _put_back_echo(each, plan)
     if nv:
         obj["nvext"] = nv
     return True
 
 
+# How vLLM's message tells a field it does not name in `param`, where its name alone would not do:
+# an out-of-vocabulary id in a completions prompt (`param: null`).
+_MENTIONS = {"prompt": "Token id "}
+
+
+def rename_error(obj: Any, plan: Plan) -> bool:
+    """Make vLLM's error about a field the middleware set name the client's field instead; False if unchanged.
+
+    vLLM names the field it validated (`kv_transfer_params.prompt_token_ids` for ids sent as
+    `nvext.token_data`), or only mentions it in the message (`thinking_token_budget`). Unary
+    error bodies and the error events of a stream alike.
+    """
+    error = obj.get("error") if isinstance(obj, dict) else None
+    if not isinstance(error, dict):
+        return False
+    param, message = error.get("param"), error.get("message")
+    for vllm_field, client_field in plan.error_params:
+        mention = _MENTIONS.get(vllm_field, vllm_field)
+        if param == vllm_field or (isinstance(message, str) and mention in message):
+            error["param"] = client_field
+            if isinstance(message, str):
+                error["message"] = f"`{client_field}` (sent to vLLM as `{vllm_field}`): {message}"
+            return True
+    return False
+
+
 class _Choice:
     """One choice's stream state (engine_data only): its ids and logprobs so far."""
 
-    __slots__ = ("ids", "logprobs", "finished")
+    __slots__ = ("ids", "logprobs", "finished", "withheld")
 
     def __init__(self, ids: list[int], logprobs: list[Any] | None) -> None:
         self.ids = ids
         self.logprobs = logprobs
         self.finished = False
+        self.withheld = False  # vLLM sent `token_ids: null` on a chunk: the ids are not reported
 
 
 class ChunkReshaper:
@@ -296,7 +359,8 @@ class ChunkReshaper:
     and is not taken while `decode_every_chunk` is set.
     """
 
-    __slots__ = ("plan", "clock", "prompt_ids", "ids", "logprobs", "ttft_ms", "engine", "_choices", "pending")
+    __slots__ = ("plan", "clock", "prompt_ids", "ids", "logprobs", "ttft_ms", "engine", "_choices", "pending",
+                 "_echoed")  # fmt: skip
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
         self.plan = plan
@@ -310,11 +374,16 @@ class ChunkReshaper:
         # With plan.await_usage: the finish chunk's nvext and engine_data arguments, to be
         # completed from the usage chunk (`complete_from_usage`) before the chunk goes out.
         self.pending: tuple[dict[str, Any], dict[str, Any] | None] | None = None
+        self._echoed: set[Any] = set()  # choice indexes whose echoed prompt was put back
 
     @property
     def decode_every_chunk(self) -> bool:
         """engine_data with logprobs, or with several choices to keep apart, reads every chunk."""
         return self.engine and (self.logprobs is not None or not self.plan.single_choice)
+
+    def withhold_ids(self) -> None:
+        """The byte-level path saw `token_ids: null` on the only choice (see `_reported_ids`)."""
+        self._choices[0].withheld = True
 
     def _choice(self, index: int) -> _Choice:
         state = self._choices.get(index)
@@ -329,12 +398,18 @@ class ChunkReshaper:
         plan = self.plan
         choices = obj.get("choices")
         if not isinstance(choices, list) or not choices:
-            return False  # usage-only chunk or error event: never carries nvext (Dynamo sends neither)
+            # usage-only chunk or error event: never carries nvext (Dynamo sends neither)
+            return bool(plan.error_params) and rename_error(obj, plan)
         nv: dict[str, Any] = {}
         changed = False
         for choice in choices:
             if isinstance(choice, dict) and self._reshape_choice(obj, choice, nv):
                 changed = True
+            if plan.echo_prompts and isinstance(choice, dict) and choice.get("index") not in self._echoed:
+                # vLLM echoes the prompt in each choice's first chunk.
+                self._echoed.add(choice.get("index"))
+                if _put_back_echo(choice, plan):
+                    changed = True
         if plan.strip_vllm_ids and _strip_vllm_ids(obj, choices, plan):
             changed = True
         if nv:
@@ -347,16 +422,19 @@ class ChunkReshaper:
         if self.prompt_ids is None:
             self.prompt_ids = _prompt_ids(obj, choice, plan.endpoint)
         delta = choice.get("token_ids")
-        delta_ids = delta if isinstance(delta, list) else []
+        # No key: a chunk before any token (the role chunk); null: vLLM withheld this chunk's ids.
+        delta_ids: list[int] | None = delta if isinstance(delta, list) else None if "token_ids" in choice else []
         if delta_ids and self.ttft_ms is None:
             self.ttft_ms = self.clock.elapsed_ms()
         index = choice.get("index")
         state = self._choice(index if isinstance(index, int) and not isinstance(index, bool) else 0)
-        if self.engine:
+        if delta_ids is None:
+            state.withheld = True
+        elif self.engine:
             state.ids.extend(delta_ids)
             if state.logprobs is not None:
                 chunk_lp = choice_logprobs(choice)
-                if chunk_lp is None and delta_ids:
+                if chunk_lp is None and (delta_ids or delta_ids is None):
                     state.logprobs = None  # counts can no longer align
                 elif chunk_lp:
                     state.logprobs.extend(chunk_lp)
@@ -376,7 +454,7 @@ class ChunkReshaper:
                 "prompt_logprobs": prompt_logprobs,
                 "kv_transfer_params": obj.get("kv_transfer_params") if kv is None else kv,
                 "routed_experts": routed_experts,
-                "completion_ids": list(state.ids),
+                "completion_ids": None if state.withheld else list(state.ids),
                 "finished": True,
                 "logprobs": state.logprobs,
             }

@@ -157,9 +157,9 @@ class StreamReshaper:
     def _delta(self, event: bytes, start: int, end: int) -> bytes | None:
         """A mid-stream delta whose ids (a list, or null) sit at event[start:end]."""
         ids = event[start:end]
-        listed = ids[0] == 91  # `[`; else null
+        listed = ids[0] == 91  # `[`; else null: vLLM withheld the ids, which stay unreported
         if not listed:
-            ids = b"[]"
+            self.chunks.withhold_ids()
         elif end - start > 2:
             chunks = self.chunks
             if chunks.ttft_ms is None:
