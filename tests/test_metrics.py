@@ -232,7 +232,7 @@ async def test_a_unary_body_that_cannot_be_reshaped_is_forwarded_and_counted(mon
     def broken(*_args, **_kwargs):
         raise RuntimeError("reshaping bug")
 
-    monkeypatch.setattr("vllm_nvext.reshaping.reshape_unary_body", broken)
+    monkeypatch.setattr("vllm_nvext._asgi_response.reshape_unary_body", broken)
     rec = recording("chat_unary_ids")
     app, _ = _app(rec)
     before = scrape()

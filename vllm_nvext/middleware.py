@@ -1,9 +1,10 @@
 """The ASGI middleware: wires request and response bytes to the pure modules.
 
-Request plumbing lives in `_asgi.py`, the reshaping `send` in `reshaping.py`.
+Request plumbing lives in `_asgi_request.py`, the reshaping `send` in `_asgi_response.py`.
 
-Only `POST /v1/chat/completions` and `POST /v1/completions` are ever read; everything else,
-and every request that opts into nothing, reaches vLLM and the client byte for byte.
+Only POSTs to the routes of `protocol.ENDPOINT_PATHS` (chat, completions, the chat batch route,
+/invocations) are ever read; everything else, and every request that opts into nothing, reaches
+vLLM and the client byte for byte (docs/protocol.md §10).
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from dataclasses import replace
 from typing import Any
 
 from . import _json, _vllm_compat, metrics
-from ._asgi import ASGIApp, Message, PassThrough, Receive, Replay, Scope, Send, read_as_json, set_header
+from ._asgi_request import ASGIApp, Message, PassThrough, Receive, Replay, Scope, Send, read_as_json, set_header
+from ._asgi_response import ReshapingSend
 from ._optin import OptInScan
 from .config import MODE_HEADER, Mode, Settings
 from .protocol import ENDPOINT_PATHS, Endpoint, RequestError, error_body
 from .request import Plan, read_request
 from .request import plan as plan_request_for
-from .reshaping import ReshapingSend
 from .response import Clock
 
 _MODE_HEADER = MODE_HEADER.encode()

@@ -39,7 +39,7 @@ class Clock:
         return (time.perf_counter() - self._t0) * 1000.0
 
 
-def detailed_finish_reason(finish_reason: str | None, stop_reason: Any) -> str | None:
+def detailed_finish_reason(finish_reason: str | None) -> str | None:
     """Dynamo's finer finish reason, as Dynamo 1.6.1 reports it in front of a vLLM worker.
 
     vLLM reports an EOS token and a stop string/token alike as `stop`, and Dynamo's vLLM worker
@@ -246,7 +246,7 @@ def _final_nvext(
     if STOP_REASON in sel and choice.get("stop_reason") is not None:
         nv["stop_reason"] = choice["stop_reason"]
     if DETAILED_FINISH_REASON in sel:
-        reason = detailed_finish_reason(choice.get("finish_reason"), choice.get("stop_reason"))
+        reason = detailed_finish_reason(choice.get("finish_reason"))
         if reason is not None:
             nv["detailed_finish_reason"] = reason
     if not unary and plan.nvext_trio:

@@ -12,7 +12,7 @@ import logging
 from time import perf_counter_ns
 
 from . import _json, metrics
-from ._asgi import Message, Send
+from ._asgi_request import Message, Send
 from .request import Plan
 from .response import Clock, rename_error
 from .stream import StreamReshaper
