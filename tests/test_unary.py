@@ -119,3 +119,30 @@ def test_not_json_raises_value_error():
     plan = next(iter(_plans(rec)))
     with pytest.raises(ValueError):
         unary.reshape_unary_body(b"not json", plan, _FrozenClock())
+
+
+# Keys response.py touches that are not vLLM's body keys: inside the nvext object it writes, or
+# inside a read value (usage, error) that a cut never splits.
+_NOT_BODY_KEYS = {
+    "completion_token_ids", "engine_data", "timing", "ttft_ms", "total_time_ms", "prefill_wait_time_ms",
+    "prefill_time_ms", "kv_cache_hit", "finished", "detailed_finish_reason", "completion_logprobs",
+    "prompt_tokens_details", "prompt_tokens", "cached_tokens", "error", "param", "message",
+}  # fmt: skip
+
+
+def test_every_key_the_reshaping_reads_is_one_a_cut_never_hides():
+    import ast
+    from pathlib import Path
+
+    from vllm_nvext import response
+
+    keys = set()
+    for node in ast.walk(ast.parse(Path(response.__file__).read_text())):
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            keys.add(node.slice.value)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "get" and node.args:
+            if isinstance(node.args[0], ast.Constant):
+                keys.add(node.args[0].value)
+    body_keys = {k for k in keys if isinstance(k, str)} - _NOT_BODY_KEYS
+    guarded = {k.decode().strip('":') for k in unary.READ_KEYS}
+    assert body_keys <= guarded, f"response.py reads keys a cut could hide: {sorted(body_keys - guarded)}"

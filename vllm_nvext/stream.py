@@ -32,6 +32,12 @@ _DELTA_TAIL = re.compile(
     rb"((?:" + _NULL_KEY + rb")*\}\](?:" + _NULL_KEY + rb")*\}\n\n)\Z"
 )
 _ID_BYTES = b"0123456789,"
+# The shape vLLM writes each event in: `data: ` + one JSON object + a blank line.
+_DATA = b"data: "
+_JSON_AT = len(_DATA)  # where the chunk's JSON object starts
+_EVENT_END = b"\n\n"
+_CHUNK_END = len(b"}" + _EVENT_END)  # the chunk object's closing brace and the event's end
+_LIST = ord("[")
 _NOT_JSON = object()
 
 
@@ -41,7 +47,7 @@ def _is_plain_data_event(event: bytes) -> bool:
         event[-1:] == b"\n"
         and event.find(b"\n") == len(event) - 2
         and event.find(b"\r") < 0
-        and event.startswith(b"data: ")
+        and event.startswith(_DATA)
     )
 
 
@@ -88,7 +94,8 @@ class StreamReshaper:
             and not self._held
         ):
             # Shortcut: vLLM's usual message is exactly one event, so framing is skipped
-            # (_is_plain_data_event inlined). Same bytes as framing it:
+            # (_is_plain_data_event inlined, with _DATA and _EVENT_END as literals: no global lookups).
+            # Same bytes as framing it:
             # tests/test_stream.py::test_feeding_whole_events_equals_feeding_split_bytes.
             try:
                 new = self.reshape_event(body)
@@ -129,24 +136,24 @@ class StreamReshaper:
                 start = event.rfind(b"[", 0, end)
                 pos = start - len(self._head)
                 if (
-                    pos > 6
+                    pos > _JSON_AT
                     and event.startswith(self._head, pos)
                     and not event[start + 1 : end - 1].translate(None, _ID_BYTES)
                     and event[end - 1 : end] == b"]"
                     and event.find(_FINISH_KEY) == pos  # the only choice of this chunk
-                    and event[6:7] == b"{"
+                    and event[_JSON_AT : _JSON_AT + 1] == b"{"
                 ):
                     return self._delta(event, start, end)
             pos = event.rfind(_FINISH_KEY)
             # first == last occurrence: exactly one choice in this chunk
             m = (
                 _DELTA_TAIL.match(event, pos)
-                if pos > 0 and event.find(_FINISH_KEY) == pos and event[6:7] == b"{"
+                if pos > 0 and event.find(_FINISH_KEY) == pos and event[_JSON_AT : _JSON_AT + 1] == b"{"
                 else None
             )
             if m is not None:
                 start, end = m.span(1)
-                if event[start] == 91:  # `[`: learn the bytes around a list of ids
+                if event[start] == _LIST:  # learn the bytes around a list of ids
                     self._head = event[pos:start]
                     self._tail = m.group(2)
                 return self._delta(event, start, end)
@@ -157,7 +164,7 @@ class StreamReshaper:
     def _delta(self, event: bytes, start: int, end: int) -> bytes | None:
         """A mid-stream delta whose ids (a list, or null) sit at event[start:end]."""
         ids = event[start:end]
-        listed = ids[0] == 91  # `[`; else null: vLLM withheld the ids, which stay unreported
+        listed = ids[0] == _LIST  # else null: vLLM withheld the ids, which stay unreported
         if not listed:
             self.chunks.withhold_ids()
         elif end - start > 2:
@@ -171,16 +178,16 @@ class StreamReshaper:
             return b"".join(
                 (
                     event[:start] + b"null" if strip else event[:end],
-                    event[end:-3],
+                    event[end:-_CHUNK_END],  # up to the chunk's closing brace, where nvext goes
                     b',"nvext":{"completion_token_ids":',
                     ids,
-                    b"}}\n\n",
+                    b"}}" + _EVENT_END,
                 )
             )
         return event[:start] + b"null" + event[end:] if strip else None
 
     def _decoded_event(self, event: bytes) -> bytes:
-        return self._data_event(b"data: ", event[6:-2], b"\n\n", event)
+        return self._data_event(_DATA, event[_JSON_AT : -len(_EVENT_END)], _EVENT_END, event)
 
     def _data_event(self, before: bytes, payload: bytes, after: bytes, event: bytes) -> bytes:
         """The general path for one `data:` event whose JSON payload sits between `before` and `after`."""

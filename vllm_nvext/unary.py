@@ -23,9 +23,11 @@ from .response import Clock, reshape_unary
 _LOGPROBS = (b',"logprobs":', b',"finish_reason":')  # in each choice
 _PROMPT_LOGPROBS = (b',"prompt_logprobs":', b',"prompt_token_ids":')  # root (chat) or choice
 # Keys the reshaping reads or writes: a cut that would hide one of them is not made.
-_READ_KEYS = (
+# tests/test_unary.py::test_every_key_the_reshaping_reads_is_one_a_cut_never_hides keeps it complete.
+READ_KEYS = (
     b'"token_ids":', b'"finish_reason":', b'"stop_reason":', b'"kv_transfer_params":', b'"routed_experts":',
-    b'"choices":', b'"usage":', b'"metrics":', b'"nvext":', b'"prompt_logprobs":',
+    b'"choices":', b'"usage":', b'"metrics":', b'"nvext":', b'"prompt_logprobs":', b'"prompt_token_ids":',
+    b'"index":', b'"text":',
 )  # fmt: skip
 # A marker is a JSON string no body can hold by chance: a NUL and a fresh random tag per body.
 _MARKER = b'"\\u0000vllm-nvext-%s:'
@@ -52,7 +54,7 @@ def _cut_spans(body: bytes, plan: Plan) -> list[tuple[int, int]]:
             if end < 0:
                 break
             value = body[start:end]
-            if value != b"null" and not any(k in value for k in _READ_KEYS):
+            if value != b"null" and not any(k in value for k in READ_KEYS):
                 spans.append((start, end))
             pos = body.find(key, end)
     spans.sort()
