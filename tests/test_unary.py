@@ -140,9 +140,13 @@ def test_every_key_the_reshaping_reads_is_one_a_cut_never_hides():
     for node in ast.walk(ast.parse(Path(response.__file__).read_text())):
         if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
             keys.add(node.slice.value)
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "get" and node.args:
-            if isinstance(node.args[0], ast.Constant):
-                keys.add(node.args[0].value)
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", None) == "get"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
+            keys.add(node.args[0].value)
     body_keys = {k for k in keys if isinstance(k, str)} - _NOT_BODY_KEYS
     guarded = {k.decode().strip('":') for k in unary.READ_KEYS}
     assert body_keys <= guarded, f"response.py reads keys a cut could hide: {sorted(body_keys - guarded)}"
