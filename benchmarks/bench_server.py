@@ -31,8 +31,8 @@ from typing import Any
 
 import httpx
 
-from vllm_nvext import tiny_model
-from vllm_nvext.server import MIDDLEWARE, TINY_ARGS, VllmServer
+from vllm_nvext.tools import tiny_model
+from vllm_nvext.tools.server import MIDDLEWARE, TINY_ARGS, VllmServer
 
 from ._common import (
     Target,

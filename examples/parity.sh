@@ -24,7 +24,7 @@ fi
 if command -v vllm-nvext >/dev/null 2>&1; then
   cmd=(vllm-nvext)
 else  # not on PATH (e.g. an inactive virtualenv): use the interpreter that has the package
-  cmd=("${PYTHON:-python3}" -m vllm_nvext.cli)
+  cmd=("${PYTHON:-python3}" -m vllm_nvext.tools.cli)
 fi
 
 status=0

@@ -22,8 +22,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vllm_nvext import tiny_model  # noqa: E402
-from vllm_nvext.server import TINY_ARGS, VllmServer  # noqa: E402
+from vllm_nvext.tools import tiny_model  # noqa: E402
+from vllm_nvext.tools.server import TINY_ARGS, VllmServer  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

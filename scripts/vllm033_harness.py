@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from vllm_nvext.server import VllmServer  # noqa: E402
+from vllm_nvext.tools.server import VllmServer  # noqa: E402
 
 VLLM_VERSION = "0.33.0"
 SETUP_TARGET = "make setup-vllm033"
@@ -209,7 +209,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # config resolution on the CPU platform
     _install()
     # vLLM's CLI, through the project's own entry point (which must work on 0.33 too).
-    from vllm_nvext._vllm_cli import main as vllm_cli_main
+    from vllm_nvext.tools._vllm_cli import main as vllm_cli_main
 
     return vllm_cli_main()
 

@@ -7,7 +7,7 @@ background thread, all kinds in parallel, so that their start-up overlaps the un
 fixture waits until its server is ready. Every server started is stopped at session end.
 
 A kind is anything with `start()`, `wait_ready(timeout)`, `terminate()`, `stop()` and `url`
-(`vllm_nvext.server.VllmServer`, `tests.dynamo_reference.DynamoReference`). Adding one:
+(`vllm_nvext.tools.server.VllmServer`, `tests.dynamo_reference.DynamoReference`). Adding one:
 
     my_server = register("my", lambda: MyServer(model=tiny_model_dir(), port=listen_port()))
 """
@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import httpx
 import pytest
 
-from vllm_nvext.server import MIDDLEWARE, TINY_ARGS, VllmServer
+from vllm_nvext.tools.server import MIDDLEWARE, TINY_ARGS, VllmServer
 
 from .helpers import API_KEY, MODEL_NAME
 
@@ -151,7 +151,7 @@ _ports: set[int] = set()
 
 def tiny_model_dir() -> str:
     """The tiny model's directory, written once even when several boot threads ask at once."""
-    from vllm_nvext import tiny_model
+    from vllm_nvext.tools import tiny_model
 
     with _model_lock:
         return str(tiny_model.ensure())

@@ -5,7 +5,7 @@ its own venv, built by `make setup-dynamo` (scripts/setup_dynamo.sh) under
 "${VLLM_NVEXT_REFS:-$HOME/.cache/vllm-nvext/refs}/dynamo-1.6.1"; the worker loads the two
 import-only shims in scripts/dynamo_shims/ through PYTHONPATH. Both processes bind loopback only,
 use file discovery (no etcd, no NATS) in a private directory and are stopped by process group.
-Usage mirrors `vllm_nvext.server.VllmServer`: `start()` returns at once, `wait_ready()` blocks.
+Usage mirrors `vllm_nvext.tools.server.VllmServer`: `start()` returns at once, `wait_ready()` blocks.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_nvext.server import TINY_ARGS, free_port
+from vllm_nvext.tools.server import TINY_ARGS, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DYNAMO_VERSION = "1.6.1"

@@ -213,7 +213,7 @@ def assert_nvext_chunks(events: list[dict[str, Any]], prompt: list[int], ids: li
 
 def run_parity(*argv: str) -> tuple[int, str, str, dict[str, Any] | None]:
     """Parse argv as the CLI does, run parity; (exit status, table, progress, JSON report)."""
-    from vllm_nvext import cli, parity
+    from vllm_nvext.tools import cli, parity
 
     args = cli.build_parser().parse_args(["parity", *argv])
     out, err = io.StringIO(), io.StringIO()

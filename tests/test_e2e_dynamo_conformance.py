@@ -7,9 +7,9 @@ status; per stream, which `nvext` keys (in order) ride on which kind of chunk --
 chunk's own content (a delta, a choice's finish chunk, the usage-only chunk), never by where
 chunk boundaries fall; key order inside `nvext`, `engine_data` and `timing`; JSON types; and the
 values that must agree (all ids, prompt ids, logprobs, stop_reason, finish reasons). Every
-remaining difference must be on the allow-list in `vllm_nvext.dynamo_differences`, which is also
+remaining difference must be on the allow-list in `vllm_nvext.tools.dynamo_differences`, which is also
 the table of docs/dynamo-differences.md; a new difference fails. The case matrix and
-the comparison live in `vllm_nvext.dynamo_conformance` (`vllm-nvext parity --dynamo-url` runs them
+the comparison live in `vllm_nvext.tools.dynamo_conformance` (`vllm-nvext parity --dynamo-url` runs them
 against a user's servers).
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from vllm_nvext import dynamo_differences
-from vllm_nvext.dynamo_conformance import Answer, Case, cases, parse_answer, unexplained_differences
+from vllm_nvext.tools import dynamo_differences
+from vllm_nvext.tools.dynamo_conformance import Answer, Case, cases, parse_answer, unexplained_differences
 
 pytestmark = pytest.mark.e2e
 
@@ -61,5 +61,5 @@ def test_nvext_answer_matches_dynamo(dynamo_pair: tuple[httpx.Client, httpx.Clie
     unexplained = unexplained_differences(case, dynamo_answer, ours_answer)
     assert not unexplained, (
         f"{case.name} ({mode} mode) differs from Dynamo {dynamo_differences.DYNAMO_VERSION} in ways "
-        "vllm_nvext/dynamo_differences.py does not list:\n" + "\n".join(unexplained)
+        "vllm_nvext/tools/dynamo_differences.py does not list:\n" + "\n".join(unexplained)
     )

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from vllm_nvext import cli
 from vllm_nvext.client import extract
-from vllm_nvext.dynamo_conformance import cases
+from vllm_nvext.tools import cli
+from vllm_nvext.tools.dynamo_conformance import cases
 
 from .helpers import API_KEY, proxy, rows, run_parity
 

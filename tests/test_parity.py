@@ -18,9 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
-from vllm_nvext import Mode, NvextMiddleware, Settings, cli, parity
+from vllm_nvext import Mode, NvextMiddleware, Settings
 from vllm_nvext.client import TokenIds, extract
-from vllm_nvext.parity_checks import (
+from vllm_nvext.tools import cli, parity
+from vllm_nvext.tools.parity_checks import (
     FAIL,
     NVEXT_DIALECT,
     PASS,

@@ -43,7 +43,7 @@ def test_bad_prompts_file_is_exit_2_naming_the_line(tmp_path, content, message):
 
 def test_parity_is_wired_into_the_cli():
     result = subprocess.run(
-        [sys.executable, "-m", "vllm_nvext.cli", "parity", "--help"], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "vllm_nvext.tools.cli", "parity", "--help"], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0
     for option in ("--url", "--baseline-url", "--prompts", "--hidden-states", "--json", "--model", "--max-tokens"):

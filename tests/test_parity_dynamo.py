@@ -1,4 +1,4 @@
-"""`vllm-nvext parity --dynamo-url` and `vllm_nvext.dynamo_conformance`, without servers.
+"""`vllm-nvext parity --dynamo-url` and `vllm_nvext.tools.dynamo_conformance`, without servers.
 
 The answers here are constructed to the shape a case needs (the real comparison against a real
 Dynamo is tests/test_e2e_parity.py and tests/test_e2e_dynamo_conformance.py): an allowed
@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from vllm_nvext import cli, parity
-from vllm_nvext.dynamo_conformance import (
+from vllm_nvext.tools import cli, parity
+from vllm_nvext.tools.dynamo_conformance import (
     CHAT,
     COMPLETIONS,
     SIX,
@@ -32,7 +32,7 @@ from vllm_nvext.dynamo_conformance import (
     set_aside,
     unexplained_differences,
 )
-from vllm_nvext.parity_checks import DYNAMO_CHECK, FAIL, PASS, judge_dynamo_case, read_conformance_answer
+from vllm_nvext.tools.parity_checks import DYNAMO_CHECK, FAIL, PASS, judge_dynamo_case, read_conformance_answer
 
 IDS_CASE = Case(
     "completions-ids-unary",

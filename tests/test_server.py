@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from vllm_nvext.server import VllmServer
+from vllm_nvext.tools.server import VllmServer
 
 STAND_IN = textwrap.dedent(
     """

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._shapes import first_difference
+from ..client import TokenIds, TokenIdsError, extract, extract_stream, parse_sse
+from ..protocol import ENDPOINT_PATHS, Endpoint
 from . import dynamo_conformance
-from ._shapes import first_difference
-from .client import TokenIds, TokenIdsError, extract, extract_stream, parse_sse
-from .protocol import ENDPOINT_PATHS, Endpoint
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 VLLM_DIALECT, NVEXT_DIALECT = "vllm", "nvext"
@@ -420,7 +420,7 @@ def judge_dynamo_case(
     ours: dynamo_conformance.Answer | str,
 ) -> tuple[Row, list[str]]:
     """One conformance case: PASS when the answers agree up to the allowed differences
-    (`vllm_nvext.dynamo_differences`), else FAIL naming the first difference; also every difference.
+    (`vllm_nvext.tools.dynamo_differences`), else FAIL naming the first difference; also every difference.
 
     A side given as a string failed (the request, or reading its answer): that is the difference.
     """

@@ -53,7 +53,7 @@ class VllmServer:
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "vllm_nvext._vllm_cli", "serve", self.model,
+            sys.executable, "-m", "vllm_nvext.tools._vllm_cli", "serve", self.model,
             "--host", self.host, "--port", str(self.port), *self.args,
         ]  # fmt: skip
 

@@ -15,10 +15,10 @@ are read with `vllm_nvext.client` from whichever placement the server used, then
   (docs/protocol.md §2) with the prompt ids and hold equal tensors.
 
 With `--dynamo-url`, a Dynamo frontend is the baseline instead: each case of the conformance
-matrix (`vllm_nvext.dynamo_conformance`: chat and completions, unary and streamed, every nvext
+matrix (`vllm_nvext.tools.dynamo_conformance`: chat and completions, unary and streamed, every nvext
 selector, stop/EOS, token_data, seeded n=2, unknown keys) goes as the same bytes to Dynamo and to
 `--url` (nvext mode), and the two answers must agree up to the differences
-`vllm_nvext.dynamo_differences` allows; one row per case names the first other difference.
+`vllm_nvext.tools.dynamo_differences` allows; one row per case names the first other difference.
 
 Exit status: 0 all checks passed (skips allowed), 1 a check failed or a request failed,
 2 a usage error or an unreachable server.
@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from ..config import MODE_HEADER
 from . import dynamo_conformance
-from .config import MODE_HEADER
 from .parity_checks import (
     BUILTIN_PROMPTS,
     FAIL,
@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     baseline.add_argument(
         "--dynamo-url",
         help="a Dynamo frontend: the conformance cases go as the same bytes there and to --url (nvext mode); "
-        "the answers must agree up to vllm_nvext/dynamo_differences.py (--prompts, --hidden-states and "
+        "the answers must agree up to vllm_nvext/tools/dynamo_differences.py (--prompts, --hidden-states and "
         "--max-tokens do not apply; --api-key is sent to --url only)",
     )
     parser.add_argument(
@@ -382,7 +382,7 @@ class _Session:
 
 
 def _hidden_states_loader() -> Callable[..., Any]:
-    from . import hidden_states
+    from .. import hidden_states
 
     try:
         import safetensors  # noqa: F401

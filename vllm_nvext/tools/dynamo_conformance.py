@@ -6,7 +6,7 @@ ride on which kind of chunk -- judged by the chunk's own content (a delta, a cho
 chunk, the usage-only chunk), never by where chunk boundaries fall; key order inside `nvext`,
 `engine_data` and `timing`; JSON types; and the values that must agree (all ids, prompt ids,
 logprobs, stop_reason, finish reasons). Every remaining difference must be on the allow-list in
-`vllm_nvext.dynamo_differences` (the table of docs/dynamo-differences.md).
+`vllm_nvext.tools.dynamo_differences` (the table of docs/dynamo-differences.md).
 
 Used by the conformance tests (tests/test_e2e_dynamo_conformance.py) and by
 `vllm-nvext parity --dynamo-url`. Nothing here does I/O: callers send `Case.content()` and read
@@ -20,8 +20,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._shapes import choice_logprobs
 from . import dynamo_differences
-from ._shapes import choice_logprobs
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 SIX = ("completion_token_ids", "prompt_token_ids", "engine_data", "timing", "stop_reason", "detailed_finish_reason")

@@ -11,10 +11,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from ..config import ENV_MODE, Mode
+from ..protocol import Endpoint
 from . import parity
-from .config import ENV_MODE, Mode
 from .parity_checks import PATHS
-from .protocol import Endpoint
 from .server import MIDDLEWARE, TINY_ARGS, VllmServer
 
 DEFAULT_PORT = 8000
