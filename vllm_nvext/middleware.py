@@ -29,7 +29,7 @@ _HANDLED = "vllm_nvext.handled"
 
 
 class NvextMiddleware:
-    """Translate token ids between vLLM's placement and Dynamo's `nvext` (see README).
+    """Translate token ids between vLLM's placement and Dynamo's `nvext` (docs/protocol.md).
 
     `vllm serve --middleware vllm_nvext.NvextMiddleware` builds it with the app alone: the
     settings then come from the environment, validated here so a bad value stops start-up.
