@@ -223,7 +223,7 @@ scale_server = register(
 )
 
 
-def _hidden_states_vllm() -> VllmServer:
+def _hidden_states_vllm(kind: str = "hs", **extra_config: Any) -> VllmServer:
     """Hidden-state capture on CPU with the package's connector, behind the middleware."""
     speculative = {
         "method": "extract_hidden_states",
@@ -234,14 +234,19 @@ def _hidden_states_vllm() -> VllmServer:
         "kv_connector": "CPUHiddenStatesConnector",
         "kv_connector_module_path": "vllm_nvext.hidden_states_connector",
         "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": tempfile.mkdtemp(prefix="vllm-nvext-hs-")},
+        "kv_connector_extra_config": {
+            "shared_storage_path": tempfile.mkdtemp(prefix="vllm-nvext-hs-"),
+            **extra_config,
+        },
     }
     args = ("--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer))
-    return tiny_vllm("hs", "--middleware", MIDDLEWARE, "--api-key", API_KEY, *args)()
+    return tiny_vllm(kind, "--middleware", MIDDLEWARE, "--api-key", API_KEY, *args)()
 
 
 # VLLM_NVEXT_HS_URL (and VLLM_NVEXT_HS_API_KEY) name such a server run elsewhere, used instead.
 hs_server = register("hs", _hidden_states_vllm, url_env="VLLM_NVEXT_HS_URL")
+# The same with `allow_custom_save_path`: a client may name its file inside the storage directory.
+hs_custom_server = register("hs_custom", lambda: _hidden_states_vllm("hs_custom", allow_custom_save_path=True))
 
 
 raw033_server = register("raw033", tiny_vllm("raw033", vllm="0.33"))

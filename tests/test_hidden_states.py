@@ -220,3 +220,18 @@ def test_module_imports_without_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "load"
+
+
+def test_missing_file_says_where_the_server_tells_why(tmp_path):
+    path = str(tmp_path / "nope.safetensors")
+    with pytest.raises(HiddenStatesError, match="logged there as 'Hidden-states capture failed'"):
+        load(path)
+
+
+def test_missing_storage_directory_is_not_found_not_an_os_error(tmp_path):
+    # The directory in the path is a file (storage gone, or replaced): a clear "not found".
+    (tmp_path / "storage").write_bytes(b"not a directory")
+    path = str(tmp_path / "storage" / "a.safetensors")
+    with pytest.raises(HiddenStatesError, match="not found") as info:
+        load(path, timeout=0.5)
+    assert path in str(info.value)

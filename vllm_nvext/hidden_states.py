@@ -5,13 +5,19 @@ One safetensors file per request, named by `kv_transfer_params.hidden_states_pat
 The writer holds an exclusive flock on `<path>.lock` until the file is complete, so
 `load` takes a shared flock on it first (polling, so the wait is bounded).
 
+The package's connector (`vllm_nvext.hidden_states_connector`) names each file with
+`capture_file_name` and writes only where `path_inside` allows: a request id (vLLM takes it
+from the client's `X-Request-Id` header) never becomes a path.
+
 torch and safetensors are imported inside `load`: the package imports without them.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,13 +29,82 @@ if TYPE_CHECKING:
 
     import torch
 
-__all__ = ["HiddenStates", "HiddenStatesError", "load"]
+__all__ = [
+    "HiddenStates",
+    "HiddenStatesError",
+    "UnsafePathError",
+    "capture_file_name",
+    "load",
+    "path_inside",
+]
 
 _POLL_S = 0.02
+# A file name: the request id's first characters, sanitized, then a digest.
+PREFIX_MAX = 64
+DIGEST_HEX = 32  # 128 bits of SHA-256
+SUFFIX = ".safetensors"
+_NOT_IN_A_NAME = re.compile(r"[^A-Za-z0-9_-]+")
+# Room the writer needs next to a file: `<name>.lock`.
+_LOCK_SUFFIX = ".lock"
+_NAME_MAX = 255  # bytes in one path component (Linux, macOS)
+_PATH_MAX = 4096  # bytes in a whole path (Linux)
 
 
 class HiddenStatesError(ValueError):
     """A hidden-states file that is missing, still locked, or malformed."""
+
+
+class UnsafePathError(ValueError):
+    """A capture path that would leave the storage directory, or that no file system takes."""
+
+
+def capture_file_name(request_id: str, salt: str = "") -> str:
+    """The file name of one request's capture: `<prefix>-<digest>.safetensors`.
+
+    `prefix` is the request id's first 64 characters with each run of characters other than
+    ASCII letters, digits, `_` and `-` replaced by one `_`, and leading `-` removed (`req`
+    when nothing is left); `digest` is the first 32 hex digits of the SHA-256 of `salt` and
+    the whole id. The name is at most 109 characters, has no `/`, no `.` before its suffix
+    (never `.`, `..` or a hidden file) and no control or non-ASCII character, so it stays a
+    plain name inside whatever directory it is joined to. Distinct ids give distinct names,
+    and so does one id with distinct salts (the connector salts with a serial number, so
+    requests that share an id keep their own files).
+    """
+    prefix = _NOT_IN_A_NAME.sub("_", request_id[:PREFIX_MAX]).lstrip("-") or "req"
+    seed = salt.encode("utf-8", "surrogatepass") + b"\0" + request_id.encode("utf-8", "surrogatepass")
+    return f"{prefix}-{hashlib.sha256(seed).hexdigest()[:DIGEST_HEX]}{SUFFIX}"
+
+
+def path_inside(directory: str | os.PathLike[str], path: str | os.PathLike[str]) -> str:
+    """`path` (relative ones are taken from `directory`) if it resolves inside `directory`.
+
+    Both are resolved with `os.path.realpath` (symbolic links followed, `..` applied); the
+    result must lie strictly below the resolved directory, and each of its components, with
+    room for the writer's `.lock` companion, must fit a file system's limits. Returns the
+    path spelled under `directory` as given (made absolute, not resolved: a client on
+    another host may mount the same storage through other links). Raises
+    `UnsafePathError` otherwise, never `OSError`.
+    """
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(directory, (str, os.PathLike)):
+        raise UnsafePathError(f"a path must be a string, got {type(path).__name__}")
+    try:
+        base = os.path.abspath(directory)
+        real_base = os.path.realpath(base)
+        real = os.path.realpath(os.path.join(base, path))
+        encoded = os.fsencode(real)
+    except (ValueError, OSError) as exc:  # an embedded NUL, a name the file system cannot encode
+        raise UnsafePathError(f"not a usable path: {exc}") from None
+    inside = real != real_base and os.path.commonpath([real, real_base]) == real_base
+    if not inside:
+        raise UnsafePathError(f"{str(path)[:200]!r} is not inside the storage directory {base!r}")
+    relative = os.path.relpath(real, real_base)
+    spelled = os.path.join(base, relative)
+    if len(os.fsencode(spelled)) + len(_LOCK_SUFFIX) >= _PATH_MAX or len(encoded) + len(_LOCK_SUFFIX) >= _PATH_MAX:
+        raise UnsafePathError(f"the path is longer than the file system allows ({len(encoded)} bytes)")
+    for part in relative.split(os.sep):
+        if len(os.fsencode(part)) + len(_LOCK_SUFFIX) > _NAME_MAX:
+            raise UnsafePathError(f"a path component is longer than the file system allows: {part[:60]!r}...")
+    return spelled
 
 
 @dataclass(frozen=True)
@@ -62,7 +137,7 @@ def load(
     lock_path = path + ".lock"
     try:
         lock_fd = os.open(lock_path, os.O_RDONLY)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         lock_fd = None  # no writer lock (e.g. use_synchronization_lock off): read as is
     try:
         if lock_fd is not None:
@@ -94,7 +169,10 @@ def _read(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     if not os.path.isfile(path):
-        raise HiddenStatesError(f"hidden-states file not found: {path}")
+        raise HiddenStatesError(
+            f"hidden-states file not found: {path} (a capture the server could not write is "
+            "logged there as 'Hidden-states capture failed')"
+        )
     try:
         return load_file(path, device="cpu")
     except Exception as exc:  # SafetensorError, OSError, ...
