@@ -6,6 +6,16 @@ whose fixture some selected test uses (directly or through another fixture) star
 background thread, all kinds in parallel, so that their start-up overlaps the unit tests; the
 fixture waits until its server is ready. Every server started is stopped at session end.
 
+Any kind can use a server that is already running instead: `VLLM_NVEXT_<NAME>_URL` (the kind's
+name in upper case, e.g. `VLLM_NVEXT_MW_URL=http://127.0.0.1:8001 pytest tests/test_e2e_client.py`)
+names it, and nothing is started or stopped for that kind. Start it as the kind's factory would
+(the tiny model served as `tiny`, the same vLLM arguments, `--api-key` with tests/helpers.py's
+API_KEY); a test that reads a server's log (`log_text()`) needs the server started here.
+
+A kind that needs a reference venv names its make target (`reference="setup-dynamo"`); the tests
+that use it, and those parametrised by `vllm_version` (another vLLM than .venv's), are marked
+`reference`, which `make test-fast` leaves out.
+
 A kind is anything with `start()`, `wait_ready(timeout)`, `terminate()`, `stop()` and `url`
 (`vllm_nvext.tools.server.VllmServer`, `tests.dynamo_reference.DynamoReference`). Adding one:
 
@@ -56,6 +66,7 @@ class External:
 class _Kind:
     factory: Callable[[], Server]
     url_env: str | None = None  # when this variable is set, use the server at that URL instead
+    reference: str | None = None  # the make target of the reference venv it needs
     server: Server | None = None
     thread: threading.Thread | None = None
     error: BaseException | None = None
@@ -78,9 +89,15 @@ _lock = threading.Lock()
 _closing = False
 
 
-def register(name: str, factory: Callable[[], Server], *, url_env: str | None = None) -> Any:
-    """Register a kind of server; returns its session fixture, to be bound as `<name>_server`."""
-    _kinds[name] = _Kind(factory, url_env)
+def register(
+    name: str, factory: Callable[[], Server], *, url_env: str | None = None, reference: str | None = None
+) -> Any:
+    """Register a kind of server; returns its session fixture, to be bound as `<name>_server`.
+
+    `url_env` (default `VLLM_NVEXT_<NAME>_URL`): when set, the server at that URL is used instead.
+    `reference`: the make target of the reference venv the kind needs (its tests: marker `reference`).
+    """
+    _kinds[name] = _Kind(factory, url_env or f"VLLM_NVEXT_{name.upper()}_URL", reference)
 
     @pytest.fixture(scope="session", name=f"{name}_server")
     def fixture() -> Server | External:
@@ -119,6 +136,9 @@ def _ready(name: str) -> Server | External:
 def pytest_itemcollected(item: pytest.Item) -> None:
     if item.path.name.startswith("test_e2e_") != (item.get_closest_marker("e2e") is not None):
         raise pytest.UsageError(f"{item.nodeid}: files named test_e2e_* hold exactly the e2e-marked tests")
+    names = getattr(item, "fixturenames", ())  # every fixture the test uses, through others too
+    if "vllm_version" in names or any(f"{n}_server" in names for n, kind in _kinds.items() if kind.reference):
+        item.add_marker(pytest.mark.reference)
 
 
 @pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselection: only the servers the selected tests use
@@ -249,10 +269,16 @@ hs_server = register("hs", _hidden_states_vllm, url_env="VLLM_NVEXT_HS_URL")
 hs_custom_server = register("hs_custom", lambda: _hidden_states_vllm("hs_custom", allow_custom_save_path=True))
 
 
-raw033_server = register("raw033", tiny_vllm("raw033", vllm="0.33"))
-mw033_server = register("mw033", tiny_vllm("mw033", "--middleware", MIDDLEWARE, "--api-key", API_KEY, vllm="0.33"))
+raw033_server = register("raw033", tiny_vllm("raw033", vllm="0.33"), reference="setup-vllm033")
+mw033_server = register(
+    "mw033",
+    tiny_vllm("mw033", "--middleware", MIDDLEWARE, "--api-key", API_KEY, vllm="0.33"),
+    reference="setup-vllm033",
+)
 plugin033_server = register(
-    "plugin033", tiny_vllm("plugin033", "--api-key", API_KEY, env={"VLLM_PLUGINS": "nvext"}, vllm="0.33")
+    "plugin033",
+    tiny_vllm("plugin033", "--api-key", API_KEY, env={"VLLM_PLUGINS": "nvext"}, vllm="0.33"),
+    reference="setup-vllm033",
 )
 
 
@@ -264,7 +290,7 @@ def _dynamo_reference() -> Server:
     return DynamoReference(model=tiny_model_dir(), port=listen_port())
 
 
-dynamo_server = register("dynamo", _dynamo_reference)
+dynamo_server = register("dynamo", _dynamo_reference, reference="setup-dynamo")
 # vllm-nvext as compared with Dynamo: vLLM reports cached prompt tokens and per-request metrics.
 nvext_dynamo_server = register(
     "nvext_dynamo",

@@ -34,7 +34,7 @@ from .test_e2e_translation import (  # noqa: F401 - collected again, on the 0.33
     test_upstream_400_passes_through_unchanged,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.reference]  # the tests without a server use 0.33's venv too
 
 KV_REQUEST = {"kv_transfer_params": {"do_remote_decode": True}}
 
