@@ -13,7 +13,9 @@ comparison (the tests, a migration check) can set exactly those keys aside and c
   stop_string: a `stop` string is set (bool);  batch: a completions batch (bool);
   usage_reports: a one-choice stream with `stream_options.include_usage` (vLLM's usage chunk
   follows the finish chunk, which waits for it) (bool);
-  root: the body has all of these root keys.
+  root: the body has all of these root keys;
+  other_route: the difference is about routes other than chat and completions, whose bodies are
+  the ones compared here (so it never holds for one of them) (bool).
 `dynamo_only` / `nvext_only`: `nvext` key paths (dotted, e.g. `engine_data.kv_cache_hit`) that
 only that side writes under those conditions. `aspects`: other compared aspects that may differ
 (`status`, `error_shape`).
@@ -54,6 +56,7 @@ class Difference:
             "stop_string": bool(body.get("stop")),
             "batch": batch,
             "usage_reports": bool(body.get("stream")) and include_usage and not several,
+            "other_route": False,
         }
         for key, want in self.when.items():
             if key == "selectors":
@@ -165,6 +168,46 @@ DIFFERENCES: tuple[Difference, ...] = (
             "Dynamo 1.6.1's frontend drops `temperature`/`top_p` for it, so its vLLM worker samples "
             "at temperature 1.0: an accident, not its contract"
         ),
+    ),
+    Difference(
+        id="include-reasoning",
+        what=(
+            "`include_reasoning` is accepted; where vLLM then withholds the ids (a server with a reasoning "
+            "or tool parser), `completion_token_ids` and `engine_data.completion_token_ids` are `null`"
+        ),
+        contract="vLLM",
+        reason=(
+            "Dynamo 1.6.1 refuses `include_reasoning` (400), as it refuses every root field it does not "
+            "know; vLLM hides the ids so that they cannot leak the hidden reasoning, and `null` says "
+            "\"not reported\" where `[]` would claim no tokens"
+        ),
+        when={"root": ["include_reasoning"]},
+        aspects=("status",),
+    ),
+    Difference(
+        id="echo",
+        what="Completions `echo` returns the prompt in front of `text`; chat `echo` is served",
+        contract="vLLM",
+        reason=(
+            "Dynamo 1.6.1 ignores completions `echo` (no prompt in `text`) and refuses chat `echo` (400); "
+            "the server is vLLM, whose clients rely on its echo"
+        ),
+        when={"root": ["echo"]},
+        aspects=("status",),
+    ),
+    Difference(
+        id="routes",
+        what=(
+            "`nvext` is answered on vLLM's `/v1/chat/completions/batch` and `/invocations` too, and left "
+            "to vLLM (which ignores it) on `/v1/responses` and `/v1/messages`"
+        ),
+        contract="vllm-nvext",
+        reason=(
+            "Dynamo 1.6.1 has no batch or SageMaker route (404); on its Responses and Anthropic routes it "
+            "reads `nvext` request fields and answers a few selectors, which vLLM's own routes there "
+            "would need a translation of their own (docs/protocol.md §10)"
+        ),
+        when={"other_route": True},
     ),
     Difference(
         id="error-envelope",
