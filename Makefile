@@ -39,6 +39,20 @@ lint: setup
 	$(VENV)/bin/ruff check vllm_nvext tests benchmarks examples scripts
 	$(VENV)/bin/mypy vllm_nvext
 
+# What a contributor runs first: the unit tests and the e2e tests on .venv's vLLM, none of the
+# reference venvs (tests marked `reference`: vLLM 0.33, Dynamo) nor the groups run on their own.
+.PHONY: test-fast format-check typecheck
+test-fast: setup
+	$(VENV)/bin/python -m pytest -m "not reference and not e2e_versions and not e2e_scaleout and not e2e_parser" $(PYTEST_ARGS)
+
+# The checks that join `make lint` once every file passes them.
+format-check: setup
+	$(VENV)/bin/ruff format --check vllm_nvext tests benchmarks examples scripts
+
+typecheck: setup
+	$(VENV)/bin/mypy --strict vllm_nvext
+	$(VENV)/bin/mypy tests benchmarks
+
 bench: setup
 	$(VENV)/bin/python -m benchmarks.run_all
 
