@@ -179,7 +179,7 @@ DIFFERENCES: tuple[Difference, ...] = (
         reason=(
             "Dynamo 1.6.1 refuses `include_reasoning` (400), as it refuses every root field it does not "
             "know; vLLM hides the ids so that they cannot leak the hidden reasoning, and `null` says "
-            "\"not reported\" where `[]` would claim no tokens"
+            '"not reported" where `[]` would claim no tokens'
         ),
         when={"root": ["include_reasoning"]},
         aspects=("status",),
