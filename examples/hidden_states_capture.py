@@ -103,7 +103,12 @@ def main() -> int:
                 print(f"request {number} ({path}): FAIL {exc}")
                 failures += 1
                 continue
-            if not (ids.kv_transfer_params or {}).get("hidden_states_path"):
+            params = ids.kv_transfer_params or {}
+            if params.get("hidden_states_error"):  # the connector refused this capture; the server is fine
+                print(f"request {number} ({path}): FAIL {params['hidden_states_error']}")
+                failures += 1
+                continue
+            if not params.get("hidden_states_path"):
                 print(NO_CONNECTOR.format(url=url), file=sys.stderr)
                 return 2
             print(f"request {number} ({path}): {len(ids.prompt_token_ids or ())} prompt ids")

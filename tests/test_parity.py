@@ -344,6 +344,11 @@ def test_hidden_states_problems_fail_clearly():
     assert (rows[1].status, rows[1].detail) == (FAIL, "shapes [5, 2, 4] != [5, 3, 4]")
     rows, report = judge_hidden_states(case, None, _hidden_ids("a"), load, 0.0)
     assert [r.status for r in rows] == [SKIP] and report is None
+    refused = dataclasses.replace(
+        _hidden_ids(None), kv_transfer_params={"hidden_states_error": "no hidden states captured: outside"}
+    )
+    rows, _ = judge_hidden_states(case, refused, _hidden_ids("a"), load, 0.0)
+    assert "vllm: no hidden states captured: outside" in rows[0].detail, "the connector's own reason is shown"
 
 
 # --- prompts and the table ---------------------------------------------------------------------

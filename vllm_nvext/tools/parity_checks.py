@@ -372,10 +372,14 @@ def judge_hidden_states(
     for name, ids in ((VLLM_DIALECT, vllm_ids), (NVEXT_DIALECT, nvext_ids)):
         if ids is None:
             continue
-        path = (ids.kv_transfer_params or {}).get("hidden_states_path")
+        params = ids.kv_transfer_params or {}
+        path = params.get("hidden_states_path")
         if not path:
+            error = params.get("hidden_states_error")  # the connector refused this request's capture
             problems.append(
-                f"{name}: no kv_transfer_params.hidden_states_path (is a hidden-states connector configured?)"
+                f"{name}: {error}"
+                if error
+                else f"{name}: no kv_transfer_params.hidden_states_path (is a hidden-states connector configured?)"
             )
             continue
         try:
