@@ -1,5 +1,5 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
-.PHONY: setup setup-vllm033 setup-dynamo serve test test-unit test-e2e lint bench fixtures fixtures-vllm033
+.PHONY: setup setup-vllm033 setup-dynamo serve test test-unit test-e2e test-e2e-scaleout setup-router lint bench fixtures fixtures-vllm033
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -34,6 +34,16 @@ test-unit: setup
 
 test-e2e: setup setup-vllm033 setup-dynamo
 	$(VENV)/bin/python -m pytest -m e2e $(PYTEST_ARGS)
+
+# vllm-router's reference venv, outside the repo (~130 MB; ~1 min on a new machine, reused after).
+setup-router:
+	bash scripts/setup_router.sh >/dev/null
+
+# Behind vllm-router, then through prefill/decode: two pytest runs of their own (two servers each,
+# never beside the main e2e group's).
+test-e2e-scaleout: setup setup-router
+	$(VENV)/bin/python -m pytest -m e2e_scaleout tests/test_e2e_router.py $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m e2e_scaleout tests/test_e2e_pd.py $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check vllm_nvext tests benchmarks examples scripts

@@ -300,6 +300,81 @@ nvext_dynamo_server = register(
 )
 
 
+# --- scale-out: vllm-router and prefill/decode (tests/scaleout.py) ------------------------------
+# Their own pytest runs (`make test-e2e-scaleout`, marker e2e_scaleout), never beside the other
+# servers: the router tests use mw + plugin behind two routers, the PD tests a prefill + a decode.
+
+
+def _router(name: str, *args: str, workers: Callable[[], list[str]], env: dict[str, str] | None = None) -> Any:
+    def factory() -> Server:
+        from .scaleout import Router
+
+        ports = {"port": listen_port(), "prometheus_port": listen_port()}
+        return Router(args=(*args, *workers()), **ports, env=env or {}, name=name)
+
+    return factory
+
+
+def _urls(*names: str) -> list[str]:
+    return [_ready(name).url for name in names]  # the router starts once its workers are ready
+
+
+router_rr_server = register(
+    "router_rr",
+    _router("router-rr", "--policy", "round_robin", "--worker-urls", workers=lambda: _urls("mw", "plugin")),
+    reference="setup-router",
+)
+router_ca_server = register(
+    "router_ca",
+    _router("router-ca", "--policy", "cache_aware", "--worker-urls", workers=lambda: _urls("mw", "plugin")),
+    reference="setup-router",
+)
+
+_pd_storage: list[str] = []
+
+
+def _pd_server(name: str, *args: str, env: dict[str, str] | None = None) -> Callable[[], Server]:
+    """A PD server: the package's CPU KV connector over a folder shared by the prefill and the decode."""
+
+    def factory() -> Server:
+        from .scaleout import pd_transfer_config
+
+        with _model_lock:
+            if not _pd_storage:
+                _pd_storage.append(tempfile.mkdtemp(prefix="vllm-nvext-pd-"))
+        transfer = pd_transfer_config(_pd_storage[0])
+        return tiny_vllm(name, "--api-key", API_KEY, "--kv-transfer-config", transfer, *args, env=env)()
+
+    return factory
+
+
+# The prefill server mounts the middleware; the decode server the plugin, and computes every prompt
+# token itself unless the connector loads it (no local prefix cache), so vLLM's count of prompt
+# tokens from `external_kv_transfer` shows each handoff.
+pd_prefill_server = register(
+    "pd_prefill", _pd_server("pd-prefill", "--middleware", MIDDLEWARE, "--enable-prompt-tokens-details")
+)
+pd_decode_server = register(
+    "pd_decode",
+    _pd_server(
+        "pd-decode", "--no-enable-prefix-caching", "--enable-prompt-tokens-details", env={"VLLM_PLUGINS": "nvext"}
+    ),
+)
+# vllm-router's PD mode sends its own `Authorization: Bearer $OPENAI_API_KEY` to both servers.
+pd_router_server = register(
+    "pd_router",
+    _router(
+        "router-pd",
+        "--vllm-pd-disaggregation",
+        "--policy",
+        "round_robin",
+        workers=lambda: ["--prefill", *_urls("pd_prefill"), "--decode", *_urls("pd_decode")],
+        env={"OPENAI_API_KEY": API_KEY},
+    ),
+    reference="setup-router",
+)
+
+
 # --- clients ------------------------------------------------------------------------------------
 
 
