@@ -30,8 +30,8 @@ import orjson
 from vllm_nvext import NvextMiddleware
 from vllm_nvext._asgi_response import ReshapingSend
 from vllm_nvext.config import Mode
+from vllm_nvext.nvext_values import Clock
 from vllm_nvext.request import Plan, plan_request
-from vllm_nvext.response import Clock
 from vllm_nvext.sse import data_payload
 from vllm_nvext.stream import StreamReshaper
 

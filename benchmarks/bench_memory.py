@@ -103,8 +103,8 @@ class _CountingSink:
 def _stream_scenario(mode: str, n_events: int, split: bool) -> Callable[[], dict[str, Any]]:
     from vllm_nvext._asgi_response import ReshapingSend
     from vllm_nvext.config import Mode
+    from vllm_nvext.nvext_values import Clock
     from vllm_nvext.request import plan_request
-    from vllm_nvext.response import Clock
 
     case = load_case(STREAM_FIXTURE)
     iterate, largest = _event_source(n_events)

@@ -14,9 +14,10 @@ import re
 import pytest
 
 from vllm_nvext import Mode
+from vllm_nvext.nvext_values import Clock
 from vllm_nvext.protocol import Endpoint, RequestError
 from vllm_nvext.request import plan_request
-from vllm_nvext.response import Clock, rename_error, reshape_unary
+from vllm_nvext.response import rename_error, reshape_unary
 from vllm_nvext.stream import StreamReshaper
 
 from .recorded import recording

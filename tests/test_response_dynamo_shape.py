@@ -7,9 +7,10 @@ import json
 import pytest
 
 from vllm_nvext.config import Mode
+from vllm_nvext.nvext_values import Clock, detailed_finish_reason, kv_cache_hit, timing
 from vllm_nvext.protocol import Endpoint
 from vllm_nvext.request import plan_request
-from vllm_nvext.response import ChunkReshaper, Clock, detailed_finish_reason, kv_cache_hit, reshape_unary, timing
+from vllm_nvext.response import ChunkReshaper, reshape_unary
 
 SIX = ["completion_token_ids", "prompt_token_ids", "engine_data", "timing", "stop_reason", "detailed_finish_reason"]
 

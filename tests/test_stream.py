@@ -8,8 +8,8 @@ import pytest
 
 from vllm_nvext import Mode
 from vllm_nvext import stream as stream_module
+from vllm_nvext.nvext_values import Clock
 from vllm_nvext.request import plan_request
-from vllm_nvext.response import Clock
 from vllm_nvext.stream import StreamReshaper
 
 from .recorded import recordings

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from vllm_nvext import Mode
 from vllm_nvext import stream as stream_module
+from vllm_nvext.nvext_values import Clock
 from vllm_nvext.protocol import RequestError
 from vllm_nvext.request import plan_request
-from vllm_nvext.response import Clock
 from vllm_nvext.stream import StreamReshaper
 
 from .recorded import VLLM_VERSIONS, Recording, recordings

@@ -9,9 +9,10 @@ import pytest
 
 from vllm_nvext import _json, unary
 from vllm_nvext.config import Mode
+from vllm_nvext.nvext_values import Clock
 from vllm_nvext.protocol import RequestError
 from vllm_nvext.request import plan_request
-from vllm_nvext.response import Clock, reshape_unary
+from vllm_nvext.response import reshape_unary
 
 from .recorded import recordings
 

@@ -13,8 +13,9 @@ from time import perf_counter_ns
 
 from . import _json, metrics
 from ._asgi_request import Message, Send
+from .nvext_values import Clock
 from .request import Plan
-from .response import Clock, rename_error
+from .response import rename_error
 from .stream import StreamReshaper
 from .unary import reshape_unary_body
 

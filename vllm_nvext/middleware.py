@@ -18,10 +18,10 @@ from ._asgi_request import ASGIApp, Message, PassThrough, Receive, Replay, Scope
 from ._asgi_response import ReshapingSend
 from ._optin import OptInScan
 from .config import MODE_HEADER, Mode, Settings
+from .nvext_values import Clock
 from .protocol import ENDPOINT_PATHS, Endpoint, RequestError, error_body
 from .request import Plan, read_request
 from .request import plan as plan_request_for
-from .response import Clock
 
 _MODE_HEADER = MODE_HEADER.encode()
 # Set on the scope by the first instance, so a second mount (plugin and --middleware) is inert.

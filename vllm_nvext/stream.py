@@ -13,8 +13,9 @@ import re
 from typing import Any
 
 from . import _json
+from .nvext_values import Clock
 from .request import Plan
-from .response import ChunkReshaper, Clock
+from .response import ChunkReshaper
 from .sse import EventFramer, data_payload
 
 logger = logging.getLogger("vllm_nvext")

@@ -14,9 +14,10 @@ import re
 import secrets
 
 from . import _json
+from .nvext_values import Clock
 from .protocol import ENGINE_DATA, PROMPT_LOGPROBS
 from .request import Plan
-from .response import Clock, reshape_unary
+from .response import reshape_unary
 
 # A key vLLM writes right after the value that is cut, for each value that may be cut.
 # A `,"key":` byte run is always a real key: inside a JSON string every quote is escaped.
