@@ -76,7 +76,8 @@ typecheck: setup
 	$(VENV)/bin/mypy --strict vllm_nvext
 	$(VENV)/bin/mypy tests benchmarks
 
-bench: setup
+# bench_serving runs vLLM 0.33's own serving app (its reference venv); the other benchmarks run in .venv.
+bench: setup setup-vllm033
 	$(VENV)/bin/python -m benchmarks.run_all
 
 fixtures: setup

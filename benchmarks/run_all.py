@@ -2,7 +2,7 @@
 
     python -m benchmarks.run_all                    # all of them (make bench), a few minutes on 2 cores
     python -m benchmarks.run_all --quick            # smaller sizes, fewer rounds
-    python -m benchmarks.run_all --only events      # one of: events, layouts, asgi, memory, server (repeatable)
+    python -m benchmarks.run_all --only events      # one of: serving, events, layouts, metrics, asgi, memory, server
     python -m benchmarks.run_all --skip server      # everything but the real-server benchmark
 
 A missed target is reported, never turned into a failing exit status: these are measurements.
@@ -15,11 +15,13 @@ import time
 import traceback
 from collections.abc import Callable
 
-from . import bench_asgi, bench_events, bench_layouts, bench_memory, bench_metrics, bench_server
+from . import bench_asgi, bench_events, bench_layouts, bench_memory, bench_metrics, bench_server, bench_serving
 from ._common import Target, machine_description, print_targets
 
 # The server benchmark last: it is the longest and the only one that needs free memory.
 BENCHMARKS: dict[str, tuple[Callable[..., list[Target]], list[str]]] = {
+    # What users pay: the middleware's share of vLLM 0.33's own serving CPU (runs in the 0.33 venv).
+    "serving": (bench_serving.run, list(bench_serving.TARGETS)),
     "events": (bench_events.run, [bench_events.TARGET_PASS_THROUGH, bench_events.TARGET_RESHAPE]),
     # vLLM 0.32 and 0.33 layouts side by side: whole recorded streams through NvextMiddleware.
     "layouts": (bench_layouts.run, [bench_layouts.TARGET_LAYOUTS]),
@@ -30,6 +32,7 @@ BENCHMARKS: dict[str, tuple[Callable[..., list[Target]], list[str]]] = {
 }
 # The order issue 5 lists its targets in.
 TARGET_ORDER = [
+    *bench_serving.TARGETS,
     bench_events.TARGET_PASS_THROUGH,
     bench_events.TARGET_RESHAPE,
     bench_layouts.TARGET_LAYOUTS,
