@@ -392,6 +392,10 @@ nvext_dynamo_server = register(
         "nvext-dynamo", "--middleware", MIDDLEWARE, "--enable-prompt-tokens-details", "--enable-per-request-metrics"
     ),
 )
+# A reasoning and a tool parser, with which vLLM withholds ids under `include_reasoning: false`
+# (tests/test_e2e_edges.py, marker `e2e_parser`: a pytest run of its own, never beside the others).
+PARSERS = ("--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+parser_server = register("parser", tiny_vllm("parser", "--middleware", MIDDLEWARE, *PARSERS))
 
 
 # --- scale-out: vllm-router and prefill/decode (tests/scaleout.py) ------------------------------

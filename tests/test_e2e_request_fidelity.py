@@ -112,11 +112,12 @@ def test_float_token_ids_are_one_prompt(translated, raw):
 
 
 def test_echo_is_never_answered_without_its_text(translated, raw):
-    # vLLM leaves the echoed prompt out of `text` whenever return_token_ids is on: a request whose
-    # ids only the middleware turns on is refused, naming echo, instead of losing the text.
+    # vLLM leaves the echoed prompt out of `text` whenever return_token_ids is on: for a request
+    # whose ids only the middleware turns on, the middleware puts it back (tests/test_e2e_edges.py).
     body = {**PLAIN, "echo": True, "nvext": NVEXT_IDS}
     resp = translated.post(COMPLETIONS, json=body)
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
+    stock_text = raw.post(COMPLETIONS, json={**PLAIN, "echo": True}).json()["choices"][0]["text"]
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == stock_text
     # The client's own return_token_ids with echo: stock vLLM's answer, prompt ids only where asked.
     own = {**PLAIN, "echo": True, "return_token_ids": True}
     got = translated.post(COMPLETIONS, json=own, headers={"x-nvext-mode": "vllm"})

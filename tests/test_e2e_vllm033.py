@@ -67,7 +67,7 @@ def _finish(events: list[dict]) -> dict:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS], ids=["chat", "completions"])
-def test_kv_transfer_params_move_into_nvext_in_nvext_placement(translated, raw, path, stream):
+def test_kv_transfer_params_reach_nvext_and_stay_at_the_root_for_an_orchestrator(translated, raw, path, stream):
     expected = post(raw, path, _kv_body(path, stream, {"return_token_ids": True}))
     kv = (_finish(expected) if stream else expected)["kv_transfer_params"]
     assert kv and kv["hidden_states_path"], "vLLM 0.33 sends the connector's payload"
@@ -80,7 +80,10 @@ def test_kv_transfer_params_move_into_nvext_in_nvext_placement(translated, raw, 
     events = got if stream else [got]
     carrier = _finish(events) if stream else got
     assert carrier["nvext"]["kv_transfer_params"] == kv, "nvext carries vLLM's kv_transfer_params"
-    assert all(e.get("kv_transfer_params") is None for e in events), "and it is no longer at the root"
+    # The request carried its own root kv_transfer_params (a prefill/decode orchestrator's): the
+    # orchestrator reads vLLM's answer at the root, in every mode (docs/protocol.md §6).
+    assert carrier["kv_transfer_params"] == kv, "an orchestrator's handoff stays at the root"
+    assert all(e.get("kv_transfer_params") is None for e in events if e is not carrier), "on the finish chunk only"
     if stream:
         later = [e for e in events if e is not carrier and "nvext" in e]
         assert all("kv_transfer_params" not in e["nvext"] for e in later), "on the finish chunk only"

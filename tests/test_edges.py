@@ -157,3 +157,56 @@ def test_invocations_is_read_as_the_route_vllm_serves_it_on():
     chat = _plan({"messages": [{"role": "user", "content": "a"}], "return_token_ids": True}, Endpoint.INVOCATIONS)
     completions = _plan({"prompt": "a", "return_token_ids": True}, Endpoint.INVOCATIONS)
     assert chat.endpoint is Endpoint.CHAT and completions.endpoint is Endpoint.COMPLETIONS
+
+
+class _VllmWithDetokenize:
+    """Stands in for vLLM: `/detokenize` decodes ids as `chr`, completions answer `gen` with ids on."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.detokenized: list[tuple[str, list[tuple[bytes, bytes]], dict]] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        data = json.loads(body)
+        if scope["path"].endswith("/detokenize"):
+            self.detokenized.append((scope["path"], list(scope["headers"]), data))
+            status, answer = (400, {"error": {"message": "Token id 99999 is out of vocabulary"}}) if self.refuse else (
+                200, {"prompt": "".join(chr(t) for t in data["tokens"])})  # fmt: skip
+        else:
+            status = 200
+            answer = {"choices": [{"index": 0, "text": "gen", "token_ids": [1, 2], "prompt_token_ids": data["prompt"]}]}
+        out = json.dumps(answer).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": out, "more_body": False})
+
+
+async def test_echo_of_an_id_prompt_is_decoded_by_vllms_own_detokenize():
+    from vllm_nvext import NvextMiddleware, Settings
+
+    from .asgi import call
+
+    vllm = _VllmWithDetokenize()
+    app = NvextMiddleware(vllm, settings=Settings())
+    body = json.dumps(
+        {"model": "tiny", "prompt": [72, 105], "echo": True, "nvext": {"extra_fields": ["completion_token_ids"]}}
+    )
+    headers = ((b"content-type", b"application/json"), (b"authorization", b"Bearer k"))
+    result = await call(app, "/api/v1/completions", body.encode(), headers=headers, root_path="/api")
+    assert result.status == 200
+    answer = json.loads(result.body)
+    assert answer["choices"][0]["text"] == "Higen", "the decoded prompt, then the completion"
+    assert answer["nvext"]["completion_token_ids"] == [1, 2]
+    path, sent_headers, sent = vllm.detokenized[0]
+    assert path == "/api/detokenize" and sent == {"model": "tiny", "tokens": [72, 105]}
+    assert (b"authorization", b"Bearer k") in sent_headers, "with the client's credentials"
+
+    refusing = NvextMiddleware(_VllmWithDetokenize(refuse=True), settings=Settings())
+    result = await call(refusing, "/v1/completions", body.encode())
+    assert result.status == 400 and b"out of vocabulary" in result.body, "vLLM's own answer about the ids"

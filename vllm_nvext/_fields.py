@@ -41,7 +41,7 @@ def replica_model(endpoint: Endpoint) -> Any:
 
         return_token_ids: bool | None = None
         n: int = 1
-        prompt: token_ids | list[token_ids] | str | list[str] | None = None  # type: ignore[valid-type]
+        prompt: token_ids | list[token_ids] | str | list[str] | None = None
         prompt_embeds: bytes | list[bytes] | None = None
         echo: bool | None = False
         logprobs: int | None = None

@@ -145,6 +145,10 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
         reason = self._refused.pop(request.request_id, None)
         if reason is not None:
             return False, {ERROR_KEY: reason}
+        if request.request_id not in self._request_filenames:
+            # Never scheduled (cancelled while waiting): nothing was captured. vLLM 0.30's
+            # upstream pops the name without a default and would raise in the scheduler.
+            return False, None
         return super().request_finished(request, block_ids)
 
     def request_finished_all_groups(
