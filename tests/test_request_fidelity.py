@@ -273,6 +273,7 @@ def test_splice_keeps_every_other_member_exactly(obj, drop, indent):
     text = " " + json.dumps(obj, indent=indent, ensure_ascii=False) + "\n"
     members, end = nvjson.object_members(text, 1)
     assert [m.key for m in members] == list(obj) and end == len(text) - 1
+    assert all(json.loads(text[m.value_start : m.end]) == obj[m.key] for m in members), "each value ends where it does"
     out = nvjson.splice_object(text, 1, frozenset(drop), [("added", "true")])
     expected = {k: v for k, v in obj.items() if k not in drop and k != "added"}
     expected["added"] = True

@@ -66,10 +66,25 @@ class PassThrough:
         return message
 
 
+# Content-Type value -> read_as_json, for the values seen: a client's header repeats, and parsing
+# it costs more than the rest of an opt-out request. Bounded, so made-up values cannot grow it.
+_JSON_TYPES: dict[bytes, bool] = {}
+_JSON_TYPES_MAX = 256
+
+
 def read_as_json(content_type: bytes | None) -> bool:
     """Whether vLLM's FastAPI route parses the body as JSON (its own rule, on the first header)."""
     if content_type is None:
         return _vllm_compat.untyped_body_is_json()
+    known = _JSON_TYPES.get(content_type)
+    if known is None:
+        known = _parse_json_type(content_type)
+        if len(_JSON_TYPES) < _JSON_TYPES_MAX:
+            _JSON_TYPES[content_type] = known
+    return known
+
+
+def _parse_json_type(content_type: bytes) -> bool:
     message = email.message.Message()
     message["content-type"] = content_type.decode("latin-1")
     if message.get_content_maintype() != "application":

@@ -7,7 +7,9 @@ decoded and encoded with the standard library instead, which keeps them exact.
 from __future__ import annotations
 
 import json
+import json.scanner
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +85,11 @@ _TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
 _SCALAR = re.compile(r"[^,:\]}\s]+")
 
 
+# The scanner json.loads itself uses (C), for the end of a nested value; NaN and Infinity as vLLM reads them.
+# (typeshed types make_scanner's argument as its own class; CPython takes the decoder whose settings it reads)
+_SCAN_ONCE: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(json.decoder.JSONDecoder())  # type: ignore[arg-type]
+
+
 def _value_end(text: str, i: int) -> int:
     """End of the valid JSON value starting at `i` (no recursion, so any depth)."""
     first = text[i]
@@ -97,6 +104,10 @@ def _value_end(text: str, i: int) -> int:
     close = text.find("]" if first == "[" else "}", i + 1)
     if close > 0 and not any(c in text[i + 1 : close] for c in '"[{'):
         return close + 1  # flat: numbers and literals only (a list of ids), found at C speed
+    try:
+        return int(_SCAN_ONCE(text, i)[1])  # nested: json's own C scanner finds its end
+    except (RecursionError, StopIteration, ValueError):
+        pass  # deeper than the C scanner goes: walk the tokens
     depth = 0
     for match in _TOKEN.finditer(text, i):
         token = match.group()
