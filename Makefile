@@ -34,14 +34,17 @@ setup-dynamo: setup
 serve: setup
 	$(VENV)/bin/vllm-nvext serve $(ARGS)
 
-# Unit tests first (with the coverage gate), then the e2e tests on real servers.
-test: test-unit test-e2e test-e2e-versions
+# Unit tests first (with the coverage gate), then the e2e tests on real servers, in groups whose
+# servers never run beside another group's (each group is a pytest run of its own).
+test: test-unit test-e2e test-e2e-scaleout test-e2e-versions
 
 test-unit: setup
 	$(VENV)/bin/python -m pytest -m "not e2e" --cov=vllm_nvext --cov-fail-under=$(COVERAGE_MIN) $(PYTEST_ARGS)
 
+# The main group (vLLM 0.32 servers, the 0.33 serving layer, the real Dynamo), then the parser server.
 test-e2e: setup setup-vllm033 setup-dynamo
-	$(VENV)/bin/python -m pytest -m "e2e and not e2e_versions" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "e2e and not e2e_versions and not e2e_scaleout and not e2e_parser" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m e2e_parser $(PYTEST_ARGS)
 
 # vLLM 0.30 and 0.31 on their real engines, in a pytest run of their own (their servers never run
 # beside the main e2e group's), one version at a time.
