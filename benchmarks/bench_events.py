@@ -22,7 +22,8 @@ from __future__ import annotations
 import argparse
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, MutableMapping
+from functools import partial
 from typing import Any
 
 import orjson
@@ -71,7 +72,7 @@ class _Samples:
         self.events = 0
 
 
-async def _noop_send(message: dict[str, Any]) -> None:
+async def _noop_send(message: MutableMapping[str, Any]) -> None:
     return None
 
 
@@ -166,8 +167,8 @@ def bench_reshaping(case: Case, samples: int, overhead: float) -> tuple[list[lis
         (plain, lambda: _plain_send_pass(messages, sampled, plain)),
     ]
     for mode, plan in reshaping.items():
-        jobs.append((core[mode], lambda p=plan, s=core[mode]: _reshape_pass(p, events, sampled, s)))
-        jobs.append((path[mode], lambda p=plan, s=path[mode]: _send_path_pass(p, messages, sampled, s)))
+        jobs.append((core[mode], partial(_reshape_pass, plan, events, sampled, core[mode])))
+        jobs.append((path[mode], partial(_send_path_pass, plan, messages, sampled, path[mode])))
 
     passes = max(20, samples // max(n_json, 1))
     gc.collect()
@@ -185,9 +186,8 @@ def bench_reshaping(case: Case, samples: int, overhead: float) -> tuple[list[lis
     ratios: dict[str, float] = {}
     plain_med = median([max(0.0, v - overhead) for v in plain.ns])
     for mode in MODES:
-        plan = plans[mode]
         if mode not in reshaping:
-            why = "plan None" if plan is None else "reshapes_response False"
+            why = "plan None" if plans[mode] is None else "reshapes_response False"
             rows.append(["", "", f"(b) {mode.value}: {why} -> server's send, see (a)", "-", "-", "-", "-"])
             continue
         c_med, c_p99, c_cpu = stats(core[mode])
@@ -213,7 +213,7 @@ def bench_pass_through(case: Case, passes: int) -> tuple[list[list[str]], float]
     worst = 0.0
     clock = time.perf_counter_ns
     for label, body, mode in variants:
-        calls = {
+        calls: dict[str, Callable[..., Coroutine[Any, Any, None]]] = {
             "direct_n": app_n,
             "mw_n": NvextMiddleware(app_n, mode=mode),
             "direct_0": app_0,

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +95,7 @@ class _CountingSink:
     def __init__(self) -> None:
         self.body_bytes = 0
 
-    async def __call__(self, message: dict[str, Any]) -> None:
+    async def __call__(self, message: MutableMapping[str, Any]) -> None:
         if message["type"] == "http.response.body":
             self.body_bytes += len(message.get("body", b""))
 
@@ -208,7 +208,7 @@ def run(quick: bool = False) -> list[Target]:
     big = 10_000
     small = 1_000
     unary_size = 2_000_000 if quick else 10_000_000
-    stream_specs = [
+    stream_specs: list[tuple[str, dict[str, Any]]] = [
         ("direct (no middleware)", {"kind": "stream", "mode": "direct", "events": big, "split": False}),
         ("nvext, 1 event/message", {"kind": "stream", "mode": "nvext", "events": small, "split": False}),
         ("nvext, 1 event/message", {"kind": "stream", "mode": "nvext", "events": big, "split": False}),

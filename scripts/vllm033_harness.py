@@ -141,7 +141,8 @@ def _install() -> None:
                 if task is not None:
                     task.cancel()
 
-        async def get_supported_tasks_async(self) -> tuple[str, ...]:
+        # vLLM types this as a tuple of its own SupportedTask Literal, whose members differ between versions.
+        async def get_supported_tasks_async(self) -> tuple[str, ...]:  # type: ignore[override]
             return ("generate",)
 
         async def is_sleeping_async(self) -> bool:

@@ -407,8 +407,9 @@ def _router(name: str, *args: str, workers: Callable[[], list[str]], env: dict[s
     def factory() -> Server:
         from .scaleout import Router
 
-        ports = {"port": listen_port(), "prometheus_port": listen_port()}
-        return Router(args=(*args, *workers()), **ports, env=env or {}, name=name)
+        return Router(
+            args=(*args, *workers()), port=listen_port(), prometheus_port=listen_port(), env=env or {}, name=name
+        )
 
     return factory
 

@@ -94,7 +94,8 @@ def final_event(events: list[dict[str, Any]]) -> dict[str, Any]:
 def ids_of(path: str, answer: Any) -> tuple[list[int] | None, list[int]]:
     """(prompt ids, completion ids of choice 0) from an answer in vLLM placement, unary or streamed."""
     events = answer if isinstance(answer, list) else [answer]
-    prompt, ids = None, []
+    prompt: list[int] | None = None
+    ids: list[int] = []
     for event in events:
         if path == CHAT and event.get("prompt_token_ids"):
             prompt = prompt or event["prompt_token_ids"]

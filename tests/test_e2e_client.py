@@ -13,7 +13,7 @@ from .helpers import API_KEY, CHAT, COMPLETIONS, DIALECTS, nvext
 
 pytestmark = pytest.mark.e2e
 
-LIVE_BASE = {
+LIVE_BASE: dict[str, dict[str, Any]] = {
     CHAT: {"messages": [{"role": "user", "content": "Count: one, two"}]},
     COMPLETIONS: {"prompt": "Count: one, two"},
 }

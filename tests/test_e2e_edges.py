@@ -8,6 +8,8 @@ ids vLLM withholds (`include_reasoning: false` on a server with a parser) are ne
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
 import pytest
 
@@ -181,7 +183,7 @@ HIDDEN = {
 
 
 @pytest.fixture(scope="module")
-def parser(parser_server) -> httpx.Client:
+def parser(parser_server) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=parser_server.url, timeout=120.0) as client:
         yield client
 

@@ -45,6 +45,7 @@ def _key() -> str:
 
 def _post(url: str, path: str, body: dict[str, Any], request_id: bytes | None) -> tuple[int, Any]:
     parts = urllib.parse.urlsplit(url)
+    assert parts.hostname is not None, url
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=300)
     try:
         conn.putrequest("POST", path)
@@ -72,6 +73,7 @@ def _completion(url: str, prompt: list[int], request_id: bytes | None = None, **
 
 def _health(url: str) -> int:
     parts = urllib.parse.urlsplit(url)
+    assert parts.hostname is not None, url
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
     try:
         conn.request("GET", "/health")

@@ -86,7 +86,7 @@ MIX = [
         ("both", True, "nvext"),
     ]
 ]
-REFUSALS = [
+REFUSALS: list[tuple[str, dict[str, Any], dict[str, str], str]] = [
     # (path, body fields, headers, param label)
     (CHAT, {"nvext": {SECRET: 1}}, {}, "nvext.<unknown>"),
     (CHAT, {"nvext": {"extra_fields": [SECRET], "router": {SECRET: True}}}, {}, "nvext.router.<unknown>"),

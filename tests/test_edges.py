@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import pytest
 
@@ -174,6 +175,7 @@ class _VllmWithDetokenize:
             if not message.get("more_body"):
                 break
         data = json.loads(body)
+        answer: dict[str, Any]
         if scope["path"].endswith("/detokenize"):
             self.detokenized.append((scope["path"], list(scope["headers"]), data))
             status, answer = (400, {"error": {"message": "Token id 99999 is out of vocabulary"}}) if self.refuse else (

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -29,7 +30,7 @@ from .recorded import Recording, recording
 
 ROOT = Path(__file__).resolve().parent.parent
 NVEXT_IDS = {"extra_fields": ["completion_token_ids"]}
-DIALECT_FIELDS = {
+DIALECT_FIELDS: dict[str, dict[str, Any]] = {
     "vllm": {"return_token_ids": True},
     "nvext": {"nvext": NVEXT_IDS},
     "both": {"return_token_ids": True, "nvext": NVEXT_IDS},

@@ -211,8 +211,9 @@ async def test_n_greater_than_one_in_vllm_placement_is_raw_vllm():
 # --- streaming ------------------------------------------------------------------------------
 
 
-def _raw_stream_ids(rec: Recording) -> tuple[list[int], list[int]]:
-    prompt, ids = None, []
+def _raw_stream_ids(rec: Recording) -> tuple[list[int] | None, list[int]]:
+    prompt: list[int] | None = None
+    ids: list[int] = []
     for event in rec.events():
         for choice in event["choices"]:
             ids += choice.get("token_ids") or []

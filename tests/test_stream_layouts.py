@@ -37,7 +37,7 @@ MODES = [Mode.NVEXT, Mode.BOTH, Mode.AUTO, Mode.VLLM]
 # Keys a layout may add: new ones, and ones the middleware reads or writes.
 KEYS = ["weight_versions", "kv_transfer_params", "routed_experts", "x_y", "nvext", "token_ids", "finish_reason",
         "prompt_token_ids", "stop_reason", "logprobs"]  # fmt: skip
-VALUES = st.sampled_from([None, None, None, None, 0, "", "null", {}, [], {"a": None}, True])
+VALUES: st.SearchStrategy[Any] = st.sampled_from([None, None, None, None, 0, "", "null", {}, [], {"a": None}, True])
 
 
 class GeneralPath(StreamReshaper):
@@ -124,7 +124,7 @@ def layouts(draw: st.DrawFn) -> dict[str, Any]:
     return {"before_ids": keys(), "after_ids": keys(), "root": keys()}
 
 
-IDS = st.one_of(
+IDS: st.SearchStrategy[list[int] | None] = st.one_of(
     st.lists(st.integers(0, 300_000), min_size=1, max_size=6),
     st.just([]),
     st.none(),
