@@ -41,7 +41,6 @@ from vllm_nvext.tools.parity_checks import (
     error_message,
     format_table,
     judge_case,
-    judge_hidden_states,
     load_prompts,
     parse_prompt,
     read_answer,
@@ -49,6 +48,7 @@ from vllm_nvext.tools.parity_checks import (
     request_row,
     token_data_unsupported,
 )
+from vllm_nvext.tools.parity_hidden_states import judge_hidden_states
 
 from .asgi import Upstream, call
 from .recorded import Recording, recording, recordings

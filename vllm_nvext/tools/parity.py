@@ -56,7 +56,6 @@ from .parity_checks import (
     format_table,
     judge_case,
     judge_dynamo_case,
-    judge_hidden_states,
     load_prompts,
     outcome_report,
     read_answer,
@@ -64,6 +63,7 @@ from .parity_checks import (
     request_body,
     token_data_unsupported,
 )
+from .parity_hidden_states import judge_hidden_states
 
 if TYPE_CHECKING:
     import httpx
