@@ -63,7 +63,9 @@ test-e2e-scaleout: setup setup-router
 
 lint: setup
 	$(VENV)/bin/ruff check vllm_nvext tests benchmarks examples scripts
-	$(VENV)/bin/mypy vllm_nvext
+	$(VENV)/bin/mypy --strict vllm_nvext
+	$(VENV)/bin/ruff format --check vllm_nvext tests benchmarks examples scripts
+	$(VENV)/bin/mypy tests benchmarks scripts
 
 # What a contributor runs first: the unit tests and the e2e tests on .venv's vLLM, none of the
 # reference venvs (tests marked `reference`: vLLM 0.33, Dynamo) nor the groups run on their own.
