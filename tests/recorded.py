@@ -48,12 +48,10 @@ class Recording:
         return ENDPOINT_PATHS[self.path]
 
     def events(self) -> list[dict[str, Any]]:
-        """The JSON events of a recorded stream, in order ([DONE] excluded)."""
-        out = []
-        for block in self.body.split(b"\n\n"):
-            if block.startswith(b"data: ") and block != b"data: [DONE]":
-                out.append(json.loads(block[6:]))
-        return out
+        """The JSON events of a recorded stream, in order ([DONE] excluded), vLLM's framing checked."""
+        from .helpers import sse_events
+
+        return sse_events(self.body)
 
     def json(self) -> Any:
         return json.loads(self.body)
