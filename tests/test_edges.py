@@ -212,3 +212,21 @@ async def test_echo_of_an_id_prompt_is_decoded_by_vllms_own_detokenize():
     refusing = NvextMiddleware(_VllmWithDetokenize(refuse=True), settings=Settings())
     result = await call(refusing, "/v1/completions", body.encode())
     assert result.status == 400 and b"out of vocabulary" in result.body, "vLLM's own answer about the ids"
+
+
+async def test_a_field_mapped_without_ids_leaves_vllms_answer_byte_for_byte():
+    # greed_sampling alone: only an error about `temperature` could change; a good answer is vLLM's bytes.
+    from vllm_nvext import NvextMiddleware, Settings
+
+    from .asgi import Upstream, call
+
+    answer = b'{"choices": [{"index": 0, "text": "a"}], "usage": {"completion_tokens": 1}}'
+    app = NvextMiddleware(Upstream(body=answer), settings=Settings())
+    body = json.dumps({"model": "tiny", "prompt": "x", "nvext": {"greed_sampling": True}}).encode()
+    result = await call(app, "/v1/completions", body)
+    assert result.status == 200 and result.body == answer
+    error = b'{"error": {"message": "temperature is bad", "param": "temperature", "code": 400}}'
+    refused = await call(
+        NvextMiddleware(Upstream(status=400, body=error), settings=Settings()), "/v1/completions", body
+    )
+    assert json.loads(refused.body)["error"]["param"] == "nvext.greed_sampling", "the client's field"

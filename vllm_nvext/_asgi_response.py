@@ -88,6 +88,8 @@ class ReshapingSend:
             return  # held until the body is complete, to fix its length
         if status >= 400 or status in _PASS_STATUSES or encoded:
             self._kind = self._PASS
+        elif not self.plan.reshapes_answer and not content_type.startswith(b"text/event-stream"):
+            self._kind = self._PASS  # only vLLM's errors could change (error events come in streams)
         elif content_type.startswith(b"text/event-stream"):
             self._kind = self._STREAM
             self._stream = StreamReshaper(self.plan, self.clock)

@@ -84,15 +84,15 @@ class Plan:
     error_params: tuple[tuple[str, str], ...] = ()
 
     @property
-    def reshapes_response(self) -> bool:
+    def reshapes_answer(self) -> bool:
+        """A successful answer changes (error bodies and events are `error_params`' business)."""
         return bool(
-            self.nvext_trio
-            or self.nvext_prompt_ids
-            or self.selectors
-            or self.strip_vllm_ids
-            or self.error_params
-            or self.echo_prompts
+            self.nvext_trio or self.nvext_prompt_ids or self.selectors or self.strip_vllm_ids or self.echo_prompts
         )
+
+    @property
+    def reshapes_response(self) -> bool:
+        return self.reshapes_answer or bool(self.error_params)
 
 
 @dataclass(frozen=True, slots=True)
