@@ -213,6 +213,14 @@ async def test_echo_of_an_id_prompt_is_decoded_by_vllms_own_detokenize():
     result = await call(refusing, "/v1/completions", body.encode())
     assert result.status == 400 and b"out of vocabulary" in result.body, "vLLM's own answer about the ids"
 
+    async def not_json(scope, receive, send) -> None:  # a route answering something else: never a 500
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"<html>", "more_body": False})
+
+    result = await call(NvextMiddleware(not_json, settings=Settings()), "/v1/completions", body.encode())
+    assert (result.status, result.body) == (200, b"<html>")
+
 
 async def test_a_field_mapped_without_ids_leaves_vllms_answer_byte_for_byte():
     # greed_sampling alone: only an error about `temperature` could change; a good answer is vLLM's bytes.

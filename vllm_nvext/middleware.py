@@ -185,7 +185,10 @@ class _Exchange:
                 texts.append(prompt)
                 continue
             status, headers, body = await _internal_post(self.app, self.scope, "/detokenize", model, prompt)
-            decoded = _json.loads(body) if status == 200 else None
+            try:
+                decoded = _json.loads(body) if status == 200 else None
+            except ValueError:
+                decoded = None  # not vLLM's answer shape: the client gets it as it came
             if not isinstance(decoded, dict) or not isinstance(decoded.get("prompt"), str):
                 await self.send({"type": "http.response.start", "status": status, "headers": headers})
                 await self.send({"type": "http.response.body", "body": body, "more_body": False})
