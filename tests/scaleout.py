@@ -12,21 +12,18 @@ connector (vllm_nvext/pd_connector.py), whose handoff happens only when the pref
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from vllm_nvext.tools.server import ServerProcess
 
 ROUTER_VERSION = "0.1.17"  # scripts/setup_router.sh
 REFS = Path(os.environ.get("VLLM_NVEXT_REFS", str(Path.home() / ".cache" / "vllm-nvext" / "refs")))
@@ -44,8 +41,13 @@ def router_executable() -> Path:
 
 
 @dataclass
-class Router:
+class Router(ServerProcess):
     """A `vllm-router` process on a loopback port; `args` name its workers and policy."""
+
+    LABEL = "vllm-router"
+    READY_TIMEOUT_S = 120.0
+    READY_POLL_S = 0.3
+    STOP_TIMEOUT_S = 15.0
 
     args: Sequence[str]
     port: int
@@ -77,43 +79,6 @@ class Router:
                 command, env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         return self
-
-    def wait_ready(self, timeout: float = 120.0) -> Router:
-        assert self.proc is not None, "start() first"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm-router {self.name!r} exited during start-up:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"vllm-router {self.name!r} not ready after {timeout:.0f}s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 40) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def terminate(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-
-    def stop(self, timeout: float = 15.0) -> None:
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=timeout)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
 
 # --- prefill/decode -----------------------------------------------------------------------------

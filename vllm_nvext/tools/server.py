@@ -19,6 +19,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 MIDDLEWARE = "vllm_nvext.NvextMiddleware"
 TINY_ARGS = ("--dtype", "float32", "--max-model-len", "1024")
@@ -30,9 +31,77 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+_Server = TypeVar("_Server", bound="ServerProcess")
+
+
+class ServerProcess:
+    """Waiting for, reading and stopping a server subprocess: what every kind of server shares.
+
+    The class using it provides `proc`, `name`, `log_path` and `url`; `LABEL` names it in errors.
+    """
+
+    LABEL = "server"
+    READY_TIMEOUT_S = 600.0
+    READY_POLL_S = 0.5
+    STOP_TIMEOUT_S = 30.0
+    proc: subprocess.Popen[bytes] | None
+    name: str
+    log_path: Path | None
+
+    @property
+    def url(self) -> str:
+        raise NotImplementedError
+
+    def wait_ready(self: _Server, timeout: float | None = None) -> _Server:
+        """Block until `GET /health` answers 200; raise with the log's tail if it exits or times out."""
+        assert self.proc is not None, "start() first"
+        timeout = self.READY_TIMEOUT_S if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.LABEL} {self.name!r} exited during start-up:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(self.READY_POLL_S)
+        raise TimeoutError(f"{self.LABEL} {self.name!r} not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+    def terminate(self) -> None:
+        """Ask the whole process group to exit, without waiting (see stop())."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """End the whole process group: SIGTERM, then SIGKILL after `timeout` (STOP_TIMEOUT_S)."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=self.STOP_TIMEOUT_S if timeout is None else timeout)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
 @dataclass
-class VllmServer:
+class VllmServer(ServerProcess):
     """A vLLM server subprocess; `start()` returns at once, `wait_ready()` blocks until /health."""
+
+    LABEL = "vLLM server"
 
     model: str
     args: Sequence[str] = ()
@@ -75,47 +144,6 @@ class VllmServer:
                 self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         return self
-
-    def wait_ready(self, timeout: float = 600.0) -> VllmServer:
-        assert self.proc is not None, "start() first"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server {self.name!r} exited during start-up:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"vLLM server {self.name!r} not ready after {timeout:.0f}s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 40) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
-
-    def terminate(self) -> None:
-        """Ask the whole process group to exit, without waiting (see stop())."""
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-
-    def stop(self, timeout: float = 30.0) -> None:
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=timeout)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
     def __enter__(self) -> VllmServer:
         return self.start().wait_ready()
