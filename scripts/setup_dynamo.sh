@@ -6,7 +6,7 @@
 # wants `aisimulate`, which has no usable wheel, and its [vllm] extra pins another vLLM), plus
 # the two runtime deps the frontend and worker miss. The project's .venv is read, never changed.
 # The two import-only shims the worker needs live in scripts/dynamo_shims/ and are loaded by the
-# launcher (tests/dynamo_reference.py) through PYTHONPATH, not installed here.
+# launcher (tests/e2e/dynamo_reference.py) through PYTHONPATH, not installed here.
 # Idempotent: a complete venv is marked by a stamp written last, and is reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -3,7 +3,7 @@
 #   "${VLLM_NVEXT_REFS:-$HOME/.cache/vllm-nvext/refs}/vllm-router-<version>"
 # It holds vLLM's Rust load balancer from PyPI (`vllm-router`, a Python launcher around a native
 # extension; ~80 MB), which the scale-out e2e tests put in front of vllm-nvext servers
-# (tests/scaleout.py). Idempotent: a complete venv is marked by a stamp written last, and reused.
+# (tests/e2e/scaleout.py). Idempotent: a complete venv is marked by a stamp written last, and reused.
 # Prints the path of the `vllm-router` executable on its last line.
 set -euo pipefail
 ROUTER_VERSION=0.1.17

@@ -49,7 +49,7 @@ class Recording:
 
     def events(self) -> list[dict[str, Any]]:
         """The JSON events of a recorded stream, in order ([DONE] excluded), vLLM's framing checked."""
-        from .helpers import sse_events
+        from tests.helpers import sse_events
 
         return sse_events(self.body)
 

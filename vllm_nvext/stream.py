@@ -97,7 +97,7 @@ class StreamReshaper:
             # Shortcut: vLLM's usual message is exactly one event, so framing is skipped
             # (_is_plain_data_event inlined, with _DATA and _EVENT_END as literals: no global lookups).
             # Same bytes as framing it:
-            # tests/test_stream.py::test_feeding_whole_events_equals_feeding_split_bytes.
+            # tests/unit/test_stream.py::test_feeding_whole_events_equals_feeding_split_bytes.
             try:
                 new = self.reshape_event(body)
                 return body if new is None else new
@@ -127,7 +127,7 @@ class StreamReshaper:
         escaped, so the key tokens matched here cannot come from text. vLLM writes the same bytes
         around every delta of a stream, so the bytes around the last match are checked literally
         first. Same bytes as decoding (for the valid JSON vLLM writes):
-        tests/test_stream_layouts.py::test_byte_level_path_gives_the_general_paths_bytes.
+        tests/unit/test_stream_layouts.py::test_byte_level_path_gives_the_general_paths_bytes.
         Everything else, the first and final chunks among them, is decoded.
         """
         if self._fast and self._waiting is None:

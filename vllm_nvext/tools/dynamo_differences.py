@@ -1,7 +1,7 @@
 """Where vllm-nvext's answers still differ from a real NVIDIA Dynamo 1.6.1, and why.
 
 This list is the contract for Dynamo compatibility: the conformance tests
-(tests/test_e2e_dynamo_conformance.py) send the same requests to a real Dynamo 1.6.1 and to
+(tests/e2e/test_dynamo_conformance.py) send the same requests to a real Dynamo 1.6.1 and to
 vllm-nvext and fail on any difference not listed here; the table of docs/dynamo-differences.md
 shows exactly these entries. Each entry says what differs, which side is the
 contract, why, and as data, for which requests and which `nvext` keys it holds, so that a

