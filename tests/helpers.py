@@ -53,12 +53,21 @@ def nvext_placed(mode: str, dialect: str) -> bool:
 # --- reading answers --------------------------------------------------------------------------
 
 
-def sse_events(content: bytes) -> list[dict[str, Any]]:
-    """The JSON events of a complete SSE body, checking vLLM's framing: `data: ` events, `[DONE]` last."""
-    assert content.endswith(b"data: [DONE]\n\n"), "stream must end with [DONE]"
+def sse_events(content: bytes, complete: bool = True) -> list[dict[str, Any]]:
+    """The JSON events of an SSE body, checking vLLM's framing: every event one `data: ` line, and
+    (`complete`, a whole response) `[DONE]` last. `complete=False` reads what a reshaper sent for
+    some events: the JSON events only, [DONE] or not."""
+    if complete:
+        assert content.endswith(b"data: [DONE]\n\n"), "stream must end with [DONE]"
     blocks = content.split(b"\n\n")[:-1]
     assert all(b.startswith(b"data: ") for b in blocks), "every event is one `data: ` line"
-    return [json.loads(b[6:]) for b in blocks[:-1]]
+    return [json.loads(b[6:]) for b in blocks if b != b"data: [DONE]"]
+
+
+def sse_frames(content: bytes) -> list[bytes]:
+    """The JSON events of an SSE body as their frames' bytes (`data: {...}\\n\\n`), to feed a reshaper
+    one event at a time; `[DONE]` is left out."""
+    return [b + b"\n\n" for b in content.split(b"\n\n") if b.startswith(b"data: {")]
 
 
 def post(client: httpx.Client, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:

@@ -11,7 +11,18 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import API_KEY, BASE, CHAT, COMPLETIONS, DIALECTS, MODES, nvext_placed, post, strip_volatile
+from tests.helpers import (
+    API_KEY,
+    BASE,
+    CHAT,
+    COMPLETIONS,
+    DIALECTS,
+    MODES,
+    nvext_placed,
+    post,
+    sse_events,
+    strip_volatile,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -72,9 +83,7 @@ async def _load(url: str, reference, requests: int, concurrency: int, seed: int)
                 if resp.status_code != 200:
                     failures.append(f"{path} {dialect}/{mode}: HTTP {resp.status_code} {resp.text[:200]}")
                     return
-                blocks = resp.content.split(b"\n\n")
-                events = [json.loads(b[6:]) for b in blocks if b.startswith(b"data: {")]
-                ids = _stream_ids(events, mode, dialect)
+                ids = _stream_ids(sse_events(resp.content), mode, dialect)
                 if ids != reference[(path, prompt)]:
                     failures.append(f"{path} {dialect}/{mode} {prompt!r}: {ids} != {reference[(path, prompt)]}")
 

@@ -172,7 +172,9 @@ def test_files_and_tests_named_in_the_docs_exist(markdown: Path):
 
 # A path under tests/, vllm_nvext/, scripts/, benchmarks/ or examples/ named in code, comments or
 # build files (a moved or renamed file leaves these behind).
-SOURCE_PATH = re.compile(r"(?<![\w/.])((?:tests|vllm_nvext|scripts|benchmarks|examples)/[\w/]+\.(?:py|sh|md|json))(?![\w*<{])")
+SOURCE_PATH = re.compile(
+    r"(?<![\w/.])((?:tests|vllm_nvext|scripts|benchmarks|examples)/[\w/]+\.(?:py|sh|md|json))(?![\w*<{])"
+)
 
 
 def test_paths_named_in_the_code_and_build_files_exist():
@@ -181,6 +183,7 @@ def test_paths_named_in_the_code_and_build_files_exist():
     missing = []
     for path in files:
         for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-            missing += [f"{path.relative_to(ROOT)}:{n}: {p}" for p in SOURCE_PATH.findall(line) if not (ROOT / p).exists()]
+            gone = [p for p in SOURCE_PATH.findall(line) if not (ROOT / p).exists()]
+            missing += [f"{path.relative_to(ROOT)}:{n}: {p}" for p in gone]
     assert len(files) > 50
     assert not missing, "no such file:\n" + "\n".join(missing)

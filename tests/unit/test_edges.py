@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import sse_events, sse_frames
 from tests.recorded import recording
 from vllm_nvext import Mode
 from vllm_nvext.nvext_values import Clock
@@ -50,7 +51,7 @@ def test_withheld_unary_ids_are_null_never_empty():
 @pytest.mark.parametrize("fast", [True, False])
 def test_withheld_stream_ids_are_null_on_every_chunk_that_had_tokens(fast, monkeypatch):
     rec = recording("chat_stream_ids")
-    events = [b + b"\n\n" for b in rec.body.split(b"\n\n") if b.startswith(b"data: {")]
+    events = sse_frames(rec.body)
     plan = _plan({**rec.request, "nvext": NVEXT_IDS})
     if not fast:  # the general path for every event
         monkeypatch.setattr(StreamReshaper, "reshape_event", StreamReshaper._decoded_event)
@@ -60,7 +61,7 @@ def test_withheld_stream_ids_are_null_on_every_chunk_that_had_tokens(fast, monke
         new = reshaper.reshape_event(event)
         sent += event if new is None else new  # the finish chunk waits for the usage chunk
     sent += reshaper.flush()
-    chunks = [json.loads(b[6:]) for b in sent.split(b"\n\n") if b.startswith(b"data: {")]
+    chunks = sse_events(sent, complete=False)
     with_choices = [c for c in chunks if c["choices"]]
     assert with_choices[0]["nvext"]["completion_token_ids"] == [], "the role chunk has no token: [] is true"
     for chunk in with_choices[1:]:

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import sse_events
 from tests.recorded import Recording, recording, recordings
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings
@@ -25,10 +26,6 @@ def _app(rec: Recording, cuts=(), **settings) -> tuple[NvextMiddleware, Upstream
 def _nvext_request(rec: Recording) -> bytes:
     body = {k: v for k, v in rec.request.items() if k != "return_token_ids"}
     return json.dumps({**body, "nvext": NVEXT_IDS}).encode()
-
-
-def _events(body: bytes) -> list[dict]:
-    return [json.loads(b[6:]) for b in body.split(b"\n\n") if b.startswith(b"data: {")]
 
 
 def _assert_length_header(result):
@@ -226,7 +223,7 @@ async def test_stream_nvext_placement(name):
     rec = recording(name)
     app, _ = _app(rec, cuts=(1, 50, 51, 400))
     result = await call(app, rec.path, _nvext_request(rec))
-    raw_events, got = rec.events(), _events(result.body)
+    raw_events, got = rec.events(), sse_events(result.body)
     assert len(got) == len(raw_events)
     assert result.body.endswith(b"data: [DONE]\n\n")
     prompt, ids = _raw_stream_ids(rec)
@@ -268,7 +265,7 @@ async def test_echo_prompt_ids_vllm_sends_anyway_are_kept():
     rec = recording("completions_stream_echo")
     app, _ = _app(rec, mode=Mode.NVEXT)
     result = await call(app, rec.path, json.dumps({**rec.request, "return_token_ids": True}).encode())
-    raw_first, got_first = rec.events()[0]["choices"][0], _events(result.body)[0]["choices"][0]
+    raw_first, got_first = rec.events()[0]["choices"][0], sse_events(result.body)[0]["choices"][0]
     assert got_first.get("prompt_token_ids") == raw_first.get("prompt_token_ids")
 
 
@@ -309,7 +306,7 @@ async def test_mid_stream_error_reaches_the_client_without_nvext():
     app = NvextMiddleware(upstream, settings=Settings(mode=Mode.NVEXT))
     request = json.dumps({**rec.request, "nvext": {"extra_fields": ["completion_token_ids", "engine_data"]}}).encode()
     body = (await call(app, rec.path, request)).body
-    got = _events(body)
+    got = sse_events(body)
     assert got[-1]["error"]["message"] == "engine died"
     assert error + b"\n\n" in body, "the error event passes as vLLM sent it, with no nvext (as Dynamo sends it)"
     app = NvextMiddleware(upstream, settings=Settings(mode=Mode.NVEXT))

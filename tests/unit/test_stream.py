@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.helpers import sse_events, sse_frames
 from tests.recorded import recordings
 from vllm_nvext import Mode
 from vllm_nvext import stream as stream_module
@@ -23,22 +24,15 @@ SELECTOR_SETS = [
 ]
 
 
-def _events(body: bytes) -> list[bytes]:
-    return [b + b"\n\n" for b in body.split(b"\n\n") if b.startswith(b"data: {")]
-
-
 def _run(reshaper: StreamReshaper, events: list[bytes]) -> list[dict]:
     sent = b""
     for raw in events:
         new = reshaper.reshape_event(raw)
         sent += raw if new is None else new  # a finish chunk may wait for the next event
     sent += reshaper.flush()
-    out = []
-    for block in sent.split(b"\n\n")[:-1]:
-        assert block.startswith(b"data: {") and block.endswith(b"}")
-        event = json.loads(block[6:])
+    out = sse_events(sent, complete=False)
+    for event in out:
         event.get("nvext", {}).pop("timing", None)  # wall-clock values differ run to run
-        out.append(event)
     return out
 
 
@@ -50,7 +44,7 @@ def test_byte_level_path_equals_decoding_every_chunk(name, mode, selectors, monk
     request = {**rec.request, "nvext": {"extra_fields": selectors}}
     plan = plan_request(json.dumps(request).encode(), rec.endpoint, mode)
     assert plan is not None
-    events = _events(rec.body)
+    events = sse_frames(rec.body)
     fast = _run(StreamReshaper(plan, Clock()), events)
     monkeypatch.setattr(StreamReshaper, "reshape_event", StreamReshaper._decoded_event)
     slow = _run(StreamReshaper(plan, Clock()), events)
@@ -65,7 +59,7 @@ def test_byte_level_path_serves_mid_stream_deltas(monkeypatch):
         Mode.NVEXT,
     )
     reshaper = StreamReshaper(plan, Clock())
-    events = _events(rec.body)
+    events = sse_frames(rec.body)
     reshaper.reshape_event(events[0])
     delta = events[5]
     decoded = []
@@ -83,7 +77,7 @@ def test_key_lookalikes_inside_text_are_not_matched():
         rec.endpoint,
         Mode.NVEXT,
     )
-    events = _events(rec.body)
+    events = sse_frames(rec.body)
     event = json.loads(events[2][6:])
     event["choices"][0]["delta"]["content"] = ',"token_ids":[9,9],"finish_reason":null,"nvext":{}}'
     tricky = b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
@@ -116,7 +110,7 @@ def test_feeding_whole_events_equals_feeding_split_bytes(name, selectors):
     plan = plan_request(json.dumps(request).encode(), rec.endpoint, Mode.NVEXT)
     assert plan is not None
     whole = StreamReshaper(plan, Clock())
-    by_event = b"".join(whole.feed(e) for e in _events(rec.body) + [b"data: [DONE]\n\n"]) + whole.flush()
+    by_event = b"".join(whole.feed(e) for e in sse_frames(rec.body) + [b"data: [DONE]\n\n"]) + whole.flush()
     split = StreamReshaper(plan, Clock())
     pieces = [rec.body[i : i + 7] for i in range(0, len(rec.body), 7)]
     by_piece = b"".join(split.feed(p) for p in pieces) + split.flush()
