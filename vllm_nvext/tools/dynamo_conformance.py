@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._shapes import choice_logprobs
+from ..protocol import ENDPOINT_PATHS, Endpoint
 from . import dynamo_differences
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+_PATHS = {endpoint: path for path, endpoint in ENDPOINT_PATHS.items()}
+CHAT, COMPLETIONS = _PATHS[Endpoint.CHAT], _PATHS[Endpoint.COMPLETIONS]
 SIX = ("completion_token_ids", "prompt_token_ids", "engine_data", "timing", "stop_reason", "detailed_finish_reason")
 TOKEN_DATA = [257, 84, 82, 68, 81, 198, 39, 68, 75, 75, 78, 258, 198, 257, 64]
 # The tiny model's greedy continuations: chat "Say something." -> ")+b..." (ids 8, 10, 65, ...),
