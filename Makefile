@@ -73,13 +73,13 @@ lint: setup
 test-fast: setup
 	$(VENV)/bin/python -m pytest -m "not reference and not e2e_versions and not e2e_scaleout and not e2e_parser" $(PYTEST_ARGS)
 
-# The checks that join `make lint` once every file passes them.
+# Two of `make lint`'s checks on their own.
 format-check: setup
 	$(VENV)/bin/ruff format --check vllm_nvext tests benchmarks examples scripts
 
 typecheck: setup
 	$(VENV)/bin/mypy --strict vllm_nvext
-	$(VENV)/bin/mypy tests benchmarks
+	$(VENV)/bin/mypy tests benchmarks scripts
 
 # bench_serving runs vLLM 0.33's own serving app (its reference venv); the other benchmarks run in .venv.
 bench: setup setup-vllm033

@@ -1,4 +1,4 @@
-"""What the end-to-end tests share: request bodies, reading answers, and comparing streams.
+"""What the unit and end-to-end tests share: request bodies, reading answers, and comparing streams.
 
 Streams are compared by what is deterministic (docs/protocol.md §7, docs/guarantees.md): vLLM merges
 the outputs of several engine steps into one chunk whenever its API server lags the engine, so

@@ -1,10 +1,11 @@
 """Real servers on the tiny model, started only for the selected tests that use them.
 
-Each kind of server is registered once, with `register(name, factory)`, which also makes the
-session fixture `<name>_server`. Once collection and `-m`/`-k` deselection are done, every kind
-whose fixture some selected test uses (directly or through another fixture) starts in its own
-background thread, all kinds in parallel, so that their start-up overlaps the unit tests; the
-fixture waits until its server is ready. Every server started is stopped at session end.
+Each kind of server is registered once, with `register(name, factory)`, which returns its
+session fixture, bound at module level as `<name>_server`. Once collection and `-m`/`-k`
+deselection are done, every kind whose fixture some selected test uses (directly or through
+another fixture) starts in its own background thread, all kinds in parallel, so that their
+start-up overlaps the tests that need no server when both run in one session (`make test-fast`);
+the fixture waits until its server is ready. Every server started is stopped at session end.
 
 Any kind can use a server that is already running instead: `VLLM_NVEXT_<NAME>_URL` (the kind's
 name in upper case, e.g. `VLLM_NVEXT_MW_URL=http://127.0.0.1:8001 pytest tests/e2e/test_client.py`)
@@ -339,11 +340,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_OneVersionAtATime(), "vllm-nvext-one-version-at-a-time")
 
 
-def version_server(version: str, role: str) -> Server:
-    """This version's server in this role, once ready (started by `vllm_version`, or now)."""
-    server = _ready(VERSION_KINDS[version][role])
-    assert not isinstance(server, External)
-    return server
+def version_server(version: str, role: str) -> Server | External:
+    """This version's server in this role, once ready (started by `vllm_version`, or now; or the
+    one its `VLLM_NVEXT_<KIND>_URL` names, e.g. `VLLM_NVEXT_MW031_URL`)."""
+    return _ready(VERSION_KINDS[version][role])
 
 
 @pytest.fixture(scope="session")

@@ -120,7 +120,7 @@ def _broken_links(markdown: Path) -> list[str]:
     return broken
 
 
-# `tests/test_x.py`, `tests/test_x.py::test_name`, `tests/test_x.py::test_prefix_*` in the markdown.
+# `tests/unit/test_x.py`, `tests/unit/test_x.py::test_name`, `tests/unit/test_x.py::test_prefix_*` in the markdown.
 NAMED_PATH = re.compile(r"`((?:tests|vllm_nvext|scripts|benchmarks|examples|docs)/[\w./-]+)(?:::(\w+)(\*)?)?([^`]?)")
 
 
