@@ -70,6 +70,12 @@ def sse_frames(content: bytes) -> list[bytes]:
     return [b + b"\n\n" for b in content.split(b"\n\n") if b.startswith(b"data: {")]
 
 
+def http_client(url: str, auth: bool = True, timeout: float = 120.0) -> httpx.Client:
+    """A client of the server at `url`, sending API_KEY (the key the test servers take) when `auth`."""
+    headers = {"Authorization": f"Bearer {API_KEY}"} if auth else {}
+    return httpx.Client(base_url=url, headers=headers, timeout=timeout)
+
+
 def post(client: httpx.Client, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
     """A unary body (its content-length checked), or a stream's JSON events; the status must be 200."""
     resp = client.post(path, json=body, headers=headers or {})

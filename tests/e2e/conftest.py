@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import httpx
 import pytest
 
-from tests.helpers import API_KEY, MODEL_NAME
+from tests.helpers import API_KEY, MODEL_NAME, http_client
 from vllm_nvext.tools.server import MIDDLEWARE, TINY_ARGS, VllmServer
 
 STARTUP_TIMEOUT = float(os.environ.get("VLLM_NVEXT_STARTUP_TIMEOUT", "900"))
@@ -474,32 +474,27 @@ pd_router_server = register(
 # --- clients ------------------------------------------------------------------------------------
 
 
-def _client(server: Server, auth: bool) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {API_KEY}"} if auth else {}
-    return httpx.Client(base_url=server.url, headers=headers, timeout=120.0)
-
-
 @pytest.fixture(scope="session")
 def raw(raw_server: Server) -> Iterator[httpx.Client]:
-    with _client(raw_server, auth=False) as client:
+    with http_client(raw_server.url, auth=False) as client:
         yield client
 
 
 @pytest.fixture(scope="session")
 def mw(mw_server: Server) -> Iterator[httpx.Client]:
-    with _client(mw_server, auth=True) as client:
+    with http_client(mw_server.url) as client:
         yield client
 
 
 @pytest.fixture(scope="session")
 def plugin(plugin_server: Server) -> Iterator[httpx.Client]:
-    with _client(plugin_server, auth=True) as client:
+    with http_client(plugin_server.url) as client:
         yield client
 
 
 @pytest.fixture(scope="session")
 def scale(scale_server: Server) -> Iterator[httpx.Client]:
-    with _client(scale_server, auth=True) as client:
+    with http_client(scale_server.url) as client:
         yield client
 
 

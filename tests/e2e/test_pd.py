@@ -24,13 +24,13 @@ import pytest
 
 from tests.e2e.scaleout import prompt_tokens_by_source
 from tests.helpers import (
-    API_KEY,
     CHAT,
     COMPLETIONS,
     DIALECTS,
     MODEL_NAME,
     MODES,
     final_event,
+    http_client,
     ids_of,
     nvext_placed,
     nvext_stream_ids,
@@ -42,7 +42,6 @@ from tests.helpers import (
 
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_scaleout]
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_TOKENS = 8
 # The prefill leg exactly as vllm-router 0.1.17 writes it (`kv_transfer_params` replaced, `min_tokens`
 # added, `stream_options` dropped; recorded from its requests).
@@ -72,25 +71,21 @@ def _body(path: str, words: str, **extra: Any) -> dict[str, Any]:
     return {**body, **extra}
 
 
-def _client(url: str) -> httpx.Client:
-    return httpx.Client(base_url=url, headers=AUTH, timeout=300.0)
-
-
 @pytest.fixture(scope="session")
 def prefill(pd_prefill_server) -> Iterator[httpx.Client]:
-    with _client(pd_prefill_server.url) as client:
+    with http_client(pd_prefill_server.url, timeout=300.0) as client:
         yield client
 
 
 @pytest.fixture(scope="session")
 def decode(pd_decode_server) -> Iterator[httpx.Client]:
-    with _client(pd_decode_server.url) as client:
+    with http_client(pd_decode_server.url, timeout=300.0) as client:
         yield client
 
 
 @pytest.fixture(scope="session")
 def pd_router(pd_router_server, pd_prefill_server, pd_decode_server) -> Iterator[httpx.Client]:
-    with _client(pd_router_server.url) as client:
+    with http_client(pd_router_server.url, timeout=300.0) as client:
         yield client
 
 

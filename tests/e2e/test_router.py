@@ -18,13 +18,13 @@ import httpx
 import pytest
 
 from tests.helpers import (
-    API_KEY,
     CHAT,
     COMPLETIONS,
     DIALECTS,
     MODES,
     final_event,
     greedy,
+    http_client,
     nvext_placed,
     nvext_stream_ids,
     post,
@@ -35,22 +35,16 @@ from tests.helpers import (
 
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_scaleout]
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def _client(url: str) -> httpx.Client:
-    return httpx.Client(base_url=url, headers=AUTH, timeout=120.0)
-
 
 @pytest.fixture(scope="session")
 def router_rr(router_rr_server) -> Iterator[httpx.Client]:
-    with _client(router_rr_server.url) as client:
+    with http_client(router_rr_server.url) as client:
         yield client
 
 
 @pytest.fixture(scope="session")
 def router_ca(router_ca_server) -> Iterator[httpx.Client]:
-    with _client(router_ca_server.url) as client:
+    with http_client(router_ca_server.url) as client:
         yield client
 
 
@@ -160,7 +154,7 @@ def test_mode_header_reaches_the_servers(router, mw, mode, dialect):
 def test_refusals_pass_through_the_router(router_rr_server):
     body = {**greedy(CHAT), **DIALECTS["vllm"]}
     assert httpx.post(router_rr_server.url + CHAT, json=body, timeout=60).status_code == 401, "no key, no answer"
-    with _client(router_rr_server.url) as client:
+    with http_client(router_rr_server.url) as client:
         for _ in range(2):  # both servers
             bad = client.post(CHAT, json={**greedy(CHAT), "nvext": {"extra_fields": 3}})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "nvext.extra_fields"

@@ -33,7 +33,7 @@ import pytest
 
 from tests.e2e import test_request_fidelity, test_translation
 from tests.e2e.conftest import version_server
-from tests.helpers import API_KEY, rows, run_parity, sse_events
+from tests.helpers import API_KEY, http_client, rows, run_parity, sse_events
 
 pytestmark = pytest.mark.e2e
 
@@ -83,17 +83,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("vllm_version", params, indirect=True, scope="session")
 
 
-def _client(server: Any, auth: bool) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {API_KEY}"} if auth else {}
-    return httpx.Client(base_url=server.url, headers=headers, timeout=120.0)
-
-
 # --- the fixtures the collected tests use, on the version under test --------------------------
 
 
 @pytest.fixture(scope="session")
 def raw(vllm_version: str) -> Iterator[httpx.Client]:
-    with _client(version_server(vllm_version, "raw"), auth=False) as client:
+    with http_client(version_server(vllm_version, "raw").url, auth=False) as client:
         yield client
 
 
@@ -110,7 +105,7 @@ def raw_answer(vllm_version: str) -> Callable[[str, bool, bool], Any]:
 @pytest.fixture(scope="session", params=["mw", "plugin"])
 def translated(request: pytest.FixtureRequest, vllm_version: str) -> Iterator[httpx.Client]:
     """vllm-nvext mounted on this version: once via --middleware, once via the endpoint plugin."""
-    with _client(version_server(vllm_version, request.param), auth=True) as client:
+    with http_client(version_server(vllm_version, request.param).url) as client:
         yield client
 
 

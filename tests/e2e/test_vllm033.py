@@ -21,16 +21,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.helpers import API_KEY, BASE, CHAT, COMPLETIONS, post, stream_digest, strip_volatile
+from tests.helpers import BASE, CHAT, COMPLETIONS, http_client, post, stream_digest, strip_volatile
 
 pytestmark = [pytest.mark.e2e, pytest.mark.reference]  # the tests without a server use 0.33's venv too
 
 KV_REQUEST = {"kv_transfer_params": {"do_remote_decode": True}}
-
-
-def _client(server, auth: bool) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {API_KEY}"} if auth else {}
-    return httpx.Client(base_url=server.url, headers=headers, timeout=120.0)
 
 
 # --- the 0.33 harness, stock and with vllm-nvext mounted -------------------------------------
@@ -38,14 +33,14 @@ def _client(server, auth: bool) -> httpx.Client:
 
 @pytest.fixture(scope="session")
 def raw(raw033_server) -> Iterator[httpx.Client]:
-    with _client(raw033_server, auth=False) as client:
+    with http_client(raw033_server.url, auth=False) as client:
         yield client
 
 
 @pytest.fixture(scope="session", params=["mw033", "plugin033"])
 def translated(request: pytest.FixtureRequest) -> Iterator[httpx.Client]:
     """vLLM 0.33 with vllm-nvext mounted: once via --middleware, once via the endpoint plugin."""
-    with _client(request.getfixturevalue(f"{request.param}_server"), auth=True) as client:
+    with http_client(request.getfixturevalue(f"{request.param}_server").url) as client:
         yield client
 
 
