@@ -43,6 +43,7 @@ from ._common import (
     percentile,
     print_table,
     print_targets,
+    run_loop,
 )
 
 MODEL = "tiny"
@@ -241,15 +242,6 @@ def _table(results: dict[int, dict[str, Runs]], variants: tuple[Variant, ...], m
     return top
 
 
-def _run_loop(coro: Any) -> Any:
-    """uvloop when installed (it ships with vLLM's uvicorn[standard]): less client overhead on 2 cores."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 class ServerGone(RuntimeError):
     """A server process exited during the benchmark (another job stopped it: the machine is shared)."""
 
@@ -271,7 +263,7 @@ def _serve_and_measure(
         print(f"  servers ready in {time.perf_counter() - t0:.0f} s", flush=True)
         try:
             targets = {name: (server.url, server.proc.pid) for name, server in servers.items() if server.proc}
-            results = _run_loop(measure(targets, variants, levels, rounds, max_tokens))
+            results = run_loop(measure(targets, variants, levels, rounds, max_tokens))
         except (httpx.HTTPError, RuntimeError) as exc:
             gone = [
                 f"{s.name} (exit {s.proc.returncode})" for s in servers.values() if s.proc and s.proc.poll() is not None

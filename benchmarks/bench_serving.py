@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import Target, fmt, median, percentile, print_table, print_targets  # noqa: E402
+from benchmarks._common import Target, fmt, median, percentile, print_table, print_targets, run_loop  # noqa: E402
 
 HARNESS = ROOT / "scripts" / "vllm033_harness.py"
 MODEL = "tiny"
@@ -682,21 +682,12 @@ def measure(args: argparse.Namespace) -> list[Target]:
 
     print(f"  vllm {vllm.__version__}, vllm_nvext from {Path(vllm_nvext.__file__).parent}", flush=True)
     rounds = args.rounds or (30 if args.quick else 80)
-    targets: list[Target] = _run_loop(measure_in_process(rounds, args.profile))
+    targets: list[Target] = run_loop(measure_in_process(rounds, args.profile))
     if not args.no_servers:
         cross_rounds = 2 if args.quick else 3
         per_run = {"long stream": 3 if args.quick else 4, "short stream": 20 if args.quick else 30}
         cross_process(cross_rounds, per_run)
     return targets
-
-
-def _run_loop(coro: Any) -> Any:
-    """uvloop, as `vllm serve` runs its API server."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 def run(quick: bool = False, argv: Sequence[str] = ()) -> list[Target]:
