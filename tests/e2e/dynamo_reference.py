@@ -24,15 +24,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scripts.reference_venvs import is_built, refs_dir
 from vllm_nvext.tools.server import TINY_ARGS, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DYNAMO_VERSION = "1.6.1"
 SHIMS = ROOT / "scripts" / "dynamo_shims"
-
-
-def refs_dir() -> Path:
-    return Path(os.environ.get("VLLM_NVEXT_REFS") or Path.home() / ".cache" / "vllm-nvext" / "refs")
 
 
 def venv_dir() -> Path:
@@ -45,7 +42,7 @@ class DynamoMissing(RuntimeError):
 
 def require_venv() -> Path:
     venv = venv_dir()
-    if not (venv / ".setup-stamp").exists():
+    if not is_built(venv):
         raise DynamoMissing(
             f"the reference Dynamo {DYNAMO_VERSION} venv is missing or incomplete at {venv}; "
             "build it with `make setup-dynamo` (scripts/setup_dynamo.sh)"

@@ -23,20 +23,18 @@ from pathlib import Path
 
 import httpx
 
+from scripts.reference_venvs import is_built, refs_dir
 from vllm_nvext.tools.server import ServerProcess
 
 ROUTER_VERSION = "0.1.17"  # scripts/setup_router.sh
-REFS = Path(os.environ.get("VLLM_NVEXT_REFS", str(Path.home() / ".cache" / "vllm-nvext" / "refs")))
-ROUTER_VENV = REFS / f"vllm-router-{ROUTER_VERSION}"
 
 
 def router_executable() -> Path:
     """The reference venv's `vllm-router`; a missing or incomplete venv fails naming the make target."""
-    exe = ROUTER_VENV / "bin" / "vllm-router"
-    if not (ROUTER_VENV / ".setup-stamp").exists() or not exe.exists():
-        raise RuntimeError(
-            f"vllm-router {ROUTER_VERSION} reference venv missing at {ROUTER_VENV}: run `make setup-router`"
-        )
+    venv = refs_dir() / f"vllm-router-{ROUTER_VERSION}"
+    exe = venv / "bin" / "vllm-router"
+    if not is_built(venv, exe):
+        raise RuntimeError(f"vllm-router {ROUTER_VERSION} reference venv missing at {venv}: run `make setup-router`")
     return exe
 
 

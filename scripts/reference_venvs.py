@@ -1,0 +1,16 @@
+"""Where the reference venvs live (`VLLM_NVEXT_REFS`, by default ~/.cache/vllm-nvext/refs, as the
+setup_*.sh scripts build them), and whether one is complete. Importing this module is cheap."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def refs_dir() -> Path:
+    return Path(os.environ.get("VLLM_NVEXT_REFS") or Path.home() / ".cache" / "vllm-nvext" / "refs")
+
+
+def is_built(venv: Path, *needed: Path) -> bool:
+    """The venv's set-up script finished (it writes `.setup-stamp` last) and `needed` exist."""
+    return (venv / ".setup-stamp").exists() and all(path.exists() for path in needed)
