@@ -230,6 +230,27 @@ def test_token_data_becomes_the_completions_prompt():
     assert _upstream(plan_request(body, COMPLETIONS, Mode.AUTO))["prompt"] == [5, 6, 7]
 
 
+def test_token_data_on_chat_becomes_the_prompt_ids_vllm_takes_for_chat():
+    up = _upstream(plan_request(_body(nvext={"token_data": [5, 6, 7]}), CHAT, Mode.AUTO))
+    assert up["kv_transfer_params"]["prompt_token_ids"] == [5, 6, 7] and "nvext" not in up
+
+
+IMAGE = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "http://host/a.png"}}]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"echo": True}, {"messages": [{"role": "user", "content": IMAGE}]}],
+    ids=["echo", "non-text-content"],
+)
+def test_token_data_on_chat_is_refused_where_vllm_would_ignore_the_ids(fields):
+    # vLLM would render the messages (echo, an image) and silently drop the ids: a 400 instead.
+    with pytest.raises(RequestError) as err:
+        plan_request(_body(**fields, nvext={"token_data": [5, 6, 7]}), CHAT, Mode.AUTO)
+    assert err.value.status == 400 and err.value.param == "nvext.token_data"
+    assert "echo" in err.value.message and "non-text" in err.value.message
+
+
 def test_big_integers_survive_the_rewrite_exactly():
     body = b'{"prompt": "x", "seed": 123456789012345678901234567890, "nvext": {"extra_fields": []}}'
     up = _upstream(plan_request(body, COMPLETIONS, Mode.AUTO))
