@@ -261,7 +261,7 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
 
 @dataclass
 class Target:
-    """One of issue 5's targets, judged by the benchmark that measures it."""
+    """One of the targets in benchmarks/README.md, judged by the benchmark that measures it."""
 
     name: str
     passed: bool | None  # None: not measured in this run

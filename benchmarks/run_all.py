@@ -1,4 +1,4 @@
-"""Run the benchmarks of issue 5 and print every table, then one PASS/FAIL line per target.
+"""Run the benchmarks and print every table, then one PASS/FAIL line per target (benchmarks/README.md).
 
     python -m benchmarks.run_all                    # all of them (make bench), a few minutes on 2 cores
     python -m benchmarks.run_all --quick            # smaller sizes, fewer rounds
@@ -30,7 +30,7 @@ BENCHMARKS: dict[str, tuple[Callable[..., list[Target]], list[str]]] = {
     "memory": (bench_memory.run, [bench_memory.TARGET_MEMORY]),
     "server": (bench_server.run, [bench_server.TARGET_SERVER]),
 }
-# The order issue 5 lists its targets in.
+# The order benchmarks/README.md lists its targets in.
 TARGET_ORDER = [
     *bench_serving.TARGETS,
     bench_events.TARGET_PASS_THROUGH,
