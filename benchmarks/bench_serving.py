@@ -55,10 +55,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import Target, fmt, median, percentile, print_table, print_targets, run_loop  # noqa: E402
+from vllm_nvext.protocol import PATHS, Endpoint  # noqa: E402
 
 HARNESS = ROOT / "scripts" / "vllm033_harness.py"
 MODEL = "tiny"
 MIDDLEWARE = "vllm_nvext.NvextMiddleware"
+CHAT = PATHS[Endpoint.CHAT]
 MESSAGES = [{"role": "user", "content": "Tell me about token ids."}]
 LONG_TOKENS = 256
 SHORT_TOKENS = 16
@@ -235,8 +237,8 @@ class Exchange:
             "scheme": "http",
             "method": "POST",
             "root_path": "",
-            "path": "/v1/chat/completions",
-            "raw_path": b"/v1/chat/completions",
+            "path": CHAT,
+            "raw_path": CHAT.encode(),
             "query_string": b"",
             "headers": [
                 (b"host", b"127.0.0.1:8000"),
@@ -617,7 +619,7 @@ def cross_process(rounds: int, per_run: dict[str, int]) -> None:
             with httpx.Client(base_url=server.url, timeout=600.0) as client:
                 c0 = _process_cpu_s(server.proc.pid)
                 for _ in range(n):
-                    with client.stream("POST", "/v1/chat/completions", content=body, headers=headers) as resp:
+                    with client.stream("POST", CHAT, content=body, headers=headers) as resp:
                         if resp.status_code != 200:
                             raise RuntimeError(f"{side}: HTTP {resp.status_code}")
                         for _chunk in resp.iter_raw():

@@ -28,11 +28,11 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from vllm_nvext.protocol import PATHS, Endpoint  # noqa: E402
 from vllm_nvext.tools import tiny_model  # noqa: E402
 from vllm_nvext.tools.server import TINY_ARGS, VllmServer  # noqa: E402
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
+CHAT, COMPLETIONS = PATHS[Endpoint.CHAT], PATHS[Endpoint.COMPLETIONS]
 MESSAGES = [{"role": "user", "content": "Tell me about token ids."}]
 GREEDY = {"model": "tiny", "temperature": 0}
 

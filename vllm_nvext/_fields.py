@@ -25,6 +25,11 @@ _VLLM_MODELS = {
     Endpoint.CHAT_BATCH: (("vllm.entrypoints.openai.chat_completion.protocol", "BatchChatCompletionRequest"),),
 }
 _readers: dict[tuple[Endpoint, bool], Any] = {}
+# The fields read, over both endpoints: the replica models' fields (metrics names its refusal labels by them).
+DECISION_FIELDS = frozenset(
+    {"return_token_ids", "n", "prompt", "prompt_embeds", "echo", "logprobs", "stream", "prompt_logprobs"}
+    | {"kv_transfer_params"}
+)
 
 
 def replica_model(endpoint: Endpoint) -> Any:

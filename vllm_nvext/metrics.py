@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from ._fields import DECISION_FIELDS
 from .config import MODE_HEADER
 from .nvext_schema import param_names
 
@@ -26,22 +27,7 @@ BODY = "body"
 
 # The `param` of a refusal names a request field the middleware knows; a key the client made
 # up is reported as `<unknown>` under the object it was found in, never by its name.
-_TOP_LEVEL_PARAMS = frozenset(
-    {
-        "nvext",
-        MODE_HEADER,
-        # vLLM's request fields the middleware reads (request.field_reader) or refuses a combination of
-        "return_token_ids",
-        "n",
-        "prompt",
-        "prompt_embeds",
-        "echo",
-        "logprobs",
-        "stream",
-        "prompt_logprobs",
-        "kv_transfer_params",
-    }
-)
+_TOP_LEVEL_PARAMS = frozenset({"nvext", MODE_HEADER, *DECISION_FIELDS})
 _NVEXT_PARAMS = param_names()
 UNKNOWN_KEY = "<unknown>"
 OTHER = "other"

@@ -27,6 +27,8 @@ ENDPOINT_PATHS = {
     "/v1/chat/completions/batch": Endpoint.CHAT_BATCH,
     "/invocations": Endpoint.INVOCATIONS,
 }
+# The same table the other way round: each endpoint's path (what the tools and tests send to).
+PATHS = {endpoint: path for path, endpoint in ENDPOINT_PATHS.items()}
 
 # Response selectors Dynamo understands (docs/protocol.md §3.2); other strings are ignored, as Dynamo does.
 COMPLETION_TOKEN_IDS = "completion_token_ids"
@@ -37,6 +39,8 @@ STOP_REASON = "stop_reason"
 DETAILED_FINISH_REASON = "detailed_finish_reason"
 PROMPT_LOGPROBS = "prompt_logprobs"
 ROUTED_EXPERTS = "routed_experts"
+# Dynamo's, never answered here: a single vLLM server has no Dynamo workers (docs/protocol.md §5).
+WORKER_ID = "worker_id"
 ID_SELECTORS = frozenset({COMPLETION_TOKEN_IDS, PROMPT_TOKEN_IDS})
 # Selectors answered under `nvext` in every mode: vLLM has no place for them.
 NVEXT_ONLY_SELECTORS = frozenset(

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import API_KEY, MODEL_NAME
+from tests.helpers import API_KEY, CHAT, COMPLETIONS, MODEL_NAME
 from vllm_nvext import hidden_states
 from vllm_nvext.client import extract
 from vllm_nvext.hidden_states import HiddenStatesError
@@ -67,7 +67,7 @@ def _post(url: str, path: str, body: dict[str, Any], request_id: bytes | None) -
 
 def _completion(url: str, prompt: list[int], request_id: bytes | None = None, **extra: Any) -> tuple[int, Any]:
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0, "return_token_ids": True}
-    return _post(url, "/v1/completions", {**body, **extra}, request_id)
+    return _post(url, COMPLETIONS, {**body, **extra}, request_id)
 
 
 def _health(url: str) -> int:
@@ -194,7 +194,7 @@ def test_a_client_chosen_path_is_ignored_without_allow_custom_save_path(hs_serve
 def test_the_server_still_serves_chat_captures_afterwards(hs_server):
     assert _health(hs_server.url) == 200
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}
-    status, answer = _post(hs_server.url, "/v1/chat/completions", {**body, "return_token_ids": True}, None)
+    status, answer = _post(hs_server.url, CHAT, {**body, "return_token_ids": True}, None)
     assert status == 200, answer
     ids = extract(answer)
     assert ids.prompt_token_ids

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import sse_events, sse_frames
+from tests.helpers import COMPLETIONS, sse_events, sse_frames
 from tests.recorded import recording
 from vllm_nvext import Mode
 from vllm_nvext.nvext_values import Clock
@@ -209,7 +209,7 @@ async def test_echo_of_an_id_prompt_is_decoded_by_vllms_own_detokenize():
     assert (b"authorization", b"Bearer k") in sent_headers, "with the client's credentials"
 
     refusing = NvextMiddleware(_VllmWithDetokenize(refuse=True), settings=Settings())
-    result = await call(refusing, "/v1/completions", body.encode())
+    result = await call(refusing, COMPLETIONS, body.encode())
     assert result.status == 400 and b"out of vocabulary" in result.body, "vLLM's own answer about the ids"
 
     async def not_json(scope, receive, send) -> None:  # a route answering something else: never a 500
@@ -217,7 +217,7 @@ async def test_echo_of_an_id_prompt_is_decoded_by_vllms_own_detokenize():
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         await send({"type": "http.response.body", "body": b"<html>", "more_body": False})
 
-    result = await call(NvextMiddleware(not_json, settings=Settings()), "/v1/completions", body.encode())
+    result = await call(NvextMiddleware(not_json, settings=Settings()), COMPLETIONS, body.encode())
     assert (result.status, result.body) == (200, b"<html>")
 
 
@@ -229,10 +229,8 @@ async def test_a_field_mapped_without_ids_leaves_vllms_answer_byte_for_byte():
     answer = b'{"choices": [{"index": 0, "text": "a"}], "usage": {"completion_tokens": 1}}'
     app = NvextMiddleware(Upstream(body=answer), settings=Settings())
     body = json.dumps({"model": "tiny", "prompt": "x", "nvext": {"greed_sampling": True}}).encode()
-    result = await call(app, "/v1/completions", body)
+    result = await call(app, COMPLETIONS, body)
     assert result.status == 200 and result.body == answer
     error = b'{"error": {"message": "temperature is bad", "param": "temperature", "code": 400}}'
-    refused = await call(
-        NvextMiddleware(Upstream(status=400, body=error), settings=Settings()), "/v1/completions", body
-    )
+    refused = await call(NvextMiddleware(Upstream(status=400, body=error), settings=Settings()), COMPLETIONS, body)
     assert json.loads(refused.body)["error"]["param"] == "nvext.greed_sampling", "the client's field"

@@ -25,7 +25,9 @@ from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings, metrics
 from vllm_nvext import _json as nvjson
 from vllm_nvext import response as nvresponse
+from vllm_nvext._fields import DECISION_FIELDS, replica_model
 from vllm_nvext.nvext_schema import NVEXT_FIELDS, NVEXT_OBJECTS, param_names
+from vllm_nvext.protocol import Endpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 NVEXT_IDS = {"extra_fields": ["completion_token_ids"]}
@@ -305,6 +307,13 @@ def test_every_field_the_middleware_validates_is_its_own_refusal_label():
     for param in [*known, "nvext", "return_token_ids", "n", "prompt", "x-nvext-mode"]:
         assert metrics.refusal_param(param) == param
     assert metrics.refusal_param(None) == "body"
+
+
+def test_every_vllm_field_the_middleware_reads_is_its_own_refusal_label():
+    read = {name for endpoint in (Endpoint.COMPLETIONS, Endpoint.CHAT) for name in replica_model(endpoint).model_fields}
+    assert read == DECISION_FIELDS, "metrics labels a refusal by the fields the middleware reads"
+    for name in read:
+        assert metrics.refusal_param(name) == name
 
 
 _LABELS = {

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import sse_events
+from tests.helpers import CHAT, COMPLETIONS, sse_events
 from tests.recorded import Recording, recording, recordings
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings
@@ -67,9 +67,9 @@ async def test_get_and_non_json_bodies_pass_untouched(no_json_parse):
     rec = recording("chat_unary_ids")
     app, upstream = _app(rec, mode=Mode.NVEXT)
     body = b'{"return_token_ids": true}'
-    result = await call(app, "/v1/chat/completions", body, headers=((b"content-type", b"text/plain"),))
+    result = await call(app, CHAT, body, headers=((b"content-type", b"text/plain"),))
     assert upstream.received == body and result.body == rec.body
-    result = await call(app, "/v1/chat/completions", b"", method="GET")
+    result = await call(app, CHAT, b"", method="GET")
     assert result.body == rec.body
 
 
@@ -77,7 +77,7 @@ async def test_invalid_json_reaches_vllm_unchanged():
     rec = recording("error_max_tokens")
     app, upstream = _app(rec, mode=Mode.NVEXT)
     body = b'{"nvext": {"extra_fields": ["completion_token_ids"]'
-    result = await call(app, "/v1/completions", body)
+    result = await call(app, COMPLETIONS, body)
     assert upstream.received == body and result.status == 400 and result.body == rec.body
 
 
@@ -85,7 +85,7 @@ async def test_error_status_from_vllm_passes_through_in_every_mode():
     rec = recording("error_max_tokens")
     for mode in Mode:
         app, _ = _app(rec, mode=mode)
-        result = await call(app, "/v1/completions", _nvext_request(rec))
+        result = await call(app, COMPLETIONS, _nvext_request(rec))
         assert (result.status, result.body) == (400, rec.body)
 
 
@@ -318,7 +318,7 @@ async def test_mid_stream_error_reaches_the_client_without_nvext():
 async def test_bodiless_and_partial_statuses_pass_through(status):
     upstream = Upstream(status=status, body=b"")
     app = NvextMiddleware(upstream, settings=Settings(mode=Mode.NVEXT))
-    result = await call(app, "/v1/completions", b'{"return_token_ids": true}')
+    result = await call(app, COMPLETIONS, b'{"return_token_ids": true}')
     assert result.status == status and result.body == b""
 
 

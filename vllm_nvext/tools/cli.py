@@ -12,9 +12,8 @@ import sys
 from collections.abc import Sequence
 
 from ..config import ENV_MODE, Mode
-from ..protocol import Endpoint
+from ..protocol import COMPLETION_TOKEN_IDS, PATHS, Endpoint
 from . import parity
-from .parity_checks import PATHS
 from .server import MIDDLEWARE, TINY_ARGS, VllmServer
 
 DEFAULT_PORT = 8000
@@ -57,7 +56,7 @@ def _banner(base: str, model_name: str, mode: str) -> str:
         "messages": [{"role": "user", "content": "Hello"}],
         "max_tokens": 4,
         "temperature": 0,
-        "nvext": {"extra_fields": ["completion_token_ids"]},
+        "nvext": {"extra_fields": [COMPLETION_TOKEN_IDS]},
     }
     lines = [
         f"vllm-nvext: serving on {base} (mode {mode})",
