@@ -237,3 +237,15 @@ class StreamReshaper:
             logger.exception("vllm-nvext could not reshape a stream event; forwarded unchanged")
             self.unchanged += 1
             return event if self._waiting is None else self._release() + event
+
+
+class DecodingStreamReshaper(StreamReshaper):
+    """`StreamReshaper` with the byte-level path for mid-stream deltas off: every `data:` event is decoded.
+
+    The general path each shortcut must give the bytes of; the tests compare the two.
+    """
+
+    __slots__ = ()
+
+    def reshape_event(self, event: bytes) -> bytes | None:
+        return self._decoded_event(event)

@@ -21,7 +21,7 @@ from vllm_nvext.nvext_values import Clock
 from vllm_nvext.protocol import Endpoint, RequestError
 from vllm_nvext.request import plan_request
 from vllm_nvext.response import rename_error, reshape_unary
-from vllm_nvext.stream import StreamReshaper
+from vllm_nvext.stream import DecodingStreamReshaper, StreamReshaper
 
 NVEXT_IDS = {"extra_fields": ["completion_token_ids", "engine_data"]}
 
@@ -49,13 +49,11 @@ def test_withheld_unary_ids_are_null_never_empty():
 
 
 @pytest.mark.parametrize("fast", [True, False])
-def test_withheld_stream_ids_are_null_on_every_chunk_that_had_tokens(fast, monkeypatch):
+def test_withheld_stream_ids_are_null_on_every_chunk_that_had_tokens(fast):
     rec = recording("chat_stream_ids")
     events = sse_frames(rec.body)
     plan = _plan({**rec.request, "nvext": NVEXT_IDS})
-    if not fast:  # the general path for every event
-        monkeypatch.setattr(StreamReshaper, "reshape_event", StreamReshaper._decoded_event)
-    reshaper = StreamReshaper(plan, Clock())
+    reshaper = (StreamReshaper if fast else DecodingStreamReshaper)(plan, Clock())  # else the general path only
     sent = b""
     for event in map(_withheld, events):
         new = reshaper.reshape_event(event)

@@ -25,7 +25,7 @@ from vllm_nvext import stream as stream_module
 from vllm_nvext.nvext_values import Clock
 from vllm_nvext.protocol import RequestError
 from vllm_nvext.request import plan_request
-from vllm_nvext.stream import StreamReshaper
+from vllm_nvext.stream import DecodingStreamReshaper, StreamReshaper
 
 # n=2 and echo streams refuse every nvext selector; wall-clock `timing` differs between runs.
 STREAMS = sorted(
@@ -37,13 +37,6 @@ MODES = [Mode.NVEXT, Mode.BOTH, Mode.AUTO, Mode.VLLM]
 KEYS = ["weight_versions", "kv_transfer_params", "routed_experts", "x_y", "nvext", "token_ids", "finish_reason",
         "prompt_token_ids", "stop_reason", "logprobs"]  # fmt: skip
 VALUES: st.SearchStrategy[Any] = st.sampled_from([None, None, None, None, 0, "", "null", {}, [], {"a": None}, True])
-
-
-class GeneralPath(StreamReshaper):
-    """The same stream object with every shortcut of `reshape_event` off: decode everything."""
-
-    __slots__ = ()
-    reshape_event = StreamReshaper._decoded_event
 
 
 def _plan(rec: Recording, mode: Mode, selectors: list[str]):
@@ -59,7 +52,7 @@ def _events(body: bytes) -> list[bytes]:
 
 
 def _both_paths(plan, events: list[bytes]) -> tuple[bytes, bytes, StreamReshaper]:
-    fast, general = StreamReshaper(plan, Clock()), GeneralPath(plan, Clock())
+    fast, general = StreamReshaper(plan, Clock()), DecodingStreamReshaper(plan, Clock())
     got = b"".join(fast.feed(e) for e in events) + fast.flush()
     want = b"".join(general.feed(e) for e in events) + general.flush()
     return got, want, fast

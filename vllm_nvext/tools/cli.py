@@ -26,7 +26,7 @@ VLLM_HOWTO = (
 TINY_MODEL_HOWTO = "pip install 'vllm-nvext[tiny-model]' (vLLM brings both)"
 
 
-def _missing(*modules: str) -> list[str]:
+def missing_modules(*modules: str) -> list[str]:
     """Which of `modules` cannot be imported here (looked up without importing them)."""
     absent = []
     for name in modules:
@@ -41,7 +41,7 @@ def _missing(*modules: str) -> list[str]:
 
 def _needs(command: str, modules: Sequence[str], what: str, howto: str) -> bool:
     """Print one line naming what is missing and how to get it; True when something is."""
-    absent = _missing(*modules)
+    absent = missing_modules(*modules)
     if absent:
         print(
             f"vllm-nvext {command}: error: needs {what} ({', '.join(absent)} not installed): {howto}", file=sys.stderr
