@@ -96,7 +96,7 @@ bench: setup setup-vllm033 ## the benchmarks (benchmarks/README.md)
 	$(VENV)/bin/python -m benchmarks.run_all
 
 fixtures: setup ## re-record tests/fixtures/ from a real stock vLLM server
-	$(VENV)/bin/python scripts/record_fixtures.py
+	$(VENV)/bin/python -m scripts.record_fixtures
 
 fixtures-vllm033: setup setup-vllm033 ## re-record tests/fixtures/vllm-0.33/ from vLLM 0.33's serving code
-	$(VENV)/bin/python scripts/record_fixtures.py --vllm 0.33
+	$(VENV)/bin/python -m scripts.record_fixtures --vllm 0.33
