@@ -50,12 +50,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks._common import Target, fmt, median, percentile, print_table, print_targets, run_loop
+from vllm_nvext.protocol import PATHS, Endpoint
 
-from benchmarks._common import Target, fmt, median, percentile, print_table, print_targets, run_loop  # noqa: E402
-from vllm_nvext.protocol import PATHS, Endpoint  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 HARNESS = ROOT / "scripts" / "vllm033_harness.py"
 MODEL = "tiny"
