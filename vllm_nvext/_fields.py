@@ -59,6 +59,7 @@ def replica_model(endpoint: Endpoint) -> Any:
         stream: bool | None = False
         prompt_logprobs: int | None = None
         kv_transfer_params: dict[str, Any] | None = None
+        include_reasoning: bool = True
 
     _readers[(Endpoint.COMPLETIONS, False)] = CompletionFields
     _readers[(Endpoint.CHAT, False)] = ChatFields

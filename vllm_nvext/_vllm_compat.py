@@ -140,3 +140,23 @@ def auth_refuses(scope: MutableMapping[str, Any]) -> bool:
             digest = hashlib.sha256(param.encode()).digest()
             return not any(secrets.compare_digest(digest, hashlib.sha256(t.encode()).digest()) for t in tokens)
     return True
+
+
+def server_args(scope: MutableMapping[str, Any]) -> Any:
+    """`vllm serve`'s parsed arguments (`app.state.args`); None outside a vLLM server."""
+    return getattr(getattr(scope.get("app"), "state", None), "args", None)
+
+
+def hides_reasoning_ids(args: Any) -> bool:
+    """Does this server answer a chat request with `include_reasoning: false` with `token_ids: null`?
+
+    vLLM's chat serving hides the ids (and logprobs) of such a request whenever it composed a
+    parser: a reasoning parser, or a tool parser with auto tool choice (`ParserManager`).
+    """
+    if args is None:
+        return False
+    reasoning = getattr(args, "reasoning_parser", None) or getattr(
+        getattr(args, "structured_outputs_config", None), "reasoning_parser", None
+    )
+    tools = getattr(args, "enable_auto_tool_choice", False) is True and bool(getattr(args, "tool_call_parser", None))
+    return bool(reasoning) or tools

@@ -132,7 +132,8 @@ class _Exchange:
                 await self.app(scope, Replay([body], False, self.receive), self.send)
                 return
             mode = self._mode(modes)
-            plan = plan_request_for(request, mode, dp_rank_header=dp_rank)
+            hides = _vllm_compat.hides_reasoning_ids(_vllm_compat.server_args(scope))
+            plan = plan_request_for(request, mode, dp_rank_header=dp_rank, hides_reasoning_ids=hides)
         except RequestError as exc:
             await self._refuse(exc, body, False)
             return
