@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from ._client_params import REQUEST_ID_HEADER
 from .config import MODE_HEADER
 from .nvext_schema import param_names
 
@@ -40,6 +41,10 @@ _TOP_LEVEL_PARAMS = frozenset(
         "stream",
         "prompt_logprobs",
         "kv_transfer_params",
+        "include_reasoning",
+        # a request id a kv connector would join into a file path (docs/hidden-states.md)
+        REQUEST_ID_HEADER,
+        "request_id",
     }
 )
 _NVEXT_PARAMS = param_names()
