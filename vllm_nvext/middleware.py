@@ -179,7 +179,7 @@ class _Exchange:
         if not plan.reshapes_response:
             await self.app(scope, Replay([body], False, self.receive), self.send)
             return
-        reshaping = ReshapingSend(plan, self.clock, self.send)
+        reshaping = ReshapingSend(plan, self.clock, self.send, self.endpoint)
         try:
             await self.app(scope, Replay([body], False, self.receive), reshaping)
         finally:
