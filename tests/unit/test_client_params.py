@@ -275,3 +275,9 @@ def test_the_strip_is_a_setting_off_by_default(monkeypatch):
     monkeypatch.setenv("VLLM_NVEXT_STRIP_KV_REMOTE_ADDRESS", "maybe")
     with pytest.raises(ConfigError, match="VLLM_NVEXT_STRIP_KV_REMOTE_ADDRESS"):
         Settings.from_env()
+
+
+def test_a_body_vllm_cannot_decode_reaches_it_as_sent_for_its_own_error():
+    for raw in (b'{"kv_transfer_params": {"remote_host": "x"', b'{"request_id": "a/b", "nvext": }'):
+        got, upstream = _send(raw, strip_kv_remote_address=True)
+        assert upstream.received == raw
