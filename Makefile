@@ -43,8 +43,8 @@ test-unit: setup
 
 # The main group (vLLM 0.32 servers, the 0.33 serving layer, the real Dynamo), then the parser server.
 test-e2e: setup setup-vllm033 setup-dynamo
-	$(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser" $(PYTEST_ARGS)
-	$(VENV)/bin/python -m pytest tests/e2e -m e2e_parser $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/e2e -m "e2e_parser or e2e_connector" $(PYTEST_ARGS)
 
 # vLLM 0.30 and 0.31 on their real engines, in a pytest run of their own (their servers never run
 # beside the main e2e group's), one version at a time.
@@ -71,7 +71,7 @@ lint: setup
 # reference venvs (tests marked `reference`: vLLM 0.33, Dynamo) nor the groups run on their own.
 .PHONY: test-fast format-check typecheck
 test-fast: setup
-	$(VENV)/bin/python -m pytest -m "not reference and not e2e_versions and not e2e_scaleout and not e2e_parser" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "not reference and not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector" $(PYTEST_ARGS)
 
 # Two of `make lint`'s checks on their own.
 format-check: setup

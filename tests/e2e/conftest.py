@@ -276,6 +276,8 @@ hs_server = register("hs", _hidden_states_vllm, url_env="VLLM_NVEXT_HS_URL")
 hs_custom_server = register("hs_custom", lambda: _hidden_states_vllm("hs_custom", allow_custom_save_path=True))
 # vLLM's own ExampleHiddenStatesConnector (paths from request ids): only requests the middleware
 # refuses are sent to it (it cannot write on CPU).
+# It runs in the parser group's pytest run (marker `e2e_connector`), never beside the main
+# group, whose servers already peak near the machine's memory.
 hs_vllm_server = register("hs_vllm", lambda: _hidden_states_vllm("hs_vllm", connector="ExampleHiddenStatesConnector"))
 
 

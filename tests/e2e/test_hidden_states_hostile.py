@@ -290,6 +290,7 @@ def test_a_client_chosen_path_outside_is_refused_with_a_clear_error(
 # --- vLLM's own connector: request ids that are not plain names never reach it --------------
 
 
+@pytest.mark.e2e_connector
 @pytest.mark.parametrize(
     ("headers", "body", "param"),
     [
