@@ -47,9 +47,9 @@ test-unit: setup ## the tests that need no server, with the branch-coverage gate
 	$(VENV)/bin/python -m pytest tests/unit --cov=vllm_nvext $(PYTEST_ARGS)
 
 # The main group (vLLM 0.32 servers, the 0.33 serving layer, the real Dynamo), then the parser server.
-test-e2e: setup setup-vllm033 setup-dynamo ## the main e2e group on real servers, then the parser group
-	$(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser" $(PYTEST_ARGS)
-	$(VENV)/bin/python -m pytest tests/e2e -m e2e_parser $(PYTEST_ARGS)
+test-e2e: setup setup-vllm033 setup-dynamo ## the main e2e group on real servers, then the parser and connector group
+	$(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/e2e -m "e2e_parser or e2e_connector" $(PYTEST_ARGS)
 
 # vLLM 0.30 and 0.31 on their real engines, in a pytest run of their own (their servers never run
 # beside the main e2e group's), one version at a time.
@@ -76,7 +76,7 @@ lint: setup ## ruff check, ruff format --check, mypy --strict on the package and
 # reference venvs (tests marked `reference`: vLLM 0.33, Dynamo) nor the groups run on their own.
 .PHONY: test-fast format-check typecheck
 test-fast: setup ## what a contributor runs first: unit tests and the e2e tests on .venv's vLLM alone
-	$(VENV)/bin/python -m pytest -m "not reference and not e2e_versions and not e2e_scaleout and not e2e_parser" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "not reference and not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector" $(PYTEST_ARGS)
 
 # Rewrite the code as make lint wants it: imports sorted, then ruff's formatting.
 format: setup ## sort imports and format the code in place (ruff), as make lint checks them

@@ -12,8 +12,9 @@ import logging
 from time import perf_counter_ns
 
 from . import _json, metrics
-from ._asgi_request import Message, Send
+from ._asgi_request import Message, Send, is_event_stream, is_json
 from .nvext_values import Clock
+from .protocol import Endpoint
 from .request import Plan
 from .response import rename_error
 from .stream import StreamReshaper
@@ -27,14 +28,17 @@ _PASS_STATUSES = frozenset({204, 206, 304})
 class ReshapingSend:
     """The `send` handed to vLLM when the response has to be reshaped."""
 
-    __slots__ = ("plan", "clock", "send", "_kind", "_start", "_parts", "_stream", "_tally", "_left")
+    __slots__ = ("plan", "clock", "send", "route", "_kind", "_start", "_parts", "_stream", "_tally", "_left")
 
     _PASS, _UNARY, _STREAM, _ERROR = 0, 1, 2, 3
 
-    def __init__(self, plan: Plan, clock: Clock, send: Send) -> None:
+    def __init__(self, plan: Plan, clock: Clock, send: Send, route: Endpoint | None = None) -> None:
         self.plan = plan
         self.clock = clock
         self.send = send
+        # The metrics' `endpoint` label: the route the client called (docs/metrics.md), /invocations
+        # included, whichever of chat or completions served it.
+        self.route = plan.endpoint if route is None else route
         self._kind = self._PASS
         self._start: Message | None = None
         self._parts: list[bytes] = []
@@ -75,27 +79,31 @@ class ReshapingSend:
 
     async def _on_start(self, message: Message) -> None:
         status = message["status"]
-        content_type = b""
+        content_type: bytes | None = None
         encoded = False
         for name, value in message.get("headers", ()):
-            if name.lower() == b"content-type":
-                content_type = value.lower()
-            elif name.lower() == b"content-encoding":
+            lower = name.lower()
+            if lower == b"content-type":
+                # The request side's rule (`_asgi_request.read_as_json`): the first header, read as FastAPI reads it.
+                content_type = value if content_type is None else content_type
+            elif lower == b"content-encoding":
                 encoded = True
-        if status >= 400 and self.plan.error_params and not encoded and content_type.startswith(b"application/json"):
+        json_body = content_type is not None and is_json(content_type)
+        event_stream = content_type is not None and is_event_stream(content_type)
+        if status >= 400 and self.plan.error_params and not encoded and json_body:
             self._kind = self._ERROR
             self._start = message
             return  # held until the body is complete, to fix its length
         if status >= 400 or status in _PASS_STATUSES or encoded:
             self._kind = self._PASS
-        elif not self.plan.reshapes_answer and not content_type.startswith(b"text/event-stream"):
+        elif not self.plan.reshapes_answer and not event_stream:
             self._kind = self._PASS  # only vLLM's errors could change (error events come in streams)
-        elif content_type.startswith(b"text/event-stream"):
+        elif event_stream:
             self._kind = self._STREAM
             self._stream = StreamReshaper(self.plan, self.clock)
             self._tally = metrics.StreamTally() if metrics.enabled() else None
             message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]
-        elif content_type.startswith(b"application/json"):
+        elif json_body:
             self._kind = self._UNARY
             self._start = message
             return  # held until the body is complete, to fix its length
@@ -121,7 +129,7 @@ class ReshapingSend:
         except Exception:  # never turn a good vLLM answer into a 500
             logger.exception("vllm-nvext could not reshape a response; forwarded unchanged")
             unchanged = 1
-        metrics.count_reshaping(self.plan.endpoint, metrics.UNARY, 1, (perf_counter_ns() - t0) / 1e9, unchanged)
+        metrics.count_reshaping(self.route, metrics.UNARY, 1, (perf_counter_ns() - t0) / 1e9, unchanged)
         start = self._start
         assert start is not None
         headers = [(n, v) for n, v in start.get("headers", ()) if n.lower() != b"content-length"]
@@ -138,7 +146,7 @@ class ReshapingSend:
             left = self._left
             events = tally.messages(left) - stream.framed + stream.framed_events
             seconds = tally.seconds(left)
-            metrics.count_reshaping(self.plan.endpoint, metrics.STREAM, events, seconds, stream.unchanged)
+            metrics.count_reshaping(self.route, metrics.STREAM, events, seconds, stream.unchanged)
 
 
 def _renamed_error(body: bytes, plan: Plan) -> bytes | None:

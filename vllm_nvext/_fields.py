@@ -28,7 +28,7 @@ _readers: dict[tuple[Endpoint, bool], Any] = {}
 # The fields read, over both endpoints: the replica models' fields (metrics names its refusal labels by them).
 DECISION_FIELDS = frozenset(
     {"return_token_ids", "n", "prompt", "prompt_embeds", "echo", "logprobs", "stream", "prompt_logprobs"}
-    | {"kv_transfer_params"}
+    | {"kv_transfer_params", "include_reasoning"}
 )
 
 
@@ -64,6 +64,7 @@ def replica_model(endpoint: Endpoint) -> Any:
         stream: bool | None = False
         prompt_logprobs: int | None = None
         kv_transfer_params: dict[str, Any] | None = None
+        include_reasoning: bool = True
 
     _readers[(Endpoint.COMPLETIONS, False)] = CompletionFields
     _readers[(Endpoint.CHAT, False)] = ChatFields

@@ -140,3 +140,54 @@ def auth_refuses(scope: MutableMapping[str, Any]) -> bool:
             digest = hashlib.sha256(param.encode()).digest()
             return not any(secrets.compare_digest(digest, hashlib.sha256(t.encode()).digest()) for t in tokens)
     return True
+
+
+def server_args(scope: MutableMapping[str, Any]) -> Any:
+    """`vllm serve`'s parsed arguments (`app.state.args`); None outside a vLLM server."""
+    return getattr(getattr(scope.get("app"), "state", None), "args", None)
+
+
+def hides_reasoning_ids(args: Any) -> bool:
+    """Does this server answer a chat request with `include_reasoning: false` with `token_ids: null`?
+
+    vLLM's chat serving hides the ids (and logprobs) of such a request whenever it composed a
+    parser: a reasoning parser, or a tool parser with auto tool choice (`ParserManager`).
+    """
+    if args is None:
+        return False
+    reasoning = getattr(args, "reasoning_parser", None) or getattr(
+        getattr(args, "structured_outputs_config", None), "reasoning_parser", None
+    )
+    tools = getattr(args, "enable_auto_tool_choice", False) is True and bool(getattr(args, "tool_call_parser", None))
+    return bool(reasoning) or tools
+
+
+# vLLM's connector that names its files after request ids, and where vLLM registers it.
+_PATH_NAMING_CONNECTOR = "ExampleHiddenStatesConnector"
+_PATH_NAMING_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+
+
+def builds_paths_from_request_ids(args: Any) -> bool:
+    """Does the server's kv connector join request ids into file paths (`--kv-transfer-config`)?
+
+    vLLM's own `ExampleHiddenStatesConnector` does (`<shared_storage_path>/<request id>.safetensors`),
+    by name from vLLM's registry or its own module, alone or inside a `MultiConnector`. The
+    project's `CPUHiddenStatesConnector` names files by a digest instead; other connectors are
+    not known to.
+    """
+    config = getattr(args, "kv_transfer_config", None)
+    return config is not None and _names_files_after_ids(config, 0)
+
+
+def _names_files_after_ids(config: Any, depth: int) -> bool:
+    def read(key: str) -> Any:
+        return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+    name, module = read("kv_connector"), read("kv_connector_module_path")
+    if name == _PATH_NAMING_CONNECTOR and module in (None, "", _PATH_NAMING_MODULE):
+        return True
+    extra = read("kv_connector_extra_config")
+    children = extra.get("connectors") if isinstance(extra, dict) else None
+    if name != "MultiConnector" or not isinstance(children, list) or depth > 4:
+        return False
+    return any(isinstance(child, dict) and _names_files_after_ids(child, depth + 1) for child in children)

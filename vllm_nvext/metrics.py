@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from ._client_params import REQUEST_ID_HEADER
 from ._fields import DECISION_FIELDS
 from .config import MODE_HEADER
 from .nvext_schema import param_names
@@ -25,9 +26,10 @@ STREAM, UNARY, UNKNOWN = "stream", "unary", "unknown"
 # Refusals without a field to name: the body-size cap.
 BODY = "body"
 
-# The `param` of a refusal names a request field the middleware knows; a key the client made
-# up is reported as `<unknown>` under the object it was found in, never by its name.
-_TOP_LEVEL_PARAMS = frozenset({"nvext", MODE_HEADER, *DECISION_FIELDS})
+# The `param` of a refusal names a request field the middleware knows (those it reads, and a request
+# id a kv connector would join into a file path: docs/hidden-states.md); a key the client made up is
+# reported as `<unknown>` under the object it was found in, never by its name.
+_TOP_LEVEL_PARAMS = frozenset({"nvext", MODE_HEADER, *DECISION_FIELDS, REQUEST_ID_HEADER, "request_id"})
 _NVEXT_PARAMS = param_names()
 UNKNOWN_KEY = "<unknown>"
 OTHER = "other"

@@ -13,7 +13,7 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
-from . import _json, _vllm_compat, metrics
+from . import _client_params, _json, _vllm_compat, metrics
 from ._asgi_request import ASGIApp, Message, PassThrough, Receive, Replay, Scope, Send, read_as_json, set_header
 from ._asgi_response import ReshapingSend
 from ._optin import OptInScan
@@ -43,10 +43,15 @@ class NvextMiddleware:
         mode: Mode | str | None = None,
         allow_mode_header: bool | None = None,
         max_body_bytes: int | None = None,
+        strip_kv_remote_address: bool | None = None,
     ) -> None:
         self.app = app
         self.settings = Settings.create(
-            mode=mode, allow_mode_header=allow_mode_header, max_body_bytes=max_body_bytes, base=settings
+            mode=mode,
+            allow_mode_header=allow_mode_header,
+            max_body_bytes=max_body_bytes,
+            strip_kv_remote_address=strip_kv_remote_address,
+            base=settings,
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -58,17 +63,30 @@ class NvextMiddleware:
         if root and path.startswith(root):
             path = path[len(root) :]  # `vllm serve --root-path` behind a proxy
         endpoint = ENDPOINT_PATHS.get(path)
+        # A server whose kv connector joins request ids into file paths gets plain names only.
+        guard = _vllm_compat.builds_paths_from_request_ids(_vllm_compat.server_args(scope))
+        request_id = _first_header(scope, b"x-request-id") if guard else None
+        if (
+            request_id is not None
+            and not _client_params.is_plain_name(request_id.decode("latin-1"))
+            and not _vllm_compat.auth_refuses(scope)
+        ):
+            message = _client_params.not_plain_message("X-Request-Id")
+            await _send_error(send, RequestError(message, _client_params.REQUEST_ID_HEADER))
+            return
         if endpoint is None:
             await self.app(scope, receive, send)
             return
         scope[_HANDLED] = True
-        await _Exchange(self.app, self.settings, endpoint, scope, receive, send).run()
+        exchange = _Exchange(self.app, self.settings, endpoint, scope, receive, send)
+        exchange.body_request_id = guard and request_id is None  # vLLM then takes the body's `request_id`
+        await exchange.run()
 
 
 class _Exchange:
     """One request/response cycle through the middleware."""
 
-    __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "clock")
+    __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "clock", "body_request_id")
 
     def __init__(
         self, app: ASGIApp, settings: Settings, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send
@@ -80,6 +98,7 @@ class _Exchange:
         self.receive = receive
         self.send = send
         self.clock = Clock()
+        self.body_request_id = False  # the body's `request_id` must be a plain name
 
     async def run(self) -> None:
         scope = self.scope
@@ -103,7 +122,11 @@ class _Exchange:
             return
 
         cap = self.settings.max_body_bytes
-        scan = OptInScan()
+        # Keys besides the opt-in ones that make a body one to read (and hold to the cap).
+        also: tuple[str, ...] = ("request_id",) if self.body_request_id else ()
+        if self.settings.strip_kv_remote_address:
+            also += tuple(sorted(_client_params.REMOTE_ADDRESS_KEYS))
+        scan = OptInScan(also)
         parts: list[bytes] = []
         size = 0
         more = True
@@ -124,6 +147,11 @@ class _Exchange:
                 await self._pass_through(parts, scan)  # too large to hold, and no opt-in so far
                 return
         body = parts[0] if len(parts) == 1 else b"".join(parts)
+        if also and scan.found:
+            checked = await self._check_client_params(body)
+            if checked is None:
+                return  # answered
+            body = checked
 
         try:
             request = read_request(body, self.endpoint, scanned=True) if scan.found else None
@@ -132,7 +160,8 @@ class _Exchange:
                 await self.app(scope, Replay([body], False, self.receive), self.send)
                 return
             mode = self._mode(modes)
-            plan = plan_request_for(request, mode, dp_rank_header=dp_rank)
+            hides = _vllm_compat.hides_reasoning_ids(_vllm_compat.server_args(scope))
+            plan = plan_request_for(request, mode, dp_rank_header=dp_rank, hides_reasoning_ids=hides)
         except RequestError as exc:
             await self._refuse(exc, body, False)
             return
@@ -150,7 +179,7 @@ class _Exchange:
         if not plan.reshapes_response:
             await self.app(scope, Replay([body], False, self.receive), self.send)
             return
-        reshaping = ReshapingSend(plan, self.clock, self.send)
+        reshaping = ReshapingSend(plan, self.clock, self.send, self.endpoint)
         try:
             await self.app(scope, Replay([body], False, self.receive), reshaping)
         finally:
@@ -218,20 +247,55 @@ class _Exchange:
             return
         await self._send_error(error)
 
+    async def _check_client_params(self, body: bytes) -> bytes | None:
+        """The body with the client's remote address stripped (when set); None once a refusal went out.
+
+        After vLLM's key check: a caller without the key gets vLLM's 401 for the body as sent.
+        """
+        if _vllm_compat.auth_refuses(self.scope):
+            await self.app(self.scope, Replay([body], False, self.receive), self.send)
+            return None
+        try:
+            data = _json.loads_as_vllm(body)
+        except (ValueError, RecursionError):
+            return body  # vLLM refuses it with its own error
+        request_id = data.get("request_id") if self.body_request_id and isinstance(data, dict) else None
+        if isinstance(request_id, str) and not _client_params.is_plain_name(request_id):
+            await self._send_error(RequestError(_client_params.not_plain_message("request_id"), "request_id"))
+            return None
+        if self.settings.strip_kv_remote_address:
+            stripped = _client_params.strip_remote_address(body, data)
+            if stripped is not None:
+                set_header(self.scope, b"content-length", str(len(stripped)).encode())
+                return stripped
+        return body
+
     async def _send_error(self, error: RequestError) -> None:
-        metrics.count_refusal(error.param, error.status)
-        payload = error_body(error.message, error.param, error.status)
-        await self.send(
-            {
-                "type": "http.response.start",
-                "status": error.status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(payload)).encode()),
-                ],
-            }
-        )
-        await self.send({"type": "http.response.body", "body": payload, "more_body": False})
+        await _send_error(self.send, error)
+
+
+async def _send_error(send: Send, error: RequestError) -> None:
+    metrics.count_refusal(error.param, error.status)
+    payload = error_body(error.message, error.param, error.status)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": error.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+def _first_header(scope: Scope, name: bytes) -> bytes | None:
+    """The first of a repeated request header, the one starlette's `headers.get` gives vLLM."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
 
 
 def _too_large(cap: int) -> RequestError:

@@ -82,6 +82,9 @@ class Plan:
     # (vLLM's field, the client's field) for each vLLM field set from an nvext field: an error
     # vLLM raises about the former names the latter (docs/protocol.md §9).
     error_params: tuple[tuple[str, str], ...] = ()
+    # A chat stream whose ids vLLM withholds (`include_reasoning: false` on a server with a parser):
+    # every chunk says "not reported", the role chunk before any id too (docs/protocol.md §3.4).
+    ids_withheld: bool = False
 
     @property
     def reshapes_answer(self) -> bool:
@@ -148,8 +151,12 @@ def plan_request(body: bytes, endpoint: Endpoint, mode: Mode, *, dp_rank_header:
     return None if request is None else plan(request, mode, dp_rank_header=dp_rank_header)
 
 
-def plan(request: Request, mode: Mode, *, dp_rank_header: bytes | None = None) -> Plan:
-    """The Plan for a request that opts in. `dp_rank_header` is the client's first `X-data-parallel-rank`."""
+def plan(
+    request: Request, mode: Mode, *, dp_rank_header: bytes | None = None, hides_reasoning_ids: bool = False
+) -> Plan:
+    """The Plan for a request that opts in. `dp_rank_header` is the client's first `X-data-parallel-rank`;
+    `hides_reasoning_ids`: the server withholds the ids of chat requests with `include_reasoning: false`
+    (`_vllm_compat.hides_reasoning_ids`)."""
     endpoint, data, fields, nvext = request.endpoint, request.data, request.fields, request.nvext
     return_token_ids = fields.return_token_ids is True
     requested = set(nvext.get("extra_fields") or [])
@@ -226,6 +233,9 @@ def plan(request: Request, mode: Mode, *, dp_rank_header: bytes | None = None) -
         await_usage=fields.stream is True and n * prompts == 1 and bool(selectors & {TIMING, ENGINE_DATA}),
         root_kv=fields.kv_transfer_params is not None,
         error_params=tuple(rewrite.sources.items()),
+        ids_withheld=hides_reasoning_ids
+        and endpoint is Endpoint.CHAT
+        and getattr(fields, "include_reasoning", True) is False,
     )
 
 

@@ -314,8 +314,11 @@ class ChunkReshaper:
         if self.prompt_ids is None:
             self.prompt_ids = _prompt_ids(obj, choice, plan.endpoint)
         delta = choice.get("token_ids")
-        # No key: a chunk before any token (the role chunk); null: vLLM withheld this chunk's ids.
-        delta_ids: list[int] | None = delta if isinstance(delta, list) else None if "token_ids" in choice else []
+        # No key: a chunk before any token (the role chunk), "no tokens" unless the plan knows the ids
+        # are withheld; null: vLLM withheld this chunk's ids.
+        delta_ids: list[int] | None = (
+            delta if isinstance(delta, list) else None if "token_ids" in choice or plan.ids_withheld else []
+        )
         if delta_ids and self.ttft_ms is None:
             self.ttft_ms = self.clock.elapsed_ms()
         index = choice.get("index")

@@ -205,10 +205,12 @@ def test_ids_vllm_withholds_are_never_reported_as_no_tokens(parser, stream):
         assert both["choices"][0]["token_ids"] is None and both["nvext"]["completion_token_ids"] is None
         return
     chunks = content_events(got)
-    assert all(c["nvext"]["completion_token_ids"] is None for c in chunks[1:]), chunks
+    assert "token_ids" not in chunks[0]["choices"][0], "the role chunk comes before any id"
+    # Every chunk, the role chunk too: `ids += chunk["nvext"]["completion_token_ids"] or []` never reads [].
+    assert all(c["nvext"]["completion_token_ids"] is None for c in chunks), chunks
     engine = final_event(got)["nvext"]["engine_data"]
     assert engine["completion_token_ids"] is None and engine["finished"] is True
-    assert all(c["nvext"]["completion_token_ids"] is None for c in content_events(both)[1:])
+    assert all(c["nvext"]["completion_token_ids"] is None for c in content_events(both))
     assert [e for e in got if not e["choices"]][0]["usage"]["completion_tokens"] == len(shown["token_ids"])
 
 

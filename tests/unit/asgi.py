@@ -66,6 +66,7 @@ async def call(
     headers: Sequence[tuple[bytes, bytes]] = ((b"content-type", b"application/json"),),
     request_cuts: Sequence[int] = (),
     root_path: str = "",
+    scope_extra: dict[str, Any] | None = None,
 ) -> Result:
     """Send one request through `app`, the body split at `request_cuts`; collect the response."""
     hdrs = [*headers, (b"content-length", str(len(body)).encode())]
@@ -82,6 +83,7 @@ async def call(
         "headers": hdrs,
         "client": ("127.0.0.1", 1234),
         "server": ("127.0.0.1", 8000),
+        **(scope_extra or {}),
     }
     bounds = [*sorted(set(request_cuts)), len(body)]
     pending = []

@@ -8,18 +8,21 @@ them (`include_reasoning: false` on a server with a parser; tests/e2e/test_edges
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from tests.helpers import COMPLETIONS, sse_events, sse_frames
+from tests.helpers import CHAT, COMPLETIONS, sse_events, sse_frames
 from tests.recorded import recording
-from vllm_nvext import Mode
+from tests.unit.asgi import Upstream, call
+from vllm_nvext import Mode, NvextMiddleware, _vllm_compat
 from vllm_nvext.nvext_values import Clock
 from vllm_nvext.protocol import Endpoint, RequestError
-from vllm_nvext.request import plan_request
+from vllm_nvext.request import plan, plan_request, read_request
 from vllm_nvext.response import rename_error, reshape_unary
 from vllm_nvext.stream import DecodingStreamReshaper, StreamReshaper
 
@@ -48,24 +51,78 @@ def test_withheld_unary_ids_are_null_never_empty():
     assert nv["prompt_token_ids"] == rec.json()["prompt_token_ids"], "vLLM still reports the prompt ids"
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_withheld_stream_ids_are_null_on_every_chunk_that_had_tokens(fast):
-    rec = recording("chat_stream_ids")
-    events = sse_frames(rec.body)
-    plan = _plan({**rec.request, "nvext": NVEXT_IDS})
+def _stream_through(plan, events: list[bytes], fast: bool) -> list[dict]:
     reshaper = (StreamReshaper if fast else DecodingStreamReshaper)(plan, Clock())  # else the general path only
     sent = b""
-    for event in map(_withheld, events):
+    for event in events:
         new = reshaper.reshape_event(event)
         sent += event if new is None else new  # the finish chunk waits for the usage chunk
     sent += reshaper.flush()
-    chunks = sse_events(sent, complete=False)
-    with_choices = [c for c in chunks if c["choices"]]
-    assert with_choices[0]["nvext"]["completion_token_ids"] == [], "the role chunk has no token: [] is true"
-    for chunk in with_choices[1:]:
+    return [c for c in sse_events(sent, complete=False) if c["choices"]]
+
+
+# What vLLM's args hold on a server with a reasoning parser (`--reasoning-parser qwen3`).
+PARSER_ARGS = SimpleNamespace(reasoning_parser="qwen3", tool_call_parser=None, enable_auto_tool_choice=False)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("mode", [Mode.AUTO, Mode.BOTH])
+def test_withheld_stream_ids_are_null_on_every_chunk_the_role_chunk_too(fast, mode):
+    rec = recording("chat_stream_ids")
+    request = read_request(
+        json.dumps({**rec.request, "include_reasoning": False, "nvext": NVEXT_IDS}).encode(), Endpoint.CHAT
+    )
+    assert request is not None
+    hides = _vllm_compat.hides_reasoning_ids(PARSER_ARGS)
+    chunks = _stream_through(plan(request, mode, hides_reasoning_ids=hides), [*map(_withheld, sse_frames(rec.body))],
+                             fast)  # fmt: skip
+    assert "token_ids" not in chunks[0]["choices"][0], "the role chunk, before any id"
+    for chunk in chunks:
+        # A client doing `ids += chunk["nvext"]["completion_token_ids"] or []` would read [] as "no tokens".
         assert chunk["nvext"]["completion_token_ids"] is None, chunk
-    finish = with_choices[-1]["nvext"]
+    finish = chunks[-1]["nvext"]
     assert finish["engine_data"]["completion_token_ids"] is None and finish["engine_data"]["finished"] is True
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_role_chunk_says_no_tokens_where_vllm_reports_the_ids(fast):
+    rec = recording("chat_stream_ids")
+    shown = [i for e in sse_events(rec.body) if e["choices"] for i in e["choices"][0].get("token_ids") or []]
+    for body, hides in (({**rec.request, "include_reasoning": False}, False), (rec.request, True)):
+        request = read_request(json.dumps({**body, "nvext": NVEXT_IDS}).encode(), Endpoint.CHAT)
+        assert request is not None
+        chunks = _stream_through(plan(request, Mode.AUTO, hides_reasoning_ids=hides), sse_frames(rec.body), fast)
+        assert chunks[0]["nvext"]["completion_token_ids"] == [], "the role chunk has no token: [] is true"
+        assert [i for c in chunks for i in c["nvext"]["completion_token_ids"]] == shown
+
+
+@pytest.mark.parametrize(
+    ("args", "hides"),
+    [
+        (None, False),
+        (SimpleNamespace(), False),
+        (PARSER_ARGS, True),
+        (
+            SimpleNamespace(reasoning_parser="", structured_outputs_config=SimpleNamespace(reasoning_parser="qwen3")),
+            True,
+        ),
+        (SimpleNamespace(reasoning_parser=None, tool_call_parser="hermes", enable_auto_tool_choice=True), True),
+        # vLLM composes no tool parser without auto tool choice: it reports the ids.
+        (SimpleNamespace(reasoning_parser=None, tool_call_parser="hermes", enable_auto_tool_choice=False), False),
+    ],
+)
+def test_the_server_withholds_ids_exactly_when_vllm_composes_a_parser(args, hides):
+    assert _vllm_compat.hides_reasoning_ids(args) is hides
+
+
+def test_withheld_ids_are_read_from_the_servers_args_through_the_middleware():
+    rec = recording("chat_stream_ids")
+    body = json.dumps({**rec.request, "include_reasoning": False, "nvext": NVEXT_IDS}).encode()
+    for args, role_ids in ((PARSER_ARGS, None), (SimpleNamespace(reasoning_parser=None), [])):
+        app = SimpleNamespace(state=SimpleNamespace(args=args))
+        upstream = Upstream(content_type="text/event-stream", body=b"".join(map(_withheld, sse_frames(rec.body))))
+        got = asyncio.run(call(NvextMiddleware(upstream), CHAT, body, scope_extra={"app": app}))
+        assert sse_events(got.body, complete=False)[0]["nvext"]["completion_token_ids"] == role_ids
 
 
 def test_orchestrator_root_kv_transfer_params_stay_at_the_root_in_every_mode():

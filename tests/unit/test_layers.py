@@ -20,8 +20,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "vllm_nvext"
 LAYERS: dict[str, frozenset[str]] = {
     # Protocol logic, bytes and decoded JSON in and out, no ASGI: the vocabulary and the request
     # side, then the response side and what both share.
-    "pure": frozenset({"protocol", "config", "_json", "_optin", "_fields", "nvext_schema", "request",
-                       "response", "nvext_values", "stream", "unary", "sse", "_shapes", "metrics"}),
+    "pure": frozenset({"protocol", "config", "_json", "_optin", "_fields", "nvext_schema", "_client_params",
+                       "request", "response", "nvext_values", "stream", "unary", "sse", "_shapes", "metrics"}),
     # What the installed vLLM can do, and its `--api-key` check on the scope.
     "vllm": frozenset({"_vllm_compat"}),
     # The server's ASGI layer: the middleware, its send and receive wrappers, the endpoint plugin.

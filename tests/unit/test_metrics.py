@@ -407,3 +407,19 @@ def test_counters_of_several_processes_are_summed_in_multiprocess_mode(tmp_path)
     assert 'vllm_nvext:refusals_total{param="n",status="400"} 2.0' in lines
     assert 'vllm_nvext:reshaped_events_total{endpoint="chat",kind="stream"} 20.0' in lines
     assert 'vllm_nvext:reshaping_seconds_total{endpoint="chat",kind="stream"} 0.5' in lines
+
+
+# --- one rule for the `endpoint` label: the route the client called --------------------------
+
+
+@pytest.mark.parametrize("name", ["chat_stream_ids", "completions_unary_ids"])
+async def test_invocations_is_labelled_by_its_route_on_every_counter(name):
+    rec = recording(name)
+    app, _ = _app(rec)
+    before = scrape()
+    result = await call(app, "/invocations", _body(rec, "nvext"))
+    assert b'"nvext"' in result.body, "served as the body's route and reshaped"
+    got = delta(before)
+    assert got[request_sample("invocations", "nvext", "auto", _kind(rec))] == 1
+    assert got[sample("reshaped_events", endpoint="invocations", kind=_kind(rec))] >= 1
+    assert {dict(labels)["endpoint"] for _, labels in got} == {"invocations"}, "never chat or completions"
