@@ -18,7 +18,7 @@ MAX_REQUEST_ID = 128
 _FORBIDDEN = ("/", "\\", "..")
 
 # The keys vLLM's prefill/decode connectors dial, at the root of kv_transfer_params and under
-# `prefill` / `decode` (vllm-project/vllm #47843).
+# `prefill` / `decode` (docs/scaling-out.md).
 REMOTE_ADDRESS_KEYS = frozenset({"remote_host", "remote_port"})
 NESTED_STAGES = ("prefill", "decode")
 
