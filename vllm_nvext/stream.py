@@ -33,6 +33,10 @@ _DELTA_TAIL = re.compile(
     rb"((?:" + _NULL_KEY + rb")*\}\](?:" + _NULL_KEY + rb")*\}\n\n)\Z"
 )
 _ID_BYTES = b"0123456789,"
+_CHOICES = b'"choices":['
+# Root keys the general path rewrites on a mid-stream delta (docs/protocol.md §3.4): a chunk with
+# one of them before `choices` is never served by the byte-level path.
+_ROOT_REWRITTEN = (b'"prompt_token_ids":', b'"nvext":')
 # The shape vLLM writes each event in: `data: ` + one JSON object + a blank line.
 _DATA = b"data: "
 _JSON_AT = len(_DATA)  # where the chunk's JSON object starts
@@ -59,7 +63,7 @@ class StreamReshaper:
     sent it, and at most one partial event is held back.
     """
 
-    __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "_head", "_tail", "_held", "_waiting",
+    __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "_root", "_head", "_tail", "_held", "_waiting",
                  "framed", "framed_events", "unchanged")  # fmt: skip
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
@@ -68,6 +72,9 @@ class StreamReshaper:
         self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
         self._trio = plan.nvext_trio
         self._fast = False  # the byte-level path serves deltas once the first chunk was decoded
+        # The bytes up to `"choices":[` of the chunk that armed the byte-level path: vLLM writes the
+        # same root keys before `choices` on every chunk of a stream, and a delta must repeat them.
+        self._root = b""
         self._head = b""  # the bytes from finish_reason to the ids, and after them, of the last delta matched
         self._tail = b""
         self._held = False  # the framer holds a partial event (the `buffered` property, as a plain slot)
@@ -139,17 +146,17 @@ class StreamReshaper:
                 if (
                     pos > _JSON_AT
                     and event.startswith(self._head, pos)
+                    and event.startswith(self._root)
                     and not event[start + 1 : end - 1].translate(None, _ID_BYTES)
                     and event[end - 1 : end] == b"]"
-                    and event.find(_FINISH_KEY) == pos  # the only choice of this chunk
-                    and event[_JSON_AT : _JSON_AT + 1] == b"{"
+                    and event.find(_FINISH_KEY, len(self._root)) == pos  # the only choice of this chunk
                 ):
                     return self._delta(event, start, end)
             pos = event.rfind(_FINISH_KEY)
             # first == last occurrence: exactly one choice in this chunk
             m = (
                 _DELTA_TAIL.match(event, pos)
-                if pos > 0 and event.find(_FINISH_KEY) == pos and event[_JSON_AT : _JSON_AT + 1] == b"{"
+                if pos > 0 and event.startswith(self._root) and event.find(_FINISH_KEY, len(self._root)) == pos
                 else None
             )
             if m is not None:
@@ -208,10 +215,26 @@ class StreamReshaper:
         if chunks.pending is not None:
             self._waiting = (before, obj, after)  # a finish chunk that waits for the usage chunk
             return released
-        if isinstance(obj, dict) and obj.get("choices"):
+        if isinstance(obj, dict) and obj.get("choices") and before == _DATA:
             # engine_data with logprobs or several choices needs every chunk decoded.
-            self._fast = not chunks.decode_every_chunk
+            self._fast = not chunks.decode_every_chunk and self._learn_root(event)
         return released + (before + _json.dumps(obj) + after if changed else event)
+
+    def _learn_root(self, event: bytes) -> bool:
+        """Learn the root bytes before `choices` from a decoded chunk; False if deltas must stay decoded.
+
+        Inside a JSON string every quote is escaped, so the key tokens found here are keys; the
+        root ends at the last `"choices":[` before the first choice's `finish_reason`, so a root
+        value holding a `choices` list of its own cannot end it early.
+        """
+        end = event.rfind(_CHOICES, 0, max(event.find(_FINISH_KEY), 0))
+        if end < 0 or event[_JSON_AT : _JSON_AT + 1] != b"{":
+            return False
+        root = event[: end + len(_CHOICES)]
+        if any(key in root for key in _ROOT_REWRITTEN):
+            return False
+        self._root = root
+        return True
 
     def _release(self) -> bytes:
         """The waiting finish chunk, as it stands (completed from the usage chunk if one came)."""
