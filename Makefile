@@ -1,5 +1,5 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
-.PHONY: setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout setup-router lint bench fixtures fixtures-vllm033
+.PHONY: build-ext setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout setup-router lint bench fixtures fixtures-vllm033
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -38,8 +38,13 @@ serve: setup
 # servers never run beside another group's (each group is a pytest run of its own).
 test: test-unit test-e2e test-e2e-scaleout test-e2e-versions
 
-test-unit: setup
-	$(VENV)/bin/python -m pytest tests/unit --cov=vllm_nvext --cov-fail-under=$(COVERAGE_MIN) $(PYTEST_ARGS)
+# The compiled stream path (vllm_nvext/_speedups.c), built in place; the unit tests run both paths
+# and fail, rather than skip, the compiled one if it is missing (VLLM_NVEXT_REQUIRE_EXTENSION).
+build-ext: setup
+	$(VENV)/bin/python setup.py -q build_ext --inplace
+
+test-unit: setup build-ext
+	VLLM_NVEXT_REQUIRE_EXTENSION=1 $(VENV)/bin/python -m pytest tests/unit --cov=vllm_nvext --cov-fail-under=$(COVERAGE_MIN) $(PYTEST_ARGS)
 
 # The main group (vLLM 0.32 servers, the 0.33 serving layer, the real Dynamo), then the parser server.
 test-e2e: setup setup-vllm033 setup-dynamo

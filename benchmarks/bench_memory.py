@@ -120,7 +120,7 @@ def _stream_scenario(mode: str, n_events: int, split: bool) -> Callable[[], dict
         for piece in source:
             await send({"type": "http.response.body", "body": piece, "more_body": True})
             messages += 1
-            if reshaping is not None:
+            if reshaping is not None and reshaping._stream is not None:
                 max_buffered = max(max_buffered, reshaping._stream.buffered)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return {"max_buffered": max_buffered, "largest_event": largest, "messages": messages,

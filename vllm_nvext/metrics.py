@@ -143,6 +143,7 @@ def _info_gauge(gauge: Any) -> Any:
             PREFIX + "stream_path_info",
             "The stream path that runs: 1 for the compiled one (impl=c) or the pure-Python one (impl=python).",
             ["impl"],
+            multiprocess_mode="max",  # several API-server processes run the same path
         )
     return _gauges["stream_path"]
 
