@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import MutableMapping
 from typing import Any
 
 import orjson
@@ -60,7 +61,7 @@ class _Sink:
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
 
-    async def __call__(self, message: dict[str, Any]) -> None:
+    async def __call__(self, message: MutableMapping[str, Any]) -> None:
         if message["type"] == "http.response.body":
             self.bodies.append(bytes(message.get("body", b"")))
 
