@@ -1,6 +1,6 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
 # `make help` lists every target with the line after its `##`.
-.PHONY: help setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout setup-router lint format bench fixtures fixtures-vllm033
+.PHONY: help build-ext setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout setup-router lint format bench fixtures fixtures-vllm033
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -43,8 +43,14 @@ serve: setup ## vllm-nvext serve on the tiny model (ARGS="..." passes options)
 test: test-unit test-e2e test-e2e-scaleout test-e2e-versions ## everything CI runs: the unit tests, then every e2e group
 
 # The coverage gate is [tool.coverage.report] fail_under in pyproject.toml (plain `pytest --cov` enforces it).
-test-unit: setup ## the tests that need no server, with the branch-coverage gate on vllm_nvext
-	$(VENV)/bin/python -m pytest tests/unit --cov=vllm_nvext $(PYTEST_ARGS)
+# The unit tests run both stream paths and fail, rather than skip, the compiled one if it is missing
+# (VLLM_NVEXT_REQUIRE_EXTENSION).
+test-unit: setup build-ext ## the tests that need no server, with the branch-coverage gate on vllm_nvext
+	VLLM_NVEXT_REQUIRE_EXTENSION=1 $(VENV)/bin/python -m pytest tests/unit --cov=vllm_nvext $(PYTEST_ARGS)
+
+# The compiled stream path (vllm_nvext/_speedups.c), built in place.
+build-ext: setup ## build the compiled stream path (vllm_nvext/_speedups.c) in place
+	$(VENV)/bin/python setup.py -q build_ext --inplace
 
 # The main group (vLLM 0.32 servers, the 0.33 serving layer, the real Dynamo), then the parser server.
 test-e2e: setup setup-vllm033 setup-dynamo ## the main e2e group on real servers, then the parser and connector group

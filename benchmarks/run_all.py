@@ -2,7 +2,7 @@
 
     python -m benchmarks.run_all                    # all of them (make bench), a few minutes on 2 cores
     python -m benchmarks.run_all --quick            # smaller sizes, fewer rounds
-    python -m benchmarks.run_all --only events      # one of: serving, events, layouts, metrics, asgi, memory, server
+    python -m benchmarks.run_all --only events      # serving, events, send, layouts, metrics, asgi, memory, server
     python -m benchmarks.run_all --skip server      # everything but the real-server benchmark
 
 A missed target is reported, never turned into a failing exit status: these are measurements.
@@ -15,7 +15,16 @@ import time
 import traceback
 from collections.abc import Callable
 
-from . import bench_asgi, bench_events, bench_layouts, bench_memory, bench_metrics, bench_server, bench_serving
+from . import (
+    bench_asgi,
+    bench_events,
+    bench_layouts,
+    bench_memory,
+    bench_metrics,
+    bench_server,
+    bench_serving,
+    bench_stream_send,
+)
 from ._common import Target, machine_description, print_targets
 
 # The server benchmark last: it is the longest and the only one that needs free memory.
@@ -23,6 +32,8 @@ BENCHMARKS: dict[str, tuple[Callable[..., list[Target]], list[str]]] = {
     # What users pay: the middleware's share of vLLM 0.33's own serving CPU (runs in the 0.33 venv).
     "serving": (bench_serving.run, list(bench_serving.TARGETS)),
     "events": (bench_events.run, [bench_events.TARGET_PASS_THROUGH, bench_events.TARGET_RESHAPE]),
+    # The send handed to vLLM per mid-stream delta: floor, general path, pure Python, compiled.
+    "send": (bench_stream_send.run, []),
     # vLLM 0.32 and 0.33 layouts side by side: whole recorded streams through NvextMiddleware.
     "layouts": (bench_layouts.run, [bench_layouts.TARGET_LAYOUTS]),
     "metrics": (bench_metrics.run, [bench_metrics.TARGET_COUNTING]),

@@ -30,6 +30,8 @@ _LONGEST_KEY_TOKEN = 2 + 6 * len("return_token_ids")
 def _mentions_key(data: bytes) -> bool:
     if not any(marker in data for marker in _KEY_MARKERS):
         return False  # the common case: two or three C scans
+    if b'"nvext"' in data or b'"return_token_ids"' in data:
+        return True  # the plain spelling is a match of _KEY_TOKEN: one C scan instead of the pattern's
     return _KEY_TOKEN.search(data) is not None
 
 

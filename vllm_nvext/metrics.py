@@ -104,6 +104,38 @@ def _counters() -> _Counters | None:
     return _state
 
 
+_stream_path: str | None = None
+
+
+def set_stream_path(impl: str) -> None:
+    """`vllm_nvext_stream_path_info{impl="c"|"python"}`: which stream path runs (the last middleware built says)."""
+    global _stream_path
+    if impl == _stream_path or _counters() is None:
+        return
+    with _lock:
+        from prometheus_client import Gauge
+
+        gauge = _info_gauge(Gauge)
+        if _stream_path is not None:
+            gauge.labels(impl=_stream_path).set(0)
+        gauge.labels(impl=impl).set(1)
+        _stream_path = impl
+
+
+_gauges: dict[str, Any] = {}
+
+
+def _info_gauge(gauge: Any) -> Any:
+    if "stream_path" not in _gauges:
+        _gauges["stream_path"] = gauge(
+            PREFIX + "stream_path_info",
+            "The stream path that runs: 1 for the compiled one (impl=c) or the pure-Python one (impl=python).",
+            ["impl"],
+            multiprocess_mode="max",  # several API-server processes run the same path
+        )
+    return _gauges["stream_path"]
+
+
 def enabled() -> bool:
     """Whether counting is on: prometheus_client is importable in this process."""
     return _counters() is not None

@@ -10,18 +10,21 @@ vLLM and the client byte for byte (docs/protocol.md §10).
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import replace
 from typing import Any
 
 from . import _client_params, _json, _vllm_compat, metrics
 from ._asgi_request import ASGIApp, Message, PassThrough, Receive, Replay, Scope, Send, read_as_json, set_header
-from ._asgi_response import ReshapingSend
+from ._asgi_response import STREAM_SENDS, ReshapingSend, StreamSendFactory, stream_path
 from ._optin import OptInScan
 from .config import MODE_HEADER, Mode, Settings
 from .nvext_values import Clock
 from .protocol import ENDPOINT_PATHS, Endpoint, RequestError, error_body
 from .request import Plan, read_request
 from .request import plan as plan_request_for
+
+logger = logging.getLogger("vllm_nvext")
 
 _MODE_HEADER = MODE_HEADER.encode()
 # Set on the scope by the first instance, so a second mount (plugin and --middleware) is inert.
@@ -44,6 +47,7 @@ class NvextMiddleware:
         allow_mode_header: bool | None = None,
         max_body_bytes: int | None = None,
         strip_kv_remote_address: bool | None = None,
+        pure_python: bool | None = None,
     ) -> None:
         self.app = app
         self.settings = Settings.create(
@@ -51,8 +55,13 @@ class NvextMiddleware:
             allow_mode_header=allow_mode_header,
             max_body_bytes=max_body_bytes,
             strip_kv_remote_address=strip_kv_remote_address,
+            pure_python=pure_python,
             base=settings,
         )
+        self.stream_path = stream_path(self.settings.pure_python)  # "c" or "python" (_asgi_response.STREAM_SENDS)
+        self._stream_send = STREAM_SENDS[self.stream_path]
+        metrics.set_stream_path(self.stream_path)
+        logger.info("vllm-nvext: the %s stream path runs (VLLM_NVEXT_PURE_PYTHON=1 forces Python)", self.stream_path)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or _HANDLED in scope:
@@ -78,7 +87,7 @@ class NvextMiddleware:
             await self.app(scope, receive, send)
             return
         scope[_HANDLED] = True
-        exchange = _Exchange(self.app, self.settings, endpoint, scope, receive, send)
+        exchange = _Exchange(self.app, self.settings, endpoint, scope, receive, send, self._stream_send)
         exchange.body_request_id = guard and request_id is None  # vLLM then takes the body's `request_id`
         await exchange.run()
 
@@ -86,12 +95,20 @@ class NvextMiddleware:
 class _Exchange:
     """One request/response cycle through the middleware."""
 
-    __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "clock", "body_request_id")
+    __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "clock", "stream_send", "body_request_id")
 
     def __init__(
-        self, app: ASGIApp, settings: Settings, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send
+        self,
+        app: ASGIApp,
+        settings: Settings,
+        endpoint: Endpoint,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        stream_send: StreamSendFactory,
     ) -> None:
         self.app = app
+        self.stream_send = stream_send
         self.settings = settings
         self.endpoint = endpoint
         self.scope = scope
@@ -179,9 +196,9 @@ class _Exchange:
         if not plan.reshapes_response:
             await self.app(scope, Replay([body], False, self.receive), self.send)
             return
-        reshaping = ReshapingSend(plan, self.clock, self.send, self.endpoint)
+        reshaping = ReshapingSend(plan, self.clock, self.send, self.stream_send, self.endpoint)
         try:
-            await self.app(scope, Replay([body], False, self.receive), reshaping)
+            await self.app(scope, Replay([body], False, self.receive), reshaping.app_send)
         finally:
             reshaping.count_stream()  # also for a stream the client cut short
 

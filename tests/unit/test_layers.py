@@ -24,8 +24,9 @@ LAYERS: dict[str, frozenset[str]] = {
                        "request", "response", "nvext_values", "stream", "unary", "sse", "_shapes", "metrics"}),
     # What the installed vLLM can do, and its `--api-key` check on the scope.
     "vllm": frozenset({"_vllm_compat"}),
-    # The server's ASGI layer: the middleware, its send and receive wrappers, the endpoint plugin.
-    "asgi": frozenset({"", "middleware", "_asgi_request", "_asgi_response", "plugin"}),
+    # The server's ASGI layer: the middleware, its send and receive wrappers (`_speedups`, built from
+    # _speedups.c, is the compiled twin of the stream send), the endpoint plugin.
+    "asgi": frozenset({"", "middleware", "_asgi_request", "_asgi_response", "_speedups", "plugin"}),
     # For users, beside the server.
     "beside": frozenset({"client", "hidden_states"}),
     # Engine-side KV connectors: loaded by vLLM's engine process, never by the server.

@@ -282,6 +282,22 @@ def test_splice_keeps_every_other_member_exactly(obj, drop, indent):
             assert text[m.start : m.end] in out
 
 
+@SLOW
+@given(
+    obj=st.dictionaries(st.text(max_size=5), JSON_VALUES, max_size=6),
+    gaps=st.lists(st.sampled_from(["", " ", "\t", "\n ", "\r\n", "  "]), min_size=40, max_size=40),
+)
+def test_members_are_found_whatever_whitespace_sits_in_any_gap(obj, gaps):
+    # whitespace before and after every key, colon and comma, where json.dumps never puts it
+    it = iter(gaps * 4)
+    members_text = [f"{next(it)}{json.dumps(k)}{next(it)}:{next(it)}{json.dumps(v)}{next(it)}" for k, v in obj.items()]
+    text = "{" + next(it) + ",".join(members_text) + "}" if members_text else "{" + next(it) + "}"
+    members, end = nvjson.object_members(text, 0)
+    assert [m.key for m in members] == list(obj) and end == len(text), "a member was missed or the end misread"
+    assert all(json.loads(text[m.value_start : m.end]) == obj[m.key] for m in members), "a value was misread"
+    assert all(text[m.start] == '"' and text[m.value_start] not in " \t\r\n" for m in members)
+
+
 # --- regressions: each finding, as a unit test --------------------------------------------------
 
 

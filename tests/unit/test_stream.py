@@ -60,6 +60,7 @@ def test_byte_level_path_serves_mid_stream_deltas(monkeypatch):
     reshaper = StreamReshaper(plan, Clock())
     events = sse_frames(rec.body)
     reshaper.reshape_event(events[0])
+    reshaper.reshape_event(events[1])  # the first delta arms the splice (stream.Splice)
     delta = events[5]
     decoded = []
     monkeypatch.setattr(stream_module._json, "loads", lambda data: decoded.append(data) or json.loads(data))
