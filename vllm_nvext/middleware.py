@@ -58,7 +58,9 @@ class NvextMiddleware:
         if root and path.startswith(root):
             path = path[len(root) :]  # `vllm serve --root-path` behind a proxy
         endpoint = ENDPOINT_PATHS.get(path)
-        if endpoint is None:
+        if endpoint is None or _vllm_compat.auth_refuses(scope):
+            # Mounted outside vLLM's key check, a request it refuses reaches it untouched: nothing
+            # of the middleware runs before the check (docs/protocol.md §10).
             await self.app(scope, receive, send)
             return
         scope[_HANDLED] = True
@@ -117,7 +119,7 @@ class _Exchange:
             size += len(chunk)
             parts.append(chunk)
             if scan.feed(chunk) and size > cap:
-                await self._refuse(_too_large(cap), b"".join(parts), more)
+                await self._refuse(_too_large(cap))
                 return
             if more and not scan.found and max(size, declared_length) > cap:
                 metrics.count_request(self.endpoint, "none", self.settings.mode, metrics.UNKNOWN)
@@ -134,7 +136,7 @@ class _Exchange:
             mode = self._mode(modes)
             plan = plan_request_for(request, mode, dp_rank_header=dp_rank)
         except RequestError as exc:
-            await self._refuse(exc, body, False)
+            await self._refuse(exc)
             return
         if any(not isinstance(p, str) for p in plan.echo_prompts):
             decoded = await self._decode_echo_prompts(plan, request.data.get("model"))
@@ -211,11 +213,7 @@ class _Exchange:
         if receive.aborted and not started:
             await self._send_error(_too_large(self.settings.max_body_bytes))
 
-    async def _refuse(self, error: RequestError, body: bytes, more_body: bool) -> None:
-        if _vllm_compat.auth_refuses(self.scope):
-            # Mounted outside vLLM's auth: an unauthenticated caller gets vLLM's 401, not our verdict.
-            await self.app(self.scope, Replay([body], more_body, self.receive), self.send)
-            return
+    async def _refuse(self, error: RequestError) -> None:
         await self._send_error(error)
 
     async def _send_error(self, error: RequestError) -> None:

@@ -66,6 +66,7 @@ async def call(
     headers: Sequence[tuple[bytes, bytes]] = ((b"content-type", b"application/json"),),
     request_cuts: Sequence[int] = (),
     root_path: str = "",
+    app_state: Any = None,
 ) -> Result:
     """Send one request through `app`, the body split at `request_cuts`; collect the response."""
     hdrs = [*headers, (b"content-length", str(len(body)).encode())]
@@ -83,6 +84,8 @@ async def call(
         "client": ("127.0.0.1", 1234),
         "server": ("127.0.0.1", 8000),
     }
+    if app_state is not None:
+        scope["app"] = app_state  # what vLLM's app carries: `state.args` (the key check reads it)
     bounds = [*sorted(set(request_cuts)), len(body)]
     pending = []
     prev = 0
