@@ -15,7 +15,7 @@ class Endpoint(str, enum.Enum):
     COMPLETIONS = "completions"
     # One chat.completion answering several conversations, one choice each (vLLM 0.32+).
     CHAT_BATCH = "chat_batch"
-    # SageMaker's route: vLLM serves the body as chat when it holds `messages`, else as completions.
+    # SageMaker's route: vLLM serves the body as chat when its chat model validates it, else as completions.
     INVOCATIONS = "invocations"
 
 

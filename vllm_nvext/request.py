@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _json, _vllm_compat
-from ._fields import read_fields
+from ._fields import invocation_route, read_fields
 from ._optin import might_opt_in
 from .config import Mode
 from .nvext_schema import json_type, validate_nvext
@@ -125,7 +125,10 @@ def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> R
     if not isinstance(data, dict):
         return None
     if endpoint is Endpoint.INVOCATIONS:
-        endpoint = Endpoint.CHAT if "messages" in data else Endpoint.COMPLETIONS
+        route = invocation_route(data)
+        if route is None:
+            return None  # vLLM's own 400: no request model of its takes the body
+        endpoint = route
     return_token_ids = read_fields(data, endpoint, ("return_token_ids",)).return_token_ids
     if return_token_ids is not True and "nvext" not in data:
         return None  # opts into nothing
