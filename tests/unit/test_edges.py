@@ -124,6 +124,28 @@ def test_vllm_errors_about_a_field_the_middleware_set_name_the_clients_field(end
     assert not rename_error(unrelated, plan), "an error about another field is left as vLLM wrote it"
 
 
+@pytest.mark.parametrize(
+    ("nvext", "error"),
+    [
+        # the client's model name holds the field's name: stock's 404 about `model` stays
+        ({"greed_sampling": True}, {"message": "The model `my temperature model` does not exist.", "param": "model"}),
+        ({"cache_salt": "s"}, {"message": "The model `cache_salt` does not exist.", "param": "model"}),
+        ({"token_data": [1]}, {"message": "The model `Token id 5` does not exist.", "param": "model"}),
+        # a logit_bias key named like the field: vLLM's message quotes it, with no param
+        ({"greed_sampling": True}, {"message": "Invalid key in logit_bias: 'temperature'", "param": None}),
+        ({"max_thinking_tokens": 5}, {"message": "Bad logit_bias key 'thinking_token_budget x'", "param": None}),
+        ({"token_data": [1]}, {"message": "bad logit_bias key 'Token id 5 is out of vocabulary'", "param": None}),
+    ],
+)
+def test_errors_are_renamed_from_vllms_param_never_from_text_a_client_wrote(nvext, error):
+    """vLLM's message can quote the client (its model name, a logit_bias key): only `param` or one of
+    vLLM's whole-message templates tells which field an error is about (docs/protocol.md §9)."""
+    plan = _plan({"model": "tiny", "prompt": "x", "nvext": nvext}, Endpoint.COMPLETIONS)
+    answer = {"error": {**error, "type": "NotFoundError", "code": 404}}
+    assert plan.error_params and not rename_error(answer, plan)
+    assert answer["error"] == {**error, "type": "NotFoundError", "code": 404}, "as vLLM wrote it"
+
+
 def test_echoed_prompt_is_put_back_per_choice():
     rec = recording("completions_unary_ids_n2")
     body = rec.json()
