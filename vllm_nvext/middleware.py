@@ -141,7 +141,7 @@ class _Exchange:
         if any(not isinstance(p, str) for p in plan.echo_prompts):
             decoded = await self._decode_echo_prompts(plan, request.data.get("model"))
             if decoded is None:
-                return  # vLLM's own answer about the ids went to the client
+                return  # the client went away: nothing more is done for it
             plan = replace(plan, echo_prompts=decoded)
         if plan.body is not None:
             body = plan.body
@@ -176,27 +176,40 @@ class _Exchange:
             raise RequestError(f"header `{MODE_HEADER}` is repeated with different modes ({names})", MODE_HEADER)
         return chosen.pop() if chosen else mode
 
-    async def _decode_echo_prompts(self, plan: Plan, model: Any) -> tuple[str, ...] | None:
-        """Each echoed id prompt as vLLM echoes it: decoded by vLLM's own `/detokenize`.
+    async def _decode_echo_prompts(self, plan: Plan, model: Any) -> tuple[str | tuple[int, ...], ...] | None:
+        """Each echoed id prompt as vLLM echoes it: decoded by vLLM's own `/detokenize`, after its key check.
 
-        None when vLLM refused to decode one; its answer (it names the bad id) went to the client.
+        One call per distinct id prompt, stopped as soon as the client goes (None then). An id
+        prompt vLLM does not decode stays ids: the request then goes to vLLM as the client sent
+        it, and vLLM's own answer about the ids (or the model) names the client's field.
         """
-        texts: list[str] = []
-        for prompt in plan.echo_prompts:
-            if isinstance(prompt, str):
-                texts.append(prompt)
-                continue
-            status, headers, body = await _internal_post(self.app, self.scope, "/detokenize", model, prompt)
+        decoding = asyncio.ensure_future(self._decode_distinct(plan.echo_prompts, model))
+        watching = asyncio.ensure_future(self.receive())  # the body is read: only a disconnect comes
+        try:
+            await asyncio.wait((decoding, watching), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (decoding, watching):
+                if not task.done():
+                    task.cancel()
+        if watching.done() and not watching.cancelled() or not decoding.done() or decoding.cancelled():
+            return None  # the client went away (the only message that can come after the body)
+        texts = decoding.result()
+        return tuple(texts.get(p, p) if not isinstance(p, str) else p for p in plan.echo_prompts)
+
+    async def _decode_distinct(
+        self, prompts: tuple[str | tuple[int, ...], ...], model: Any
+    ) -> dict[tuple[int, ...], str]:
+        texts: dict[tuple[int, ...], str] = {}
+        for prompt in dict.fromkeys(p for p in prompts if not isinstance(p, str)):
+            status, _, body = await _internal_post(self.app, self.scope, "/detokenize", model, prompt)
             try:
                 decoded = _json.loads(body) if status == 200 else None
             except ValueError:
-                decoded = None  # not vLLM's answer shape: the client gets it as it came
+                decoded = None
             if not isinstance(decoded, dict) or not isinstance(decoded.get("prompt"), str):
-                await self.send({"type": "http.response.start", "status": status, "headers": headers})
-                await self.send({"type": "http.response.body", "body": body, "more_body": False})
-                return None
-            texts.append(decoded["prompt"])
-        return tuple(texts)
+                break  # vLLM answers the request itself, as stock
+            texts[prompt] = decoded["prompt"]
+        return texts
 
     async def _pass_through(self, parts: list[bytes], scan: OptInScan) -> None:
         receive = PassThrough(parts, scan, self.receive)

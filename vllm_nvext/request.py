@@ -129,6 +129,8 @@ def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> R
         if route is None:
             return None  # vLLM's own 400: no request model of its takes the body
         endpoint = route
+    if endpoint is Endpoint.CHAT_BATCH and not _conversations(data.get("messages")):
+        return None  # vLLM's own validation error: `messages` is not a list of conversations
     return_token_ids = read_fields(data, endpoint, ("return_token_ids",)).return_token_ids
     if return_token_ids is not True and "nvext" not in data:
         return None  # opts into nothing
@@ -352,6 +354,11 @@ def _has_non_text_content(messages: Any) -> bool:
         ):
             return True
     return False
+
+
+def _conversations(messages: Any) -> bool:
+    """Is `messages` what vLLM's batch route takes: a non-empty list of non-empty conversations?"""
+    return isinstance(messages, list) and bool(messages) and all(isinstance(m, list) and m for m in messages)
 
 
 def _check_chat_batch(request: Request) -> None:
