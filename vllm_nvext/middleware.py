@@ -169,8 +169,10 @@ class _Exchange:
             if text.strip():
                 try:
                     chosen.add(Mode.parse(text))
-                except ValueError as exc:
-                    raise RequestError(f"header `{MODE_HEADER}`: {exc}", MODE_HEADER) from None
+                except ValueError:
+                    names = "|".join(m.value for m in Mode)
+                    message = f"header `{MODE_HEADER}`: invalid mode, expected one of {names}"
+                    raise RequestError(message, MODE_HEADER) from None
         if len(chosen) > 1:
             names = ", ".join(sorted(m.value for m in chosen))
             raise RequestError(f"header `{MODE_HEADER}` is repeated with different modes ({names})", MODE_HEADER)
