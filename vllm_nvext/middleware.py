@@ -171,7 +171,7 @@ class _Exchange:
                     chosen.add(Mode.parse(text))
                 except ValueError:
                     names = "|".join(m.value for m in Mode)
-                    message = f"header `{MODE_HEADER}`: invalid mode, expected one of {names}"
+                    message = f"header `{MODE_HEADER}`: invalid mode {text.strip()!r}: expected one of {names}"
                     raise RequestError(message, MODE_HEADER) from None
         if len(chosen) > 1:
             names = ", ".join(sorted(m.value for m in chosen))
