@@ -10,7 +10,7 @@ vLLM and the client byte for byte (docs/protocol.md §10).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from . import _json, _vllm_compat, metrics
@@ -138,11 +138,9 @@ class _Exchange:
         except RequestError as exc:
             await self._refuse(exc)
             return
+        decode_echo = None
         if any(not isinstance(p, str) for p in plan.echo_prompts):
-            decoded = await self._decode_echo_prompts(plan, request.data.get("model"))
-            if decoded is None:
-                return  # the client went away: nothing more is done for it
-            plan = replace(plan, echo_prompts=decoded)
+            decode_echo = partial(self._decode_echo_prompts, model=request.data.get("model"))
         if plan.body is not None:
             body = plan.body
             set_header(scope, b"content-length", str(len(body)).encode())
@@ -152,7 +150,7 @@ class _Exchange:
         if not plan.reshapes_response:
             await self.app(scope, Replay([body], False, self.receive), self.send)
             return
-        reshaping = ReshapingSend(plan, self.clock, self.send)
+        reshaping = ReshapingSend(plan, self.clock, self.send, decode_echo)
         try:
             await self.app(scope, Replay([body], False, self.receive), reshaping)
         finally:
@@ -179,11 +177,11 @@ class _Exchange:
         return chosen.pop() if chosen else mode
 
     async def _decode_echo_prompts(self, plan: Plan, model: Any) -> tuple[str | tuple[int, ...], ...] | None:
-        """Each echoed id prompt as vLLM echoes it: decoded by vLLM's own `/detokenize`, after its key check.
+        """Each echoed id prompt as vLLM echoes it: decoded by vLLM's own `/detokenize`.
 
-        One call per distinct id prompt, stopped as soon as the client goes (None then). An id
-        prompt vLLM does not decode stays ids: the request then goes to vLLM as the client sent
-        it, and vLLM's own answer about the ids (or the model) names the client's field.
+        Called when vLLM's successful answer starts, so after vLLM checked the key, the model and
+        the ids and did its own work for them (an error of vLLM's reaches the client as stock).
+        One call per distinct id prompt, stopped as soon as the client goes (None then).
         """
         decoding = asyncio.ensure_future(self._decode_distinct(plan.echo_prompts, model))
         watching = asyncio.ensure_future(self.receive())  # the body is read: only a disconnect comes
@@ -209,7 +207,7 @@ class _Exchange:
             except ValueError:
                 decoded = None
             if not isinstance(decoded, dict) or not isinstance(decoded.get("prompt"), str):
-                break  # vLLM answers the request itself, as stock
+                break  # vLLM, which accepted these ids, answered otherwise: the text stays as vLLM wrote it
             texts[prompt] = decoded["prompt"]
         return texts
 

@@ -48,7 +48,7 @@ def _put_back_echo(choice: dict[str, Any], plan: Plan) -> bool:
         return False
     prompt = plan.echo_prompts[prompt_index]
     if not isinstance(prompt, str):
-        return False  # never decoded: the middleware refused such a request before it went upstream
+        return False  # not decoded (vLLM's /detokenize answered otherwise): the text as vLLM wrote it
     choice["text"] = prompt + text
     return True
 
