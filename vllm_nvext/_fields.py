@@ -152,6 +152,9 @@ def invocation_route(data: dict[str, Any]) -> Endpoint | None:
     """
     from pydantic import ValidationError
 
+    # `nvext` is no field of vLLM's (it never reaches vLLM): left out, so vLLM's "ignored fields"
+    # warning is not logged for it.
+    data = {k: v for k, v in data.items() if k != "nvext"}
     for endpoint in INVOCATION_ORDER:
         model = _vllm_model_for_invocations(endpoint)
         if model is None:
