@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from time import perf_counter_ns
 
 from . import _json, metrics
@@ -105,13 +106,17 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
     return send, arm, disarm, countdown
 
 
+# The echoed prompts of a plan, decoded; None when the client went away meanwhile.
+DecodeEcho = Callable[[Plan], Awaitable["tuple[str | tuple[int, ...], ...] | None"]]
+
+
 class ReshapingSend:
     """The `send` handed to vLLM when the response has to be reshaped."""
 
-    __slots__ = ("plan", "clock", "send", "route", "_kind", "_start", "_parts", "_stream", "_tally", "_left",
-                 "app_send", "_arm", "_disarm", "_countdown", "_armed")  # fmt: skip
+    __slots__ = ("plan", "clock", "send", "route", "decode_echo", "_kind", "_start", "_parts", "_stream", "_tally",
+                 "_left", "app_send", "_arm", "_disarm", "_countdown", "_armed")  # fmt: skip
 
-    _PASS, _UNARY, _STREAM, _ERROR = 0, 1, 2, 3
+    _PASS, _UNARY, _STREAM, _ERROR, _DROP = 0, 1, 2, 3, 4
 
     def __init__(
         self,
@@ -120,6 +125,7 @@ class ReshapingSend:
         send: Send,
         stream_send: StreamSendFactory | None = None,
         route: Endpoint | None = None,
+        decode_echo: DecodeEcho | None = None,
     ) -> None:
         self.plan = plan
         self.clock = clock
@@ -127,6 +133,8 @@ class ReshapingSend:
         # The metrics' `endpoint` label: the route the client called (docs/metrics.md), /invocations
         # included, whichever of chat or completions served it.
         self.route = plan.endpoint if route is None else route
+        # Decodes the plan's echoed id prompts once vLLM has accepted the request (docs/protocol.md §8).
+        self.decode_echo = decode_echo
         self._kind = self._PASS
         self._start: Message | None = None
         self._parts: list[bytes] = []
@@ -176,6 +184,8 @@ class ReshapingSend:
                 await self.send(message)
             return
         kind = message["type"]
+        if self._kind == self._DROP:
+            return  # the client went away while the echoed prompts were decoded
         if kind == "http.response.start":
             await self._on_start(message)
         elif kind == "http.response.body" and self._kind in (self._UNARY, self._ERROR):
@@ -185,6 +195,13 @@ class ReshapingSend:
 
     async def _on_start(self, message: Message) -> None:
         status = message["status"]
+        if self.decode_echo is not None and 200 <= status < 300:
+            # Only now: vLLM has checked the key, the model and every id, and done its own work.
+            decoded = await self.decode_echo(self.plan)
+            if decoded is None:
+                self._kind = self._DROP
+                return
+            self.plan = replace(self.plan, echo_prompts=decoded)
         content_type: bytes | None = None
         encoded = False
         for name, value in message.get("headers", ()):

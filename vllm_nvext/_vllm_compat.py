@@ -8,6 +8,7 @@ behaviour is assumed.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import os
@@ -122,15 +123,52 @@ def capabilities() -> dict[str, bool]:
     }
 
 
+# vLLM's `--api-key` check guards only these path prefixes (after the root path), the same
+# from 0.30 to 0.33; read from the installed vLLM's own module where it has one (`guarded_prefixes`).
+GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
+_AUTHENTICATE = "entrypoints/serve/middleware/authenticate.py"
+
+
+@cache
+def guarded_prefixes() -> tuple[str, ...]:
+    """The installed vLLM's `GUARDED_PREFIX` (its key check's route rule), else the pinned copy."""
+    root = _vllm_root()
+    if root is None:
+        return GUARDED_PREFIX
+    try:
+        tree = ast.parse((root / _AUTHENTICATE).read_text(encoding="utf-8", errors="replace"))
+    except (OSError, SyntaxError, ValueError):
+        return GUARDED_PREFIX
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "GUARDED_PREFIX" for t in node.targets)
+            and isinstance(node.value, ast.Tuple)
+        ):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                break
+            if value and all(isinstance(v, str) for v in value):
+                return tuple(value)
+    return GUARDED_PREFIX
+
+
 def auth_refuses(scope: MutableMapping[str, Any]) -> bool:
     """Would vLLM's `--api-key` check refuse this request? (Only matters when mounted outside it.)
 
-    A replica of vLLM's `AuthenticationMiddleware`: the keys from `app.state.args.api_key` or
-    `VLLM_API_KEY`, a `Bearer` token compared in constant time.
+    A replica of vLLM's `AuthenticationMiddleware`: `OPTIONS` and the paths outside its guarded
+    prefixes (after the root path) pass; otherwise a `Bearer` token, compared in constant time with
+    the keys from `app.state.args.api_key` or `VLLM_API_KEY`, must match.
     """
+    if scope.get("method") == "OPTIONS":
+        return False
     args = getattr(getattr(scope.get("app"), "state", None), "args", None)
     tokens = [t for t in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if t]
     if not tokens:
+        return False
+    path: str = scope.get("path", "")
+    if not path.removeprefix(scope.get("root_path", "")).startswith(guarded_prefixes()):
         return False
     for name, value in scope["headers"]:
         if name == b"authorization":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from . import _client_params, _json, _vllm_compat, metrics
@@ -83,7 +83,9 @@ class NvextMiddleware:
             message = _client_params.not_plain_message("X-Request-Id")
             await _send_error(send, RequestError(message, _client_params.REQUEST_ID_HEADER))
             return
-        if endpoint is None:
+        if endpoint is None or _vllm_compat.auth_refuses(scope):
+            # Mounted outside vLLM's key check, a request it refuses reaches it untouched: nothing
+            # of the middleware runs before the check (docs/protocol.md §10).
             await self.app(scope, receive, send)
             return
         scope[_HANDLED] = True
@@ -157,7 +159,7 @@ class _Exchange:
             size += len(chunk)
             parts.append(chunk)
             if scan.feed(chunk) and size > cap:
-                await self._refuse(_too_large(cap), b"".join(parts), more)
+                await self._refuse(_too_large(cap))
                 return
             if more and not scan.found and max(size, declared_length) > cap:
                 metrics.count_request(self.endpoint, "none", self.settings.mode, metrics.UNKNOWN)
@@ -180,13 +182,11 @@ class _Exchange:
             hides = _vllm_compat.hides_reasoning_ids(_vllm_compat.server_args(scope))
             plan = plan_request_for(request, mode, dp_rank_header=dp_rank, hides_reasoning_ids=hides)
         except RequestError as exc:
-            await self._refuse(exc, body, False)
+            await self._refuse(exc)
             return
+        decode_echo = None
         if any(not isinstance(p, str) for p in plan.echo_prompts):
-            decoded = await self._decode_echo_prompts(plan, request.data.get("model"))
-            if decoded is None:
-                return  # vLLM's own answer about the ids went to the client
-            plan = replace(plan, echo_prompts=decoded)
+            decode_echo = partial(self._decode_echo_prompts, model=request.data.get("model"))
         if plan.body is not None:
             body = plan.body
             set_header(scope, b"content-length", str(len(body)).encode())
@@ -196,7 +196,7 @@ class _Exchange:
         if not plan.reshapes_response:
             await self.app(scope, Replay([body], False, self.receive), self.send)
             return
-        reshaping = ReshapingSend(plan, self.clock, self.send, self.stream_send, self.endpoint)
+        reshaping = ReshapingSend(plan, self.clock, self.send, self.stream_send, self.endpoint, decode_echo)
         try:
             await self.app(scope, Replay([body], False, self.receive), reshaping.app_send)
         finally:
@@ -213,34 +213,49 @@ class _Exchange:
             if text.strip():
                 try:
                     chosen.add(Mode.parse(text))
-                except ValueError as exc:
-                    raise RequestError(f"header `{MODE_HEADER}`: {exc}", MODE_HEADER) from None
+                except ValueError:
+                    names = "|".join(m.value for m in Mode)
+                    message = f"header `{MODE_HEADER}`: invalid mode {text.strip()!r}: expected one of {names}"
+                    raise RequestError(message, MODE_HEADER) from None
         if len(chosen) > 1:
             names = ", ".join(sorted(m.value for m in chosen))
             raise RequestError(f"header `{MODE_HEADER}` is repeated with different modes ({names})", MODE_HEADER)
         return chosen.pop() if chosen else mode
 
-    async def _decode_echo_prompts(self, plan: Plan, model: Any) -> tuple[str, ...] | None:
+    async def _decode_echo_prompts(self, plan: Plan, model: Any) -> tuple[str | tuple[int, ...], ...] | None:
         """Each echoed id prompt as vLLM echoes it: decoded by vLLM's own `/detokenize`.
 
-        None when vLLM refused to decode one; its answer (it names the bad id) went to the client.
+        Called when vLLM's successful answer starts, so after vLLM checked the key, the model and
+        the ids and did its own work for them (an error of vLLM's reaches the client as stock).
+        One call per distinct id prompt, stopped as soon as the client goes (None then).
         """
-        texts: list[str] = []
-        for prompt in plan.echo_prompts:
-            if isinstance(prompt, str):
-                texts.append(prompt)
-                continue
-            status, headers, body = await _internal_post(self.app, self.scope, "/detokenize", model, prompt)
+        decoding = asyncio.ensure_future(self._decode_distinct(plan.echo_prompts, model))
+        watching = asyncio.ensure_future(self.receive())  # the body is read: only a disconnect comes
+        try:
+            await asyncio.wait((decoding, watching), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (decoding, watching):
+                if not task.done():
+                    task.cancel()
+        if watching.done() and not watching.cancelled() or not decoding.done() or decoding.cancelled():
+            return None  # the client went away (the only message that can come after the body)
+        texts = decoding.result()
+        return tuple(texts.get(p, p) if not isinstance(p, str) else p for p in plan.echo_prompts)
+
+    async def _decode_distinct(
+        self, prompts: tuple[str | tuple[int, ...], ...], model: Any
+    ) -> dict[tuple[int, ...], str]:
+        texts: dict[tuple[int, ...], str] = {}
+        for prompt in dict.fromkeys(p for p in prompts if not isinstance(p, str)):
+            status, _, body = await _internal_post(self.app, self.scope, "/detokenize", model, prompt)
             try:
                 decoded = _json.loads(body) if status == 200 else None
             except ValueError:
-                decoded = None  # not vLLM's answer shape: the client gets it as it came
+                decoded = None
             if not isinstance(decoded, dict) or not isinstance(decoded.get("prompt"), str):
-                await self.send({"type": "http.response.start", "status": status, "headers": headers})
-                await self.send({"type": "http.response.body", "body": body, "more_body": False})
-                return None
-            texts.append(decoded["prompt"])
-        return tuple(texts)
+                break  # vLLM, which accepted these ids, answered otherwise: the text stays as vLLM wrote it
+            texts[prompt] = decoded["prompt"]
+        return texts
 
     async def _pass_through(self, parts: list[bytes], scan: OptInScan) -> None:
         receive = PassThrough(parts, scan, self.receive)
@@ -257,21 +272,14 @@ class _Exchange:
         if receive.aborted and not started:
             await self._send_error(_too_large(self.settings.max_body_bytes))
 
-    async def _refuse(self, error: RequestError, body: bytes, more_body: bool) -> None:
-        if _vllm_compat.auth_refuses(self.scope):
-            # Mounted outside vLLM's auth: an unauthenticated caller gets vLLM's 401, not our verdict.
-            await self.app(self.scope, Replay([body], more_body, self.receive), self.send)
-            return
+    async def _refuse(self, error: RequestError) -> None:
         await self._send_error(error)
 
     async def _check_client_params(self, body: bytes) -> bytes | None:
         """The body with the client's remote address stripped (when set); None once a refusal went out.
 
-        After vLLM's key check: a caller without the key gets vLLM's 401 for the body as sent.
+        Only reached past vLLM's key check (`NvextMiddleware.__call__`).
         """
-        if _vllm_compat.auth_refuses(self.scope):
-            await self.app(self.scope, Replay([body], False, self.receive), self.send)
-            return None
         try:
             data = _json.loads_as_vllm(body)
         except (ValueError, RecursionError):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _json, _vllm_compat
-from ._fields import read_fields
+from ._fields import invocation_route, read_fields
 from ._optin import might_opt_in
 from .config import Mode
 from .nvext_schema import json_type, validate_nvext
@@ -128,7 +128,12 @@ def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> R
     if not isinstance(data, dict):
         return None
     if endpoint is Endpoint.INVOCATIONS:
-        endpoint = Endpoint.CHAT if "messages" in data else Endpoint.COMPLETIONS
+        route = invocation_route(data)
+        if route is None:
+            return None  # vLLM's own 400: no request model of its takes the body
+        endpoint = route
+    if endpoint is Endpoint.CHAT_BATCH and not _conversations(data.get("messages")):
+        return None  # vLLM's own validation error: `messages` is not a list of conversations
     if "nvext" not in data:
         if read_fields(data, endpoint, ("return_token_ids",)).return_token_ids is not True:
             return None  # opts into nothing
@@ -369,6 +374,11 @@ def _has_non_text_content(messages: Any) -> bool:
         ):
             return True
     return False
+
+
+def _conversations(messages: Any) -> bool:
+    """Is `messages` what vLLM's batch route takes: a non-empty list of non-empty conversations?"""
+    return isinstance(messages, list) and bool(messages) and all(isinstance(m, list) and m for m in messages)
 
 
 def _check_chat_batch(request: Request) -> None:

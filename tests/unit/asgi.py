@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,8 +68,13 @@ async def call(
     request_cuts: Sequence[int] = (),
     root_path: str = "",
     scope_extra: dict[str, Any] | None = None,
+    app_state: Any = None,
+    disconnect_after_body: bool = False,
 ) -> Result:
-    """Send one request through `app`, the body split at `request_cuts`; collect the response."""
+    """Send one request through `app`, the body split at `request_cuts`; collect the response.
+
+    `disconnect_after_body`: the client goes as soon as its body is sent.
+    """
     hdrs = [*headers, (b"content-length", str(len(body)).encode())]
     scope = {
         "type": "http",
@@ -85,6 +91,8 @@ async def call(
         "server": ("127.0.0.1", 8000),
         **(scope_extra or {}),
     }
+    if app_state is not None:
+        scope["app"] = app_state  # what vLLM's app carries: `state.args` (the key check reads it)
     bounds = [*sorted(set(request_cuts)), len(body)]
     pending = []
     prev = 0
@@ -92,9 +100,14 @@ async def call(
         pending.append({"type": "http.request", "body": body[prev:cut], "more_body": i < len(bounds) - 1})
         prev = cut
 
+    answered = asyncio.Event()
+
     async def receive():
         if pending:
             return pending.pop(0)
+        if disconnect_after_body:
+            return {"type": "http.disconnect"}
+        await answered.wait()  # as a server does: the disconnect comes once the response is complete
         return {"type": "http.disconnect"}
 
     start: dict[str, Any] = {}
@@ -107,6 +120,8 @@ async def call(
         elif message["type"] == "http.response.body":
             assert start, "body before start"
             messages.append(bytes(message.get("body", b"")))
+            if not message.get("more_body", False):
+                answered.set()
 
     await app(scope, receive, send)
     return Result(start["status"], list(start.get("headers", [])), b"".join(messages), messages)

@@ -179,6 +179,28 @@ def test_vllm_errors_about_a_field_the_middleware_set_name_the_clients_field(end
     assert not rename_error(unrelated, plan), "an error about another field is left as vLLM wrote it"
 
 
+@pytest.mark.parametrize(
+    ("nvext", "error"),
+    [
+        # the client's model name holds the field's name: stock's 404 about `model` stays
+        ({"greed_sampling": True}, {"message": "The model `my temperature model` does not exist.", "param": "model"}),
+        ({"cache_salt": "s"}, {"message": "The model `cache_salt` does not exist.", "param": "model"}),
+        ({"token_data": [1]}, {"message": "The model `Token id 5` does not exist.", "param": "model"}),
+        # a logit_bias key named like the field: vLLM's message quotes it, with no param
+        ({"greed_sampling": True}, {"message": "Invalid key in logit_bias: 'temperature'", "param": None}),
+        ({"max_thinking_tokens": 5}, {"message": "Bad logit_bias key 'thinking_token_budget x'", "param": None}),
+        ({"token_data": [1]}, {"message": "bad logit_bias key 'Token id 5 is out of vocabulary'", "param": None}),
+    ],
+)
+def test_errors_are_renamed_from_vllms_param_never_from_text_a_client_wrote(nvext, error):
+    """vLLM's message can quote the client (its model name, a logit_bias key): only `param` or one of
+    vLLM's whole-message templates tells which field an error is about (docs/protocol.md §9)."""
+    plan = _plan({"model": "tiny", "prompt": "x", "nvext": nvext}, Endpoint.COMPLETIONS)
+    answer = {"error": {**error, "type": "NotFoundError", "code": 404}}
+    assert plan.error_params and not rename_error(answer, plan)
+    assert answer["error"] == {**error, "type": "NotFoundError", "code": 404}, "as vLLM wrote it"
+
+
 def test_echoed_prompt_is_put_back_per_choice():
     rec = recording("completions_unary_ids_n2")
     body = rec.json()
@@ -209,6 +231,16 @@ def test_chat_batch_follows_the_several_choices_rules():
     assert one.nvext_trio
 
 
+@pytest.mark.parametrize(
+    "messages",
+    [[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], [], [[]], "junk", [[{"role": "user"}], {}]],
+)
+def test_batch_messages_that_are_not_conversations_get_vllms_own_error(messages):
+    """vLLM's batch model refuses them itself: the middleware's several-choices refusal never answers."""
+    body = {"model": "tiny", "messages": messages, "nvext": {"extra_fields": ["completion_token_ids"]}}
+    assert plan_request(json.dumps(body).encode(), Endpoint.CHAT_BATCH, Mode.AUTO) is None
+
+
 def test_invocations_is_read_as_the_route_vllm_serves_it_on():
     chat = _plan({"messages": [{"role": "user", "content": "a"}], "return_token_ids": True}, Endpoint.INVOCATIONS)
     completions = _plan({"prompt": "a", "return_token_ids": True}, Endpoint.INVOCATIONS)
@@ -232,12 +264,17 @@ class _VllmWithDetokenize:
         data = json.loads(body)
         answer: dict[str, Any]
         if scope["path"].endswith("/detokenize"):
+            await asyncio.sleep(0)  # vLLM's tokenizer runs apart: the event loop turns meanwhile
             self.detokenized.append((scope["path"], list(scope["headers"]), data))
             status, answer = (400, {"error": {"message": "Token id 99999 is out of vocabulary"}}) if self.refuse else (
                 200, {"prompt": "".join(chr(t) for t in data["tokens"])})  # fmt: skip
+        elif self.refuse:  # vLLM's completions check the same ids
+            status, answer = 400, {"error": {"message": "Token id 99999 is out of vocabulary", "param": None}}
         else:
             status = 200
-            answer = {"choices": [{"index": 0, "text": "gen", "token_ids": [1, 2], "prompt_token_ids": data["prompt"]}]}
+            prompts = data["prompt"] if isinstance(data["prompt"][0], list) else [data["prompt"]]
+            answer = {"choices": [{"index": i, "text": "gen", "token_ids": [1, 2], "prompt_token_ids": p}
+                                  for i, p in enumerate(prompts)]}  # fmt: skip
         out = json.dumps(answer).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -263,9 +300,12 @@ async def test_echo_of_an_id_prompt_is_decoded_by_vllms_own_detokenize():
     assert path == "/api/detokenize" and sent == {"model": "tiny", "tokens": [72, 105]}
     assert (b"authorization", b"Bearer k") in sent_headers, "with the client's credentials"
 
-    refusing = NvextMiddleware(_VllmWithDetokenize(refuse=True), settings=Settings())
-    result = await call(refusing, COMPLETIONS, body.encode())
+    refusing = _VllmWithDetokenize(refuse=True)
+    result = await call(NvextMiddleware(refusing, settings=Settings()), COMPLETIONS, body.encode())
     assert result.status == 400 and b"out of vocabulary" in result.body, "vLLM's own answer about the ids"
+    assert not refusing.detokenized and json.loads(result.body)["error"]["param"] is None, (
+        "vLLM refused first: its completions answer, as stock; never /detokenize's, which names `body.tokens.0`"
+    )
 
     async def not_json(scope, receive, send) -> None:  # a route answering something else: never a 500
         await receive()
@@ -289,3 +329,27 @@ async def test_a_field_mapped_without_ids_leaves_vllms_answer_byte_for_byte():
     error = b'{"error": {"message": "temperature is bad", "param": "temperature", "code": 400}}'
     refused = await call(NvextMiddleware(Upstream(status=400, body=error), settings=Settings()), COMPLETIONS, body)
     assert json.loads(refused.body)["error"]["param"] == "nvext.greed_sampling", "the client's field"
+
+
+async def test_echo_decodes_each_distinct_id_prompt_once_and_stops_when_the_client_goes():
+    from tests.unit.asgi import call
+    from vllm_nvext import NvextMiddleware, Settings
+
+    prompts = [[72, 105], [72, 105], [79, 107], [72, 105]]
+    body = json.dumps(
+        {"model": "tiny", "prompt": prompts, "echo": True, "nvext": {"extra_fields": ["timing"]}}
+    ).encode()
+    vllm = _VllmWithDetokenize()
+    result = await call(NvextMiddleware(vllm, settings=Settings()), "/v1/completions", body)
+    assert [c["text"] for c in json.loads(result.body)["choices"]] == ["Higen", "Higen", "Okgen", "Higen"]
+    assert [d["tokens"] for _, _, d in vllm.detokenized] == [[72, 105], [79, 107]], "one call per distinct prompt"
+
+    gone = _VllmWithDetokenize()
+    app = NvextMiddleware(gone, settings=Settings())
+    many = json.dumps(
+        {"model": "tiny", "prompt": [[65 + i] for i in range(50)], "echo": True, "nvext": {"extra_fields": ["timing"]}}
+    ).encode()
+    with pytest.raises(KeyError):  # the driver saw no response at all: nothing was sent to the client
+        await call(app, "/v1/completions", many, disconnect_after_body=True)
+    assert len(gone.detokenized) < 5, "decoding stops when the client goes, not after the 50 prompts"
+    assert all(path.endswith("/detokenize") for path, _, _ in gone.detokenized), "nothing went upstream"
