@@ -1,5 +1,5 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
-.PHONY: setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout setup-router lint bench fixtures fixtures-vllm033
+.PHONY: setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout setup-router lint bench fixtures fixtures-vllm033 fixtures-agent
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -90,3 +90,6 @@ fixtures: setup
 
 fixtures-vllm033: setup setup-vllm033
 	$(VENV)/bin/python scripts/record_fixtures.py --vllm 0.33
+
+fixtures-agent: setup
+	$(VENV)/bin/python scripts/record_fixtures.py --set agent

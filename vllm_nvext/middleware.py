@@ -22,6 +22,14 @@ from .nvext_values import Clock
 from .protocol import ENDPOINT_PATHS, Endpoint, RequestError, error_body
 from .request import Plan, read_request
 from .request import plan as plan_request_for
+from .responses_api import (
+    AGENT_PATHS,
+    AgentRoute,
+    ResponsesSend,
+    anthropic_error_body,
+    messages_refusal,
+    plan_responses,
+)
 
 _MODE_HEADER = MODE_HEADER.encode()
 # Set on the scope by the first instance, so a second mount (plugin and --middleware) is inert.
@@ -57,7 +65,9 @@ class NvextMiddleware:
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root) :]  # `vllm serve --root-path` behind a proxy
-        endpoint = ENDPOINT_PATHS.get(path)
+        endpoint: Endpoint | AgentRoute | None = ENDPOINT_PATHS.get(path)
+        if endpoint is None:
+            endpoint = AGENT_PATHS.get(path)  # /v1/responses, /v1/messages: responses_api.py
         if endpoint is None:
             await self.app(scope, receive, send)
             return
@@ -71,7 +81,13 @@ class _Exchange:
     __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "clock")
 
     def __init__(
-        self, app: ASGIApp, settings: Settings, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send
+        self,
+        app: ASGIApp,
+        settings: Settings,
+        endpoint: Endpoint | AgentRoute,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
     ) -> None:
         self.app = app
         self.settings = settings
@@ -124,6 +140,9 @@ class _Exchange:
                 await self._pass_through(parts, scan)  # too large to hold, and no opt-in so far
                 return
         body = parts[0] if len(parts) == 1 else b"".join(parts)
+        if isinstance(self.endpoint, AgentRoute):
+            await self._agent_route(self.endpoint, body, scan.found, modes, dp_rank)
+            return
 
         try:
             request = read_request(body, self.endpoint, scanned=True) if scan.found else None
@@ -155,6 +174,36 @@ class _Exchange:
             await self.app(scope, Replay([body], False, self.receive), reshaping)
         finally:
             reshaping.count_stream()  # also for a stream the client cut short
+
+    async def _agent_route(
+        self, route: AgentRoute, body: bytes, found: bool, modes: list[bytes], dp_rank: bytes | None
+    ) -> None:
+        """/v1/responses and /v1/messages (docs/protocol.md §11)."""
+        try:
+            if route is AgentRoute.MESSAGES:
+                refusal = messages_refusal(body) if found else None
+                if refusal is not None:
+                    await self._refuse(refusal, body, False, anthropic_error_body(refusal))
+                    return
+                plan = None
+            else:
+                plan = plan_responses(body, self._mode(modes), dp_rank_header=dp_rank) if found else None
+        except RequestError as exc:
+            payload = anthropic_error_body(exc) if route is AgentRoute.MESSAGES else None
+            await self._refuse(exc, body, False, payload)
+            return
+        if plan is None:
+            metrics.count_request(route, "none", self.settings.mode, metrics.UNKNOWN)
+            await self.app(self.scope, Replay([body], False, self.receive), self.send)
+            return
+        if plan.body is not None:
+            body = plan.body
+            set_header(self.scope, b"content-length", str(len(body)).encode())
+        for name, value in plan.headers:
+            set_header(self.scope, name, value, replace=False)
+        metrics.count_request(route, plan.dialect, self.settings.mode, metrics.STREAM if plan.stream else metrics.UNARY)
+        send = ResponsesSend(plan, self.send) if plan.reshapes else self.send
+        await self.app(self.scope, Replay([body], False, self.receive), send)
 
     def _mode(self, values: list[bytes]) -> Mode:
         """The mode for a request that opts in; an empty header counts as absent."""
@@ -211,16 +260,18 @@ class _Exchange:
         if receive.aborted and not started:
             await self._send_error(_too_large(self.settings.max_body_bytes))
 
-    async def _refuse(self, error: RequestError, body: bytes, more_body: bool) -> None:
+    async def _refuse(self, error: RequestError, body: bytes, more_body: bool, payload: bytes | None = None) -> None:
         if _vllm_compat.auth_refuses(self.scope):
             # Mounted outside vLLM's auth: an unauthenticated caller gets vLLM's 401, not our verdict.
             await self.app(self.scope, Replay([body], more_body, self.receive), self.send)
             return
-        await self._send_error(error)
+        await self._send_error(error, payload)
 
-    async def _send_error(self, error: RequestError) -> None:
+    async def _send_error(self, error: RequestError, payload: bytes | None = None) -> None:
+        """`payload`: the error body when it is not vLLM's OpenAI envelope (the Anthropic route's)."""
         metrics.count_refusal(error.param, error.status)
-        payload = error_body(error.message, error.param, error.status)
+        if payload is None:
+            payload = error_body(error.message, error.param, error.status)
         await self.send(
             {
                 "type": "http.response.start",
