@@ -18,6 +18,8 @@ from ._asgi_request import ASGIApp, Message, PassThrough, Receive, Replay, Scope
 from ._asgi_response import ReshapingSend
 from ._optin import OptInScan
 from .config import MODE_HEADER, Mode, Settings
+from .messages_api import plugin_serves_messages
+from .messages_api import serve as serve_messages
 from .nvext_values import Clock
 from .protocol import ENDPOINT_PATHS, Endpoint, RequestError, error_body
 from .request import Plan, read_request
@@ -25,9 +27,10 @@ from .request import plan as plan_request_for
 from .responses_api import (
     AGENT_PATHS,
     AgentRoute,
+    MessagesPlan,
     ResponsesSend,
     anthropic_error_body,
-    messages_refusal,
+    plan_messages,
     plan_responses,
 )
 
@@ -51,11 +54,14 @@ class NvextMiddleware:
         mode: Mode | str | None = None,
         allow_mode_header: bool | None = None,
         max_body_bytes: int | None = None,
+        serve_messages: bool = False,
     ) -> None:
         self.app = app
         self.settings = Settings.create(
             mode=mode, allow_mode_header=allow_mode_header, max_body_bytes=max_body_bytes, base=settings
         )
+        # The plugin mount serves /v1/messages with ids itself (messages_api.py).
+        self.serve_messages = serve_messages
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or _HANDLED in scope:
@@ -68,17 +74,19 @@ class NvextMiddleware:
         endpoint: Endpoint | AgentRoute | None = ENDPOINT_PATHS.get(path)
         if endpoint is None:
             endpoint = AGENT_PATHS.get(path)  # /v1/responses, /v1/messages: responses_api.py
-        if endpoint is None:
-            await self.app(scope, receive, send)
+        if endpoint is None or (
+            endpoint is AgentRoute.MESSAGES and not self.serve_messages and plugin_serves_messages(scope)
+        ):
+            await self.app(scope, receive, send)  # (/v1/messages: the plugin mount inside serves it)
             return
         scope[_HANDLED] = True
-        await _Exchange(self.app, self.settings, endpoint, scope, receive, send).run()
+        await _Exchange(self.app, self.settings, endpoint, scope, receive, send, self.serve_messages).run()
 
 
 class _Exchange:
     """One request/response cycle through the middleware."""
 
-    __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "clock")
+    __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "clock", "serve_messages")
 
     def __init__(
         self,
@@ -88,8 +96,10 @@ class _Exchange:
         scope: Scope,
         receive: Receive,
         send: Send,
+        serve_messages: bool = False,
     ) -> None:
         self.app = app
+        self.serve_messages = serve_messages
         self.settings = settings
         self.endpoint = endpoint
         self.scope = scope
@@ -179,18 +189,16 @@ class _Exchange:
         self, route: AgentRoute, body: bytes, found: bool, modes: list[bytes], dp_rank: bytes | None
     ) -> None:
         """/v1/responses and /v1/messages (docs/protocol.md §11)."""
+        messages = route is AgentRoute.MESSAGES
         try:
-            if route is AgentRoute.MESSAGES:
-                refusal = messages_refusal(body) if found else None
-                if refusal is not None:
-                    await self._refuse(refusal, body, False, anthropic_error_body(refusal))
-                    return
-                plan = None
-            else:
-                plan = plan_responses(body, self._mode(modes), dp_rank_header=dp_rank) if found else None
+            mode = self._mode(modes) if found else self.settings.mode
+            plan = (
+                (plan_messages if messages else plan_responses)(body, mode, dp_rank_header=dp_rank) if found else None
+            )
+            if isinstance(plan, MessagesPlan) and plan.ids and not self.serve_messages:
+                raise plan.refusal()
         except RequestError as exc:
-            payload = anthropic_error_body(exc) if route is AgentRoute.MESSAGES else None
-            await self._refuse(exc, body, False, payload)
+            await self._refuse(exc, body, False, anthropic_error_body(exc) if messages else None)
             return
         if plan is None:
             metrics.count_request(route, "none", self.settings.mode, metrics.UNKNOWN)
@@ -201,9 +209,17 @@ class _Exchange:
             set_header(self.scope, b"content-length", str(len(body)).encode())
         for name, value in plan.headers:
             set_header(self.scope, name, value, replace=False)
-        metrics.count_request(route, plan.dialect, self.settings.mode, metrics.STREAM if plan.stream else metrics.UNARY)
-        send = ResponsesSend(plan, self.send) if plan.reshapes else self.send
-        await self.app(self.scope, Replay([body], False, self.receive), send)
+        metrics.count_request(route, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY)
+        receive = Replay([body], False, self.receive)
+        if isinstance(plan, MessagesPlan):
+            if plan.ids:
+                data = _json.loads_as_vllm(body)
+                if not await serve_messages(self.app, self.scope, receive, self.send, data, plan.placements):
+                    await self._send_error(plan.refusal(), anthropic_error_body(plan.refusal()))
+                return
+            await self.app(self.scope, receive, self.send)
+            return
+        await self.app(self.scope, receive, ResponsesSend(plan, self.send) if plan.reshapes else self.send)
 
     def _mode(self, values: list[bytes]) -> Mode:
         """The mode for a request that opts in; an empty header counts as absent."""

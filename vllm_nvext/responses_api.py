@@ -106,11 +106,36 @@ def _read(body: bytes) -> dict[str, Any] | None:
     return data
 
 
-def plan_responses(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None) -> ResponsesPlan | None:
-    """The plan for a /v1/responses body; None means pass it through untouched.
+@dataclass(frozen=True, slots=True)
+class _OptIn:
+    """What a body on an agent route asks for, read in the server's or the header's mode."""
 
-    Raises RequestError for what vLLM reads but cannot be answered with ids.
-    """
+    data: dict[str, Any]
+    nvext: dict[str, Any]
+    return_token_ids: bool
+    vllm_ids: bool
+    nvext_trio: bool
+    nvext_prompt_ids: bool
+
+    @property
+    def ids(self) -> bool:
+        return self.vllm_ids or self.nvext_trio or self.nvext_prompt_ids
+
+    @property
+    def dialect(self) -> str:
+        return ("both" if "nvext" in self.data else "vllm") if self.return_token_ids else "nvext"
+
+    def rewrite(self, body: bytes, dp_rank_header: bytes | None) -> tuple[_Rewrite, tuple[tuple[bytes, bytes], ...]]:
+        """vLLM reads neither `nvext` nor `return_token_ids` here: both go; nvext request fields become vLLM's."""
+        rewrite = _Rewrite()
+        for key in ("nvext", "return_token_ids"):
+            if key in self.data:
+                rewrite.drop(key)
+        request = Request(Endpoint.CHAT, body, self.data, None, self.nvext)
+        return rewrite, _apply_nvext_fields(rewrite, request, dp_rank_header)
+
+
+def _opt_in(body: bytes, mode: Mode, route: str) -> _OptIn | None:
     data = _read(body)
     if data is None:
         return None
@@ -125,13 +150,13 @@ def plan_responses(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = No
     unanswered = sorted(requested & NVEXT_ONLY_SELECTORS)
     if unanswered:
         raise RequestError(
-            f'`nvext.extra_fields=["{unanswered[0]}"]` is not answered on /v1/responses; '
+            f'`nvext.extra_fields=["{unanswered[0]}"]` is not answered on {route}; '
             f"its selectors there are {COMPLETION_TOKEN_IDS} and {PROMPT_TOKEN_IDS}",
             "nvext.extra_fields",
         )
-    for field in ("token_data", "max_thinking_tokens"):
-        if nvext.get(field) is not None:
-            raise RequestError(f"`nvext.{field}` is not supported on /v1/responses", f"nvext.{field}")
+    for name in ("token_data", "max_thinking_tokens"):
+        if nvext.get(name) is not None:
+            raise RequestError(f"`nvext.{name}` is not supported on {route}", f"nvext.{name}")
     normalized = requested | ({COMPLETION_TOKEN_IDS} if return_token_ids else set())
     ids_requested = bool(normalized & ID_SELECTORS)
     if mode is Mode.AUTO:
@@ -143,48 +168,80 @@ def plan_responses(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = No
     else:
         vllm_ids = nvext_placement = ids_requested
     nvext_trio = nvext_placement and COMPLETION_TOKEN_IDS in normalized
-    nvext_prompt_ids = nvext_placement and not nvext_trio
-    if (vllm_ids or nvext_placement) and _flag(data, "background"):
+    return _OptIn(data, nvext, return_token_ids, vllm_ids, nvext_trio, nvext_placement and not nvext_trio)
+
+
+def plan_responses(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None) -> ResponsesPlan | None:
+    """The plan for a /v1/responses body; None means pass it through untouched.
+
+    Raises RequestError for what vLLM reads but cannot be answered with ids.
+    """
+    opt = _opt_in(body, mode, "/v1/responses")
+    if opt is None:
+        return None
+    data = opt.data
+    if opt.ids and _flag(data, "background"):
         # vLLM answers a background request at once, before anything is generated.
         raise RequestError("token ids on /v1/responses cannot be combined with `background`", "background")
     client_enabled = _flag(data, "enable_response_messages")
-    rewrite = _Rewrite()
-    for key in ("nvext", "return_token_ids"):  # vLLM's Responses API reads neither
-        if key in data:
-            rewrite.drop(key)
-    if (vllm_ids or nvext_placement) and not client_enabled:
+    rewrite, headers = opt.rewrite(body, dp_rank_header)
+    if opt.ids and not client_enabled:
         rewrite.set("enable_response_messages", "true")
-    headers = _apply_nvext_fields(rewrite, Request(Endpoint.CHAT, body, data, None, nvext), dp_rank_header)
     return ResponsesPlan(
-        vllm_ids=vllm_ids,
-        nvext_trio=nvext_trio,
-        nvext_prompt_ids=nvext_prompt_ids,
-        strip_messages=nvext_placement and not vllm_ids and not client_enabled,
+        vllm_ids=opt.vllm_ids,
+        nvext_trio=opt.nvext_trio,
+        nvext_prompt_ids=opt.nvext_prompt_ids,
+        strip_messages=(opt.nvext_trio or opt.nvext_prompt_ids) and not opt.vllm_ids and not client_enabled,
         root_kv=data.get("kv_transfer_params") is not None,
         stream=_flag(data, "stream"),
         body=rewrite.apply(body),
         headers=headers,
-        dialect=("both" if "nvext" in data else "vllm") if return_token_ids else "nvext",
+        dialect=opt.dialect,
     )
 
 
-def messages_refusal(body: bytes) -> RequestError | None:
-    """A /v1/messages body that asks for token ids, refused: vLLM's Messages API has none to give.
+@dataclass(frozen=True, slots=True)
+class MessagesPlan:
+    """One /v1/messages request that opts in (docs/protocol.md §11.2)."""
 
-    None: it opts into nothing and goes to vLLM untouched.
-    """
-    data = _read(body)
-    if data is None:
+    # (vLLM placement, nvext trio, nvext prompt ids alone): none of them means no ids were asked.
+    placements: tuple[bool, bool, bool]
+    # The param the client asked for ids with (named by a refusal).
+    param: str
+    stream: bool
+    body: bytes | None
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    dialect: str = "vllm"
+
+    @property
+    def ids(self) -> bool:
+        return any(self.placements)
+
+    def refusal(self) -> RequestError:
+        """Where the ids cannot be served: a 400 naming the field, never a 200 without them."""
+        return RequestError(
+            f"`{self.param}` cannot be answered on /v1/messages by the --middleware mount alone: vLLM's "
+            "Messages API converts the request to chat without token ids, so they need the vllm-nvext "
+            "endpoint plugin (VLLM_PLUGINS=nvext) serving that route (docs/protocol.md §11)",
+            self.param,
+        )
+
+
+def plan_messages(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None) -> MessagesPlan | None:
+    """The plan for a /v1/messages body; None means pass it through untouched. Raises RequestError."""
+    opt = _opt_in(body, mode, "/v1/messages")
+    if opt is None:
         return None
-    param = "return_token_ids" if "nvext" not in data else "nvext"
-    nvext = data.get("nvext")
-    if isinstance(nvext, dict) and nvext.get("extra_fields"):
-        param = "nvext.extra_fields"
-    return RequestError(
-        f"`{param}` cannot be answered on /v1/messages here: vLLM's Messages API converts the request to chat "
-        "without token ids, so they need the vllm-nvext endpoint plugin serving that route "
-        "(docs/protocol.md §11); ask /v1/chat/completions for them meanwhile",
-        param,
+    asked = set(opt.nvext.get("extra_fields") or []) & ID_SELECTORS
+    param = "nvext.extra_fields" if asked else "return_token_ids"
+    rewrite, headers = opt.rewrite(body, dp_rank_header)
+    return MessagesPlan(
+        placements=(opt.vllm_ids, opt.nvext_trio, opt.nvext_prompt_ids),
+        param=param,
+        stream=_flag(opt.data, "stream"),
+        body=rewrite.apply(body),
+        headers=headers,
+        dialect=opt.dialect,
     )
 
 

@@ -21,7 +21,7 @@ from vllm_nvext.responses_api import (
     ResponsesPlan,
     ResponsesSend,
     ResponsesStream,
-    messages_refusal,
+    plan_messages,
     plan_responses,
     reshape_response,
     reshape_unary,
@@ -317,7 +317,7 @@ def test_bodies_that_are_not_objects_pass_through():
     [
         ({"return_token_ids": True}, "return_token_ids"),
         ({"nvext": NVEXT_IDS}, "nvext.extra_fields"),
-        ({"nvext": {"cache_salt": "s"}}, "nvext"),
+        ({"nvext": {"extra_fields": ["prompt_token_ids"]}, "return_token_ids": True}, "nvext.extra_fields"),
     ],
 )
 async def test_messages_with_ids_asked_is_a_400_in_anthropics_envelope_never_a_200_without_them(extra, param):
@@ -340,4 +340,13 @@ async def test_messages_opt_out_is_byte_identical(name, monkeypatch):
     sent = json.dumps(request).encode()
     result = await call(app, MESSAGES, sent)
     assert upstream.received == sent and result.body == body
-    assert messages_refusal(json.dumps({**request, "return_token_ids": False}).encode()) is None
+    assert plan_messages(json.dumps({**request, "return_token_ids": False}).encode(), Mode.AUTO) is None
+
+
+async def test_messages_nvext_without_ids_reaches_vllm_as_its_own_fields():
+    request, body, content_type = _rec("messages_unary_plain")
+    upstream = Upstream(content_type=content_type, body=body)
+    app = NvextMiddleware(upstream, settings=Settings())
+    result = await call(app, MESSAGES, json.dumps({**request, "nvext": {"cache_salt": "s"}}).encode())
+    assert result.body == body
+    assert json.loads(upstream.received or b"") == {**request, "cache_salt": "s"}
