@@ -11,6 +11,7 @@ mounted too, in which case it leaves the route to the plugin.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 from collections.abc import AsyncIterator
@@ -143,6 +144,11 @@ async def _tee(events: AsyncIterator[str], ids: CapturedIds) -> AsyncIterator[st
         yield item
 
 
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def serve(
     app: ASGIApp,
     scope: Scope,
@@ -178,8 +184,16 @@ async def serve(
         return True
     ids = CapturedIds()
     vllm_ids, nvext_trio, nvext_prompt = placements
+    # As vLLM's route (`with_cancellation`): a client that goes away cancels the work, nothing outlives it.
+    work = asyncio.ensure_future(_handler_copy(handler, ids).create_messages(request, Request(scope, receive)))
+    gone = asyncio.ensure_future(_until_disconnect(receive))
+    await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not work.done():
+        work.cancel()
+        return True
     try:
-        result = await _handler_copy(handler, ids).create_messages(request, Request(scope, receive))
+        result = work.result()
     except Exception as exc:  # as vLLM's route answers it
         logger.exception("Error in create_messages")
         result = create_error_response(exc)

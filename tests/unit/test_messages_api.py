@@ -7,6 +7,7 @@ only the engine behind its chat serving is replaced by the recording.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.unit.asgi import Upstream, call
+from tests.unit import asgi
+from tests.unit.asgi import Upstream
 from vllm_nvext import Mode, NvextMiddleware, Settings
 from vllm_nvext.messages_api import PLUGIN_STATE, CapturedIds, place_ids_in_event
 
@@ -27,6 +29,27 @@ CHAT_UNARY = FIXTURES / "agent-apis" / "chat_unary_ids_same_conversation.json"
 CHAT_STREAM = FIXTURES / "chat_stream_ids.sse"  # the same conversation, streamed with usage
 REQUEST = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about token ids."}], "max_tokens": 8}
 NVEXT_IDS = {"nvext": {"extra_fields": ["completion_token_ids"]}}
+
+
+async def call(app: Any, path: str, body: bytes, **kwargs: Any) -> asgi.Result:
+    """tests.unit.asgi.call, with a client that stays connected until the answer is complete."""
+    done = asyncio.Event()
+
+    async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        async def connected() -> Any:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                await done.wait()
+            return message
+
+        async def sending(message: dict[str, Any]) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                done.set()
+
+        await app(scope, connected, sending)
+
+    return await asgi.call(wrapped, path, body, **kwargs)
 
 
 class _App:
@@ -187,3 +210,32 @@ def test_the_plugin_mount_serves_messages_and_says_so_on_vllms_app():
     NvextPlugin().attach_router(app)
     assert getattr(app.state, PLUGIN_STATE) is True  # a --middleware mount outside leaves the route to it
     assert [m.kwargs.get("serve_messages") for m in app.user_middleware] == [True]
+
+
+async def test_a_client_that_goes_away_cancels_the_work():
+    handler, _ = _handler()
+    cancelled = asyncio.Event()
+
+    async def forever(request: Any, raw_request: Any = None) -> Any:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    handler.create_chat_completion = forever
+    body = json.dumps({**REQUEST, **NVEXT_IDS}).encode()
+    incoming = [{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return incoming.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/messages", "root_path": "", "query_string": b""}
+    scope["headers"] = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await _App(handler, Upstream())(scope, receive, send)
+    await asyncio.wait_for(cancelled.wait(), 5)
+    assert sent == []  # nothing answers a client that is gone
