@@ -157,3 +157,30 @@ def test_messages_opt_out_is_stock(server_url, raw):
     with client.messages.stream(**MESSAGES_BODY, extra_body=GREEDY) as stream:
         streamed = stream.get_final_message()
     assert [block.to_dict() for block in streamed.content] == stock["content"]
+
+
+# --- every sampled token: a server with a reasoning parser (marker e2e_parser, a pytest run of its own) ---
+
+
+@pytest.mark.e2e_parser
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_tokens_are_in_the_responses_ids(parser_server, stream):
+    # The tiny model never closes its thinking: with the qwen3 parser all of its output is reasoning.
+    body = {"model": MODEL_NAME, "input": "Hello", "max_output_tokens": MAX, "temperature": 0}
+    chat_body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": MAX}
+    with httpx.Client(base_url=parser_server.url, timeout=120.0) as client:
+        chat = post(client, CHAT, {**chat_body, "temperature": 0, "return_token_ids": True})
+    sdk = _sdk(parser_server.url)
+    if stream:
+        with sdk.responses.stream(**body, extra_body=NVEXT_IDS) as events:
+            for _ in events:
+                pass
+            answer = events.get_final_response().to_dict()
+    else:
+        answer = sdk.responses.create(**body, extra_body=NVEXT_IDS).to_dict()
+    assert "reasoning" in [item["type"] for item in answer["output"]]
+    assert answer["nvext"] == {
+        "completion_token_ids": chat["choices"][0]["token_ids"],
+        "prompt_token_ids": chat["prompt_token_ids"],
+    }
+    assert len(answer["nvext"]["completion_token_ids"]) == answer["usage"]["output_tokens"]
