@@ -200,7 +200,7 @@ DIFFERENCES: tuple[Difference, ...] = (
         what=(
             "`nvext` is answered on vLLM's `/v1/chat/completions/batch` and `/invocations` too; on "
             "`/v1/responses` `completion_token_ids` is answered, other selectors refused; on `/v1/messages` "
-            "ids are refused (400)"
+            "it is answered through the plugin mount (the `--middleware` mount alone refuses it, 400)"
         ),
         contract="vllm-nvext",
         reason=(
