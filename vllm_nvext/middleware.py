@@ -19,10 +19,21 @@ from ._asgi_request import ASGIApp, Message, PassThrough, Receive, Replay, Scope
 from ._asgi_response import STREAM_SENDS, ReshapingSend, StreamSendFactory, stream_path
 from ._optin import OptInScan
 from .config import MODE_HEADER, Mode, Settings
+from .messages_api import plugin_serves_messages
+from .messages_api import serve as serve_messages
 from .nvext_values import Clock
 from .protocol import ENDPOINT_PATHS, Endpoint, RequestError, error_body
 from .request import Plan, read_request
 from .request import plan as plan_request_for
+from .responses_api import (
+    AGENT_PATHS,
+    AgentRoute,
+    MessagesPlan,
+    ResponsesSend,
+    anthropic_error_body,
+    plan_messages,
+    plan_responses,
+)
 
 logger = logging.getLogger("vllm_nvext")
 
@@ -48,6 +59,7 @@ class NvextMiddleware:
         max_body_bytes: int | None = None,
         strip_kv_remote_address: bool | None = None,
         pure_python: bool | None = None,
+        serve_messages: bool = False,
     ) -> None:
         self.app = app
         self.settings = Settings.create(
@@ -62,6 +74,8 @@ class NvextMiddleware:
         self._stream_send = STREAM_SENDS[self.stream_path]
         metrics.set_stream_path(self.stream_path)
         logger.info("vllm-nvext: the %s stream path runs (VLLM_NVEXT_PURE_PYTHON=1 forces Python)", self.stream_path)
+        # The plugin mount serves /v1/messages with ids itself (messages_api.py).
+        self.serve_messages = serve_messages
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or _HANDLED in scope:
@@ -71,7 +85,9 @@ class NvextMiddleware:
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root) :]  # `vllm serve --root-path` behind a proxy
-        endpoint = ENDPOINT_PATHS.get(path)
+        endpoint: Endpoint | AgentRoute | None = ENDPOINT_PATHS.get(path)
+        if endpoint is None:
+            endpoint = AGENT_PATHS.get(path)  # /v1/responses, /v1/messages: responses_api.py
         # A server whose kv connector joins request ids into file paths gets plain names only.
         guard = _vllm_compat.builds_paths_from_request_ids(_vllm_compat.server_args(scope))
         request_id = _first_header(scope, b"x-request-id") if guard else None
@@ -83,13 +99,20 @@ class NvextMiddleware:
             message = _client_params.not_plain_message("X-Request-Id")
             await _send_error(send, RequestError(message, _client_params.REQUEST_ID_HEADER))
             return
-        if endpoint is None or _vllm_compat.auth_refuses(scope):
+        if (
+            endpoint is None
+            or _vllm_compat.auth_refuses(scope)
+            or (endpoint is AgentRoute.MESSAGES and not self.serve_messages and plugin_serves_messages(scope))
+        ):
             # Mounted outside vLLM's key check, a request it refuses reaches it untouched: nothing
-            # of the middleware runs before the check (docs/protocol.md §10).
+            # of the middleware runs before the check (docs/protocol.md §10). /v1/messages: the
+            # plugin mount inside serves it.
             await self.app(scope, receive, send)
             return
         scope[_HANDLED] = True
-        exchange = _Exchange(self.app, self.settings, endpoint, scope, receive, send, self._stream_send)
+        exchange = _Exchange(
+            self.app, self.settings, endpoint, scope, receive, send, self._stream_send, self.serve_messages
+        )
         exchange.body_request_id = guard and request_id is None  # vLLM then takes the body's `request_id`
         await exchange.run()
 
@@ -97,20 +120,23 @@ class NvextMiddleware:
 class _Exchange:
     """One request/response cycle through the middleware."""
 
-    __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "clock", "stream_send", "body_request_id")
+    __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "clock", "stream_send", "body_request_id",
+                 "serve_messages")  # fmt: skip
 
     def __init__(
         self,
         app: ASGIApp,
         settings: Settings,
-        endpoint: Endpoint,
+        endpoint: Endpoint | AgentRoute,
         scope: Scope,
         receive: Receive,
         send: Send,
         stream_send: StreamSendFactory,
+        serve_messages: bool = False,
     ) -> None:
         self.app = app
         self.stream_send = stream_send
+        self.serve_messages = serve_messages
         self.settings = settings
         self.endpoint = endpoint
         self.scope = scope
@@ -171,6 +197,9 @@ class _Exchange:
             if checked is None:
                 return  # answered
             body = checked
+        if isinstance(self.endpoint, AgentRoute):
+            await self._agent_route(self.endpoint, body, scan.found, modes, dp_rank)
+            return
 
         try:
             request = read_request(body, self.endpoint, scanned=True) if scan.found else None
@@ -201,6 +230,42 @@ class _Exchange:
             await self.app(scope, Replay([body], False, self.receive), reshaping.app_send)
         finally:
             reshaping.count_stream()  # also for a stream the client cut short
+
+    async def _agent_route(
+        self, route: AgentRoute, body: bytes, found: bool, modes: list[bytes], dp_rank: bytes | None
+    ) -> None:
+        """/v1/responses and /v1/messages (docs/protocol.md §11)."""
+        messages = route is AgentRoute.MESSAGES
+        try:
+            mode = self._mode(modes) if found else self.settings.mode
+            plan = (
+                (plan_messages if messages else plan_responses)(body, mode, dp_rank_header=dp_rank) if found else None
+            )
+            if isinstance(plan, MessagesPlan) and plan.ids and not self.serve_messages:
+                raise plan.refusal()
+        except RequestError as exc:
+            await self._refuse(exc, anthropic_error_body(exc) if messages else None)
+            return
+        if plan is None:
+            metrics.count_request(route, "none", self.settings.mode, metrics.UNKNOWN)
+            await self.app(self.scope, Replay([body], False, self.receive), self.send)
+            return
+        if plan.body is not None:
+            body = plan.body
+            set_header(self.scope, b"content-length", str(len(body)).encode())
+        for name, value in plan.headers:
+            set_header(self.scope, name, value, replace=False)
+        metrics.count_request(route, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY)
+        receive = Replay([body], False, self.receive)
+        if isinstance(plan, MessagesPlan):
+            if plan.ids:
+                data = _json.loads_as_vllm(body)
+                if not await serve_messages(self.app, self.scope, receive, self.send, data, plan.placements):
+                    await self._send_error(plan.refusal(), anthropic_error_body(plan.refusal()))
+                return
+            await self.app(self.scope, receive, self.send)
+            return
+        await self.app(self.scope, receive, ResponsesSend(plan, self.send) if plan.reshapes else self.send)
 
     def _mode(self, values: list[bytes]) -> Mode:
         """The mode for a request that opts in; an empty header counts as absent."""
@@ -272,8 +337,8 @@ class _Exchange:
         if receive.aborted and not started:
             await self._send_error(_too_large(self.settings.max_body_bytes))
 
-    async def _refuse(self, error: RequestError) -> None:
-        await self._send_error(error)
+    async def _refuse(self, error: RequestError, payload: bytes | None = None) -> None:
+        await self._send_error(error, payload)
 
     async def _check_client_params(self, body: bytes) -> bytes | None:
         """The body with the client's remote address stripped (when set); None once a refusal went out.
@@ -295,13 +360,15 @@ class _Exchange:
                 return stripped
         return body
 
-    async def _send_error(self, error: RequestError) -> None:
-        await _send_error(self.send, error)
+    async def _send_error(self, error: RequestError, payload: bytes | None = None) -> None:
+        await _send_error(self.send, error, payload)
 
 
-async def _send_error(send: Send, error: RequestError) -> None:
+async def _send_error(send: Send, error: RequestError, payload: bytes | None = None) -> None:
+    """`payload`: the error body when it is not vLLM's OpenAI envelope (the Anthropic route's)."""
     metrics.count_refusal(error.param, error.status)
-    payload = error_body(error.message, error.param, error.status)
+    if payload is None:
+        payload = error_body(error.message, error.param, error.status)
     await send(
         {
             "type": "http.response.start",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import Settings
+from .messages_api import PLUGIN_STATE
 from .middleware import NvextMiddleware
 
 
@@ -18,7 +19,9 @@ class NvextPlugin:
 
     def attach_router(self, app: Any) -> None:
         # Validated now: an invalid VLLM_NVEXT_* value stops the server from starting.
-        app.add_middleware(NvextMiddleware, settings=Settings.from_env())
+        app.add_middleware(NvextMiddleware, settings=Settings.from_env(), serve_messages=True)
+        # A --middleware mount outside leaves /v1/messages to this one (docs/protocol.md §11.2).
+        setattr(app.state, PLUGIN_STATE, True)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         return None

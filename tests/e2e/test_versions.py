@@ -33,7 +33,7 @@ import pytest
 
 from tests.e2e import test_request_fidelity, test_translation
 from tests.e2e.conftest import version_server
-from tests.helpers import API_KEY, http_client, rows, run_parity, sse_events
+from tests.helpers import API_KEY, http_client, post, rows, run_parity, sse_events
 
 pytestmark = pytest.mark.e2e
 
@@ -274,3 +274,25 @@ def test_the_rules_copied_from_vllm_are_each_versions_own(version):
     assert theirs == read == pinned, "the key check's guarded prefixes"
     assert rules["chat_first"], "/invocations tries chat, then completions"
     assert rules["sanitize"], "the copy of sanitize_message's rules"
+
+
+@on("0.30", "0.31", "0.33")
+def test_agent_routes_answer_chats_ids(raw, translated, request):
+    """/v1/responses in both mounts, /v1/messages through the plugin (docs/protocol.md §11), on this release."""
+    from tests.e2e.test_agent_routes import GREEDY, MESSAGES_BODY, NVEXT_IDS, RESPONSES_BODY
+    from vllm_nvext.responses_api import TERMINAL_EVENTS
+
+    chat = post(raw, "/v1/chat/completions", {**MESSAGES_BODY, **GREEDY, "return_token_ids": True})
+    want = {"completion_token_ids": chat["choices"][0]["token_ids"], "prompt_token_ids": chat["prompt_token_ids"]}
+    unary = post(translated, "/v1/responses", {**RESPONSES_BODY, **NVEXT_IDS})
+    assert unary["nvext"] == want and unary["output_messages"] is None
+    streamed = translated.post("/v1/responses", json={**RESPONSES_BODY, "stream": True, **NVEXT_IDS})
+    data = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    final = json.loads(data[-1])
+    # vLLM 0.33 ends a stream cut by max_output_tokens with `response.incomplete`, earlier ones with `completed`
+    assert final["type"] in TERMINAL_EVENTS and final["response"]["nvext"] == want
+    message = translated.post("/v1/messages", json={**MESSAGES_BODY, **GREEDY, **NVEXT_IDS})
+    if request.node.callspec.params["translated"] == "plugin":
+        assert message.status_code == 200 and message.json()["nvext"] == want
+    else:
+        assert message.status_code == 400 and "endpoint plugin" in message.json()["error"]["message"]

@@ -25,8 +25,10 @@ LAYERS: dict[str, frozenset[str]] = {
     # What the installed vLLM can do, and its `--api-key` check on the scope.
     "vllm": frozenset({"_vllm_compat"}),
     # The server's ASGI layer: the middleware, its send and receive wrappers (`_speedups`, built from
-    # _speedups.c, is the compiled twin of the stream send), the endpoint plugin.
-    "asgi": frozenset({"", "middleware", "_asgi_request", "_asgi_response", "_speedups", "plugin"}),
+    # _speedups.c, is the compiled twin of the stream send), the agent routes (`responses_api` reshapes
+    # /v1/responses' events, `messages_api` serves /v1/messages in the plugin), the endpoint plugin.
+    "asgi": frozenset({"", "middleware", "_asgi_request", "_asgi_response", "_speedups", "responses_api",
+                       "messages_api", "plugin"}),
     # For users, beside the server.
     "beside": frozenset({"client", "hidden_states"}),
     # Engine-side KV connectors: loaded by vLLM's engine process, never by the server.

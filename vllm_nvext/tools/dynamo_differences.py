@@ -198,14 +198,15 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference(
         id="routes",
         what=(
-            "`nvext` is answered on vLLM's `/v1/chat/completions/batch` and `/invocations` too, and left "
-            "to vLLM (which ignores it) on `/v1/responses` and `/v1/messages`"
+            "`nvext` is answered on vLLM's `/v1/chat/completions/batch` and `/invocations` too; on "
+            "`/v1/responses` `completion_token_ids` is answered, other selectors refused; on `/v1/messages` "
+            "it is answered through the plugin mount (the `--middleware` mount alone refuses it, 400)"
         ),
         contract="vllm-nvext",
         reason=(
-            "Dynamo 1.6.1 has no batch or SageMaker route (404); on its Responses and Anthropic routes it "
-            "reads `nvext` request fields and answers a few selectors, which vLLM's own routes there "
-            "would need a translation of their own (docs/protocol.md §10)"
+            "Dynamo 1.6.1 has no batch or SageMaker route (404); on Responses it refuses "
+            "`completion_token_ids` (501) and answers a few other selectors, its Anthropic answers carry no "
+            "`nvext`; vLLM's Anthropic route hides its ids from an ASGI layer (docs/protocol.md §10, §11)"
         ),
         when={"other_route": True},
     ),

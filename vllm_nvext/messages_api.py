@@ -1,0 +1,215 @@
+"""/v1/messages (Claude Code) with token ids, served by the endpoint plugin mount (docs/protocol.md §11.2).
+
+vLLM's Anthropic route converts the request into a chat request without `return_token_ids` and
+builds the Anthropic answer from the chat answer, so the ids never reach an ASGI layer. The
+plugin mount (inside vLLM's app, after vLLM's key check) therefore serves a request that opts in
+itself, with vLLM's own code: vLLM's Anthropic handler does the conversion and the answer, on a
+per-request copy whose chat request has `return_token_ids` on and whose chat answer is read for
+the ids on the way. The `--middleware` mount refuses such a request (400) unless the plugin is
+mounted too, in which case it leaves the route to the plugin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _json
+from ._asgi_request import ASGIApp, Receive, Scope, Send
+from .protocol import COMPLETION_TOKEN_IDS, PROMPT_TOKEN_IDS
+
+logger = logging.getLogger("vllm_nvext")
+
+# Set on vLLM's app state by the plugin: the plugin mount serves /v1/messages with ids.
+PLUGIN_STATE = "vllm_nvext_serves_messages"
+
+
+def plugin_serves_messages(scope: Scope) -> bool:
+    """Is the plugin mounted in the app this request goes to (so that it serves /v1/messages)?"""
+    state = getattr(scope.get("app"), "state", None)
+    return getattr(state, PLUGIN_STATE, False) is True
+
+
+@dataclass
+class CapturedIds:
+    """The ids of one chat answer, read as vLLM's Anthropic handler consumes it."""
+
+    completion: list[int] | None = field(default_factory=list)
+    prompt: list[int] | None = None
+
+    def add_chunk(self, item: str) -> None:
+        """One chat stream event (`data: {...}\\n\\n`)."""
+        if not item.startswith("data: {"):
+            return
+        try:
+            chunk = _json.loads(item[6:].strip().encode())
+        except ValueError:
+            return
+        if not isinstance(chunk, dict):
+            return
+        prompt = chunk.get("prompt_token_ids")
+        if isinstance(prompt, list) and self.prompt is None:
+            self.prompt = prompt
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict) or "token_ids" not in choice:
+                continue
+            ids = choice["token_ids"]
+            if ids is None:
+                self.completion = None  # withheld by vLLM: not reported
+            elif self.completion is not None:
+                self.completion += ids
+
+    def add_answer(self, answer: Any) -> None:
+        """A unary chat answer (vLLM's ChatCompletionResponse)."""
+        self.prompt = getattr(answer, "prompt_token_ids", None)
+        choices = getattr(answer, "choices", None) or []
+        self.completion = getattr(choices[0], "token_ids", None) if choices else None
+
+
+def place_ids(message: dict[str, Any], ids: CapturedIds, vllm_ids: bool, nvext_trio: bool, nvext_prompt: bool) -> None:
+    """The placements of docs/protocol.md §11.2 on a unary message object (in place)."""
+    if vllm_ids:
+        message[PROMPT_TOKEN_IDS] = ids.prompt
+        message["token_ids"] = ids.completion
+    if nvext_trio or nvext_prompt:
+        nvext: dict[str, Any] = {}
+        if nvext_trio:
+            nvext[COMPLETION_TOKEN_IDS] = ids.completion
+            if message.get("kv_transfer_params") is not None:
+                nvext["kv_transfer_params"] = message["kv_transfer_params"]
+        nvext[PROMPT_TOKEN_IDS] = ids.prompt
+        message["nvext"] = nvext
+
+
+def place_ids_in_event(event: str, ids: CapturedIds, vllm_ids: bool, nvext_trio: bool, nvext_prompt: bool) -> str:
+    """One Anthropic stream event: prompt ids on `message_start` (vLLM placement), the rest on `message_delta`."""
+    is_start = event.startswith("event: message_start\n")
+    if not (is_start and vllm_ids) and not event.startswith("event: message_delta\n"):
+        return event
+    head, _, data = event.partition("\ndata: ")
+    try:
+        obj = _json.loads(data.strip().encode())
+    except ValueError:
+        return event
+    if not isinstance(obj, dict):
+        return event
+    if is_start:
+        message = obj.get("message")
+        if not isinstance(message, dict):
+            return event
+        message[PROMPT_TOKEN_IDS] = ids.prompt
+    else:
+        if vllm_ids:
+            obj["token_ids"] = ids.completion
+        if nvext_trio or nvext_prompt:
+            nvext: dict[str, Any] = {}
+            if nvext_trio:
+                nvext[COMPLETION_TOKEN_IDS] = ids.completion
+            nvext[PROMPT_TOKEN_IDS] = ids.prompt
+            obj["nvext"] = nvext
+    return f"{head}\ndata: {_json.dumps(obj).decode()}\n\n"
+
+
+def _handler_copy(handler: Any, ids: CapturedIds) -> Any:
+    """A per-request copy of vLLM's Anthropic handler: its chat request asks for ids, its chat answer is read."""
+    proxy = copy.copy(handler)
+    convert = handler.to_chat_completion_request
+    chat = handler.create_chat_completion
+
+    def to_chat_completion_request(*args: Any, **kwargs: Any) -> Any:
+        request = convert(*args, **kwargs)
+        request.return_token_ids = True
+        return request
+
+    async def create_chat_completion(request: Any, raw_request: Any = None) -> Any:
+        answer = await chat(request, raw_request)
+        if hasattr(answer, "__aiter__"):
+            return _tee(answer, ids)
+        if hasattr(answer, "choices"):
+            ids.add_answer(answer)
+        return answer
+
+    proxy.to_chat_completion_request = to_chat_completion_request
+    proxy.create_chat_completion = create_chat_completion
+    return proxy
+
+
+async def _tee(events: AsyncIterator[str], ids: CapturedIds) -> AsyncIterator[str]:
+    async for item in events:
+        ids.add_chunk(item)
+        yield item
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def serve(
+    app: ASGIApp,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    data: dict[str, Any],
+    placements: tuple[bool, bool, bool],
+) -> bool:
+    """Answer one /v1/messages request with ids through vLLM's own Anthropic handler.
+
+    `data`: the body `receive` replays, which vLLM is to read (without `nvext` / `return_token_ids`).
+    A body that is not a valid Messages request goes to vLLM (`app`), whose validation answers it.
+    False, with nothing sent, when this vLLM has no Anthropic handler to serve it with.
+    """
+    try:
+        from pydantic import ValidationError
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse, StreamingResponse
+        from vllm.entrypoints.anthropic.api_router import translate_error_response
+        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest, AnthropicMessagesResponse
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    except ImportError:
+        return False
+    handler = getattr(getattr(scope.get("app"), "state", None), "anthropic_serving_messages", None)
+    needed = ("create_messages", "to_chat_completion_request", "create_chat_completion")
+    if handler is None or not all(hasattr(handler, name) for name in needed):
+        return False
+    try:
+        request = AnthropicMessagesRequest.model_validate(data)
+    except ValidationError:
+        await app(scope, receive, send)  # vLLM's own validation answers it
+        return True
+    ids = CapturedIds()
+    vllm_ids, nvext_trio, nvext_prompt = placements
+    # As vLLM's route (`with_cancellation`): a client that goes away cancels the work, nothing outlives it.
+    work = asyncio.ensure_future(_handler_copy(handler, ids).create_messages(request, Request(scope, receive)))
+    gone = asyncio.ensure_future(_until_disconnect(receive))
+    await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not work.done():
+        work.cancel()
+        return True
+    try:
+        result = work.result()
+    except Exception as exc:  # as vLLM's route answers it
+        logger.exception("Error in create_messages")
+        result = create_error_response(exc)
+    response: Any
+    if isinstance(result, ErrorResponse):
+        response = translate_error_response(result)
+    elif isinstance(result, AnthropicMessagesResponse):
+        message = result.model_dump(exclude_none=True)
+        place_ids(message, ids, vllm_ids, nvext_trio, nvext_prompt)
+        response = JSONResponse(content=message)
+    else:
+
+        async def events() -> AsyncIterator[str]:
+            async for event in result:
+                yield place_ids_in_event(event, ids, vllm_ids, nvext_trio, nvext_prompt)
+
+        response = StreamingResponse(content=events(), media_type="text/event-stream")
+    await response(scope, receive, send)
+    return True

@@ -1,0 +1,412 @@
+"""Token ids on the routes agent harnesses speak: /v1/responses (Codex) and /v1/messages (Claude Code).
+
+docs/protocol.md §11. On /v1/responses vLLM's own placement is `enable_response_messages`
+(`input_messages` / `output_messages`, each entry with its `tokens`): the middleware turns it on
+for a request that opts in, answers the nvext placement from it (a root `nvext` on the response
+object, in a stream on the `response` of the event that ends it), and takes back out whatever
+only it caused. /v1/messages has no ids in vLLM and an ASGI layer cannot see them: a request
+that opts in there is refused (400, Anthropic's envelope) rather than answered without them.
+Pure except `ResponsesSend`, the ASGI `send` that reshapes vLLM's answer.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from . import _json
+from ._asgi_request import Message, Send
+from .config import Mode
+from .nvext_schema import json_type, validate_nvext
+from .protocol import COMPLETION_TOKEN_IDS, ID_SELECTORS, NVEXT_ONLY_SELECTORS, PROMPT_TOKEN_IDS, Endpoint, RequestError
+from .request import Request, _apply_nvext_fields, _Rewrite
+from .sse import EventFramer
+
+logger = logging.getLogger("vllm_nvext")
+
+
+class AgentRoute(str, enum.Enum):
+    RESPONSES = "responses"
+    MESSAGES = "messages"
+
+
+# Read by the middleware next to protocol.ENDPOINT_PATHS (relative to vLLM's root path).
+AGENT_PATHS = {"/v1/responses": AgentRoute.RESPONSES, "/v1/messages": AgentRoute.MESSAGES}
+
+# The events that end a Responses stream; the one vLLM sends carries the whole response object.
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+_TERMINAL_TOKENS = tuple(f'"type":"{name}"'.encode() for name in TERMINAL_EVENTS)
+_VLLM_MESSAGES = ("input_messages", "output_messages")
+_LINE = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)")
+
+
+def data_span(event: bytes) -> tuple[int, int] | None:
+    """The span of the value of the one `data:` line of an event (vLLM writes `event:` first); else None."""
+    span = None
+    for line in _LINE.finditer(event):
+        start = line.start()
+        if event.startswith(b"data:", start):
+            if span is not None:
+                return None  # multi-line data: left as it came
+            value = start + (6 if event[start + 5 : start + 6] == b" " else 5)
+            span = (value, start + len(line.group().rstrip(b"\r\n")))
+    return span
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesPlan:
+    """What to send vLLM for one /v1/responses request that opts in, and how to reshape the answer."""
+
+    # The client gets vLLM's own placement: `input_messages` / `output_messages` with `tokens`.
+    vllm_ids: bool
+    # Root `nvext` with completion_token_ids, prompt_token_ids (and kv_transfer_params when vLLM reports one).
+    nvext_trio: bool
+    # Root `nvext` with prompt_token_ids alone.
+    nvext_prompt_ids: bool
+    # The middleware turned `enable_response_messages` on: vLLM's copies go back to null.
+    strip_messages: bool
+    # The client sent a root `kv_transfer_params`: vLLM's stays at the root in every mode.
+    root_kv: bool
+    stream: bool
+    # The rewritten upstream body; None keeps the client's bytes.
+    body: bytes | None
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    dialect: str = "vllm"
+
+    @property
+    def reshapes(self) -> bool:
+        return self.nvext_trio or self.nvext_prompt_ids or self.strip_messages
+
+
+def _flag(data: dict[str, Any], name: str) -> bool:
+    """A root bool as vLLM reads it (pydantic's lax bool: "true", 1 and "yes" are true)."""
+    if name not in data or data[name] is None:
+        return False
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        return bool(TypeAdapter(bool).validate_python(data[name]))
+    except ValidationError:
+        raise RequestError(f"`{name}` is invalid for vLLM: Input should be a valid boolean", name) from None
+
+
+def _read(body: bytes) -> dict[str, Any] | None:
+    """The body as vLLM reads it, when it opts in; None passes it through untouched."""
+    try:
+        data = _json.loads_as_vllm(body)
+    except (ValueError, RecursionError):
+        return None  # vLLM answers with its own 400
+    if not isinstance(data, dict):
+        return None
+    if "nvext" not in data and not _flag(data, "return_token_ids"):
+        return None
+    return data
+
+
+@dataclass(frozen=True, slots=True)
+class _OptIn:
+    """What a body on an agent route asks for, read in the server's or the header's mode."""
+
+    data: dict[str, Any]
+    nvext: dict[str, Any]
+    return_token_ids: bool
+    vllm_ids: bool
+    nvext_trio: bool
+    nvext_prompt_ids: bool
+
+    @property
+    def ids(self) -> bool:
+        return self.vllm_ids or self.nvext_trio or self.nvext_prompt_ids
+
+    @property
+    def dialect(self) -> str:
+        return ("both" if "nvext" in self.data else "vllm") if self.return_token_ids else "nvext"
+
+    def rewrite(self, body: bytes, dp_rank_header: bytes | None) -> tuple[_Rewrite, tuple[tuple[bytes, bytes], ...]]:
+        """vLLM reads neither `nvext` nor `return_token_ids` here: both go; nvext request fields become vLLM's."""
+        rewrite = _Rewrite()
+        for key in ("nvext", "return_token_ids"):
+            if key in self.data:
+                rewrite.drop(key)
+        request = Request(Endpoint.CHAT, body, self.data, None, self.nvext)
+        return rewrite, _apply_nvext_fields(rewrite, request, dp_rank_header)
+
+
+def _opt_in(body: bytes, mode: Mode, route: str) -> _OptIn | None:
+    data = _read(body)
+    if data is None:
+        return None
+    return_token_ids = _flag(data, "return_token_ids")
+    nvext = data.get("nvext")
+    if nvext is None:
+        nvext = {}
+    elif not isinstance(nvext, dict):
+        raise RequestError(f"`nvext` must be an object, got {json_type(nvext)}", "nvext")
+    validate_nvext(nvext)
+    requested = set(nvext.get("extra_fields") or [])
+    unanswered = sorted(requested & NVEXT_ONLY_SELECTORS)
+    if unanswered:
+        raise RequestError(
+            f'`nvext.extra_fields=["{unanswered[0]}"]` is not answered on {route}; '
+            f"its selectors there are {COMPLETION_TOKEN_IDS} and {PROMPT_TOKEN_IDS}",
+            "nvext.extra_fields",
+        )
+    for name in ("token_data", "max_thinking_tokens"):
+        if nvext.get(name) is not None:
+            raise RequestError(f"`nvext.{name}` is not supported on {route}", f"nvext.{name}")
+    normalized = requested | ({COMPLETION_TOKEN_IDS} if return_token_ids else set())
+    ids_requested = bool(normalized & ID_SELECTORS)
+    if mode is Mode.AUTO:
+        vllm_ids, nvext_placement = return_token_ids, bool(requested & ID_SELECTORS)
+    elif mode is Mode.VLLM:
+        vllm_ids, nvext_placement = ids_requested, False
+    elif mode is Mode.NVEXT:
+        vllm_ids, nvext_placement = False, ids_requested
+    else:
+        vllm_ids = nvext_placement = ids_requested
+    nvext_trio = nvext_placement and COMPLETION_TOKEN_IDS in normalized
+    return _OptIn(data, nvext, return_token_ids, vllm_ids, nvext_trio, nvext_placement and not nvext_trio)
+
+
+def plan_responses(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None) -> ResponsesPlan | None:
+    """The plan for a /v1/responses body; None means pass it through untouched.
+
+    Raises RequestError for what vLLM reads but cannot be answered with ids.
+    """
+    opt = _opt_in(body, mode, "/v1/responses")
+    if opt is None:
+        return None
+    data = opt.data
+    if opt.ids and _flag(data, "background"):
+        # vLLM answers a background request at once, before anything is generated.
+        raise RequestError("token ids on /v1/responses cannot be combined with `background`", "background")
+    client_enabled = _flag(data, "enable_response_messages")
+    rewrite, headers = opt.rewrite(body, dp_rank_header)
+    if opt.ids and not client_enabled:
+        rewrite.set("enable_response_messages", "true")
+    return ResponsesPlan(
+        vllm_ids=opt.vllm_ids,
+        nvext_trio=opt.nvext_trio,
+        nvext_prompt_ids=opt.nvext_prompt_ids,
+        strip_messages=(opt.nvext_trio or opt.nvext_prompt_ids) and not opt.vllm_ids and not client_enabled,
+        root_kv=data.get("kv_transfer_params") is not None,
+        stream=_flag(data, "stream"),
+        body=rewrite.apply(body),
+        headers=headers,
+        dialect=opt.dialect,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class MessagesPlan:
+    """One /v1/messages request that opts in (docs/protocol.md §11.2)."""
+
+    # (vLLM placement, nvext trio, nvext prompt ids alone): none of them means no ids were asked.
+    placements: tuple[bool, bool, bool]
+    # The param the client asked for ids with (named by a refusal).
+    param: str
+    stream: bool
+    body: bytes | None
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    dialect: str = "vllm"
+
+    @property
+    def ids(self) -> bool:
+        return any(self.placements)
+
+    def refusal(self) -> RequestError:
+        """Where the ids cannot be served: a 400 naming the field, never a 200 without them."""
+        return RequestError(
+            f"`{self.param}` cannot be answered on /v1/messages by the --middleware mount alone: vLLM's "
+            "Messages API converts the request to chat without token ids, so they need the vllm-nvext "
+            "endpoint plugin (VLLM_PLUGINS=nvext) serving that route (docs/protocol.md §11)",
+            self.param,
+        )
+
+
+def plan_messages(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None) -> MessagesPlan | None:
+    """The plan for a /v1/messages body; None means pass it through untouched. Raises RequestError."""
+    opt = _opt_in(body, mode, "/v1/messages")
+    if opt is None:
+        return None
+    asked = set(opt.nvext.get("extra_fields") or []) & ID_SELECTORS
+    param = "nvext.extra_fields" if asked else "return_token_ids"
+    rewrite, headers = opt.rewrite(body, dp_rank_header)
+    return MessagesPlan(
+        placements=(opt.vllm_ids, opt.nvext_trio, opt.nvext_prompt_ids),
+        param=param,
+        stream=_flag(opt.data, "stream"),
+        body=rewrite.apply(body),
+        headers=headers,
+        dialect=opt.dialect,
+    )
+
+
+def anthropic_error_body(error: RequestError) -> bytes:
+    """vLLM's Anthropic error envelope (what its /v1/messages answers errors in)."""
+    return _json.dumps({"type": "error", "error": {"type": "BadRequestError", "message": error.message}})
+
+
+# --- the answer ----------------------------------------------------------------------------------
+
+
+def _tokens(entry: Any) -> list[int] | None:
+    tokens = entry.get("tokens") if isinstance(entry, dict) else None
+    return tokens if isinstance(tokens, list) else None
+
+
+def response_ids(response: dict[str, Any]) -> tuple[list[int] | None, list[int] | None]:
+    """(completion ids, prompt ids) from vLLM's `output_messages` / `input_messages`; None: not reported.
+
+    vLLM's first input entry holds the prompt; its output entries are the completion of each round,
+    and from the second round on the round's prompt before it (completions at even positions).
+    """
+    inputs, outputs = response.get("input_messages"), response.get("output_messages")
+    prompt = _tokens(inputs[0]) if isinstance(inputs, list) and inputs else None
+    completion: list[int] | None = None
+    if isinstance(outputs, list):
+        completion = []
+        for entry in outputs[::2]:
+            tokens = _tokens(entry)
+            if tokens is None:
+                return None, prompt  # entries without ids (e.g. Harmony messages): not reported
+            completion += tokens
+    return completion, prompt
+
+
+def reshape_response(response: dict[str, Any], plan: ResponsesPlan) -> bool:
+    """Reshape one response object in place, as the plan says; False when nothing changed."""
+    if not plan.reshapes:
+        return False
+    completion, prompt = response_ids(response)
+    if plan.nvext_trio or plan.nvext_prompt_ids:
+        nvext: dict[str, Any] = {}
+        if plan.nvext_trio:
+            nvext[COMPLETION_TOKEN_IDS] = completion
+            kv = response.get("kv_transfer_params")
+            if kv is not None:
+                nvext["kv_transfer_params"] = kv
+                if not plan.vllm_ids and not plan.root_kv:
+                    response["kv_transfer_params"] = None
+        nvext[PROMPT_TOKEN_IDS] = prompt
+        response["nvext"] = nvext
+    if plan.strip_messages:
+        for key in _VLLM_MESSAGES:
+            if key in response:
+                response[key] = None  # what vLLM writes without enable_response_messages
+    return True
+
+
+def reshape_unary(body: bytes, plan: ResponsesPlan) -> bytes | None:
+    """The client's bytes for a unary answer, or None to forward vLLM's. Raises ValueError on non-JSON."""
+    obj = _json.loads(body)
+    if not isinstance(obj, dict) or obj.get("object") != "response":
+        return None
+    return _json.dumps(obj) if reshape_response(obj, plan) else None
+
+
+class ResponsesStream:
+    """A Responses stream: only the event that ends it is decoded and reshaped; the rest pass as sent."""
+
+    __slots__ = ("plan", "_framer")
+
+    def __init__(self, plan: ResponsesPlan) -> None:
+        self.plan = plan
+        self._framer = EventFramer()
+
+    def feed(self, body: bytes) -> bytes:
+        events = self._framer.feed(body)
+        return b"".join(self._event(event) for event in events)
+
+    def flush(self) -> bytes:
+        return self._framer.flush()
+
+    def _event(self, event: bytes) -> bytes:
+        # Inside a JSON string every quote is escaped: these byte runs are the event's own type.
+        if not any(token in event for token in _TERMINAL_TOKENS):
+            return event
+        span = data_span(event)
+        if span is None:
+            return event
+        start, end = span
+        try:
+            obj = _json.loads(event[start:end])
+        except ValueError:
+            return event
+        response = obj.get("response") if isinstance(obj, dict) else None
+        if obj.get("type") not in TERMINAL_EVENTS or not isinstance(response, dict):
+            return event
+        if not reshape_response(response, self.plan):
+            return event
+        return event[:start] + _json.dumps(obj) + event[end:]
+
+
+class ResponsesSend:
+    """The `send` handed to vLLM for a /v1/responses request that opts in."""
+
+    __slots__ = ("plan", "send", "_start", "_parts", "_stream", "_unary")
+
+    def __init__(self, plan: ResponsesPlan, send: Send) -> None:
+        self.plan = plan
+        self.send = send
+        self._start: Message | None = None
+        self._parts: list[bytes] = []
+        self._stream: ResponsesStream | None = None
+        self._unary = False
+
+    async def __call__(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            headers = message.get("headers", ())
+            content_type = b""
+            encoded = False
+            for name, value in headers:
+                if name.lower() == b"content-type":
+                    content_type = value.lower()
+                elif name.lower() == b"content-encoding":
+                    encoded = True
+            if message["status"] == 200 and not encoded:
+                if content_type.startswith(b"text/event-stream"):
+                    self._stream = ResponsesStream(self.plan)
+                    message["headers"] = [(n, v) for n, v in headers if n.lower() != b"content-length"]
+                elif content_type.startswith(b"application/json"):
+                    self._unary = True
+                    self._start = message
+                    return  # held until the body is complete, to fix its length
+            await self.send(message)
+            return
+        if kind != "http.response.body":
+            await self.send(message)
+            return
+        body = bytes(message.get("body", b""))
+        more = bool(message.get("more_body", False))
+        if self._stream is not None:
+            out = self._stream.feed(body) + (b"" if more else self._stream.flush())
+            if out or not more:
+                await self.send({"type": "http.response.body", "body": out, "more_body": more})
+            return
+        if not self._unary:
+            await self.send(message)
+            return
+        self._parts.append(body)
+        if more:
+            return
+        whole = b"".join(self._parts)
+        try:
+            new = reshape_unary(whole, self.plan)
+        except ValueError:
+            new = None  # not JSON after all: forwarded unchanged
+        except Exception:  # never turn a good vLLM answer into a 500
+            logger.exception("vllm-nvext could not reshape a response; forwarded unchanged")
+            new = None
+        if new is not None:
+            whole = new
+        start = self._start
+        assert start is not None
+        headers = [(n, v) for n, v in start.get("headers", ()) if n.lower() != b"content-length"]
+        start["headers"] = headers + [(b"content-length", str(len(whole)).encode())]
+        await self.send(start)
+        await self.send({"type": "http.response.body", "body": whole, "more_body": False})
