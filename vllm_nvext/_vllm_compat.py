@@ -122,14 +122,35 @@ def capabilities() -> dict[str, bool]:
     }
 
 
+# Where a key for vLLM's check comes from when the middleware runs outside vLLM's process
+# (`vllm-nvext proxy --api-key`): the scope carries the keys, the check is the same.
+API_KEYS = "vllm_nvext.api_keys"
+# vLLM's `AuthenticationMiddleware.GUARDED_PREFIX` (the same in 0.30-0.33; a unit test compares it
+# with the installed vLLM's): only paths under these need the key (`/invocations` does not).
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+
+def api_keys(scope: MutableMapping[str, Any]) -> list[str]:
+    """The keys vLLM checks: the scope's `API_KEYS` (the proxy), else `app.state.args.api_key` or `VLLM_API_KEY`."""
+    if API_KEYS in scope:
+        return [t for t in scope[API_KEYS] if t]
+    args = getattr(getattr(scope.get("app"), "state", None), "args", None)
+    return [t for t in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if t]
+
+
 def auth_refuses(scope: MutableMapping[str, Any]) -> bool:
     """Would vLLM's `--api-key` check refuse this request? (Only matters when mounted outside it.)
 
-    A replica of vLLM's `AuthenticationMiddleware`: the keys from `app.state.args.api_key` or
-    `VLLM_API_KEY`, a `Bearer` token compared in constant time.
+    A replica of vLLM's `AuthenticationMiddleware`: paths under `GUARDED_PREFIXES` (after the root
+    path), a `Bearer` token compared in constant time with each key.
     """
-    args = getattr(getattr(scope.get("app"), "state", None), "args", None)
-    tokens = [t for t in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if t]
+    root = scope.get("root_path", "")
+    path = scope.get("path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    if scope.get("method") == "OPTIONS" or not path.startswith(GUARDED_PREFIXES):
+        return False
+    tokens = api_keys(scope)
     if not tokens:
         return False
     for name, value in scope["headers"]:

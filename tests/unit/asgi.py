@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,8 +67,13 @@ async def call(
     headers: Sequence[tuple[bytes, bytes]] = ((b"content-type", b"application/json"),),
     request_cuts: Sequence[int] = (),
     root_path: str = "",
+    disconnect: bool = True,
 ) -> Result:
-    """Send one request through `app`, the body split at `request_cuts`; collect the response."""
+    """Send one request through `app`, the body split at `request_cuts`; collect the response.
+
+    After the body, `receive` answers `http.disconnect`, or (`disconnect=False`, as a server does
+    while the client stays) waits.
+    """
     hdrs = [*headers, (b"content-length", str(len(body)).encode())]
     scope = {
         "type": "http",
@@ -93,6 +99,8 @@ async def call(
     async def receive():
         if pending:
             return pending.pop(0)
+        if not disconnect:
+            await asyncio.Event().wait()
         return {"type": "http.disconnect"}
 
     start: dict[str, Any] = {}
