@@ -11,6 +11,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from .. import plugin
 from ..config import ENV_MODE, ConfigError, Mode, Settings
 from ..protocol import Endpoint
 from . import parity
@@ -75,6 +76,16 @@ def _banner(base: str, model_name: str, mode: str) -> str:
 
 def cmd_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
     tiny = args.model is None
+    rust = plugin.rust_frontend_on()
+    if rust is not None:
+        # vLLM's Rust frontend refuses --middleware with no word of vllm-nvext: say why, and what works.
+        print(
+            f"vllm-nvext serve: error: VLLM_USE_RUST_FRONTEND={rust} serves HTTP with vLLM's Rust frontend, "
+            "which cannot mount vllm-nvext; unset it, or serve vLLM with it and run "
+            "`vllm-nvext proxy --upstream http://HOST:PORT` in front (docs/scaling-out.md, Out of process)",
+            file=sys.stderr,
+        )
+        return EXIT_MISSING
     if _needs("serve", ["vllm"], "vLLM", VLLM_HOWTO):
         return EXIT_MISSING
     if tiny and _needs(
