@@ -1,5 +1,5 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
-.PHONY: setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout setup-router lint bench fixtures fixtures-vllm033
+.PHONY: setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout test-e2e-proxy setup-router lint bench fixtures fixtures-vllm033
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -36,20 +36,25 @@ serve: setup
 
 # Unit tests first (with the coverage gate), then the e2e tests on real servers, in groups whose
 # servers never run beside another group's (each group is a pytest run of its own).
-test: test-unit test-e2e test-e2e-scaleout test-e2e-versions
+test: test-unit test-e2e test-e2e-scaleout test-e2e-versions test-e2e-proxy
 
 test-unit: setup
 	$(VENV)/bin/python -m pytest tests/unit --cov=vllm_nvext --cov-fail-under=$(COVERAGE_MIN) $(PYTEST_ARGS)
 
 # The main group (vLLM 0.32 servers, the 0.33 serving layer, the real Dynamo), then the parser server.
 test-e2e: setup setup-vllm033 setup-dynamo
-	$(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_proxy" $(PYTEST_ARGS)
 	$(VENV)/bin/python -m pytest tests/e2e -m e2e_parser $(PYTEST_ARGS)
 
 # vLLM 0.30 and 0.31 on their real engines, in a pytest run of their own (their servers never run
 # beside the main e2e group's), one version at a time.
 test-e2e-versions: setup setup-vllm030 setup-vllm031
 	$(VENV)/bin/python -m pytest tests/e2e -m e2e_versions $(PYTEST_ARGS)
+
+# The translation tests and the proxy's own through `vllm-nvext proxy` in front of one stock vLLM 0.32
+# server (~2.5 GB, a few minutes), in a pytest run of its own.
+test-e2e-proxy: setup
+	$(VENV)/bin/python -m pytest tests/e2e -m e2e_proxy $(PYTEST_ARGS)
 
 # vllm-router's reference venv, outside the repo (~130 MB; ~1 min on a new machine, reused after).
 setup-router:
@@ -71,7 +76,7 @@ lint: setup
 # reference venvs (tests marked `reference`: vLLM 0.33, Dynamo) nor the groups run on their own.
 .PHONY: test-fast format-check typecheck
 test-fast: setup
-	$(VENV)/bin/python -m pytest -m "not reference and not e2e_versions and not e2e_scaleout and not e2e_parser" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "not reference and not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_proxy" $(PYTEST_ARGS)
 
 # Two of `make lint`'s checks on their own.
 format-check: setup
