@@ -2,7 +2,7 @@
 
     python -m benchmarks.run_all                    # all of them (make bench), a few minutes on 2 cores
     python -m benchmarks.run_all --quick            # smaller sizes, fewer rounds
-    python -m benchmarks.run_all --only events      # one of: serving, events, layouts, metrics, asgi, memory, server
+    python -m benchmarks.run_all --only events      # serving, events, layouts, metrics, asgi, memory, proxy, server
     python -m benchmarks.run_all --skip server      # everything but the real-server benchmark
 
 A missed target is reported, never turned into a failing exit status: these are measurements.
@@ -15,7 +15,16 @@ import time
 import traceback
 from collections.abc import Callable
 
-from . import bench_asgi, bench_events, bench_layouts, bench_memory, bench_metrics, bench_server, bench_serving
+from . import (
+    bench_asgi,
+    bench_events,
+    bench_layouts,
+    bench_memory,
+    bench_metrics,
+    bench_proxy,
+    bench_server,
+    bench_serving,
+)
 from ._common import Target, machine_description, print_targets
 
 # The server benchmark last: it is the longest and the only one that needs free memory.
@@ -28,6 +37,8 @@ BENCHMARKS: dict[str, tuple[Callable[..., list[Target]], list[str]]] = {
     "metrics": (bench_metrics.run, [bench_metrics.TARGET_COUNTING]),
     "asgi": (bench_asgi.run, [bench_asgi.TARGET_LINEAR]),
     "memory": (bench_memory.run, [bench_memory.TARGET_MEMORY]),
+    # The extra hop of `vllm-nvext proxy` vs direct, in front of a stand-in upstream.
+    "proxy": (bench_proxy.run, list(bench_proxy.TARGETS)),
     "server": (bench_server.run, [bench_server.TARGET_SERVER]),
 }
 # The order issue 5 lists its targets in.
@@ -40,6 +51,7 @@ TARGET_ORDER = [
     bench_server.TARGET_SERVER,
     bench_asgi.TARGET_LINEAR,
     bench_memory.TARGET_MEMORY,
+    *bench_proxy.TARGETS,
 ]
 
 
