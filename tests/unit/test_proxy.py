@@ -624,3 +624,23 @@ def test_serve_hands_uvicorn_the_settings_through_the_environment(monkeypatch, t
     import os
 
     assert (os.environ.get("PROMETHEUS_MULTIPROC_DIR") == str(tmp_path)) == (workers > 1), "summed over workers"
+
+
+def test_the_proxy_server_process_answers_and_stops():
+    """`tools.server.ProxyServer` (the e2e kind): the real command, in front of an upstream that is down."""
+    import time
+
+    from vllm_nvext.tools.server import ProxyServer, free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    with ProxyServer(upstream=dead, name="unit") as server:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                resp = httpx.get(server.url + "/health", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, server.log_tail()
+                time.sleep(0.1)
+        assert resp.status_code == 502 and resp.json()["error"]["type"] == "BadGatewayError"
+    assert server.proc is not None and server.proc.poll() is not None, "stopped with its process group"
