@@ -231,8 +231,11 @@ def app_from_env() -> NvextProxy:
 
 
 def request_headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The client's headers less hop-by-hop ones, those its `Connection` names, and `host`."""
-    drop = _connection_named(headers) | {b"host"}
+    """The client's headers less hop-by-hop ones, those its `Connection` names, `host` and `expect`.
+
+    The proxy's own server has answered `Expect: 100-continue` already; the upstream gets the body.
+    """
+    drop = _connection_named(headers) | {b"host", b"expect"}
     return [(n, v) for n, v in headers if n not in HOP_BY_HOP and n not in drop]
 
 

@@ -482,7 +482,8 @@ def test_the_config_travels_to_the_workers_through_the_environment(monkeypatch):
 
 
 def test_header_filters_drop_hop_by_hop_and_connection_named_headers():
-    assert request_headers([(b"te", b"trailers"), (b"x-a", b"1"), (b"upgrade", b"h2c")]) == [(b"x-a", b"1")]
+    sent = [(b"te", b"trailers"), (b"x-a", b"1"), (b"upgrade", b"h2c"), (b"expect", b"100-continue")]
+    assert request_headers(sent) == [(b"x-a", b"1")]
     got = response_headers([(b"Transfer-Encoding", b"chunked"), (b"Content-Type", b"text/plain")])
     assert got == [(b"content-type", b"text/plain")], "names lowercased, as ASGI wants them"
 
