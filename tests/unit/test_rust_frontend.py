@@ -66,3 +66,29 @@ def test_vllm_nvext_serve_refuses_under_the_rust_frontend(monkeypatch, capsys):
     assert cli.main(["serve", "--model", "m"]) == cli.EXIT_MISSING
     err = capsys.readouterr().err
     assert err.startswith("vllm-nvext serve: error: VLLM_USE_RUST_FRONTEND=1") and "vllm-nvext proxy" in err
+
+
+@pytest.mark.parametrize(("rust", "refused"), [("1", True), ("0", False)])
+def test_vllms_own_loader_runs_the_general_plugin(tmp_path, rust, refused):
+    """vLLM's `load_general_plugins` (what `vllm serve` calls while building its parser) finds the entry
+    point as pyproject.toml declares it (written here as an installed distribution's metadata)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    group = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    dist = tmp_path / "vllm_nvext_entry_points-0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-nvext-entry-points\nVersion: 0.0\n")
+    lines = "".join(f"{name} = {target}\n" for name, target in group.items())
+    (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{lines}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    env.update(VLLM_USE_RUST_FRONTEND=rust, VLLM_PLUGINS="nvext")
+    code = "from vllm.plugins import load_general_plugins; load_general_plugins(); print('serving')"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    if refused:
+        assert result.returncode == 1 and "serving" not in result.stdout
+        assert "vllm-nvext proxy --upstream" in result.stderr
+    else:
+        assert result.returncode == 0 and "serving" in result.stdout, result.stderr[-2000:]
