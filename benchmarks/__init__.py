@@ -1,4 +1,4 @@
-"""Benchmarks for vllm-nvext (issue 5): scripts that print ratios measured side by side in one run.
+"""Benchmarks for vllm-nvext: scripts that print ratios measured side by side in one run.
 
 Run them all with `python -m benchmarks.run_all` (`make bench`); see benchmarks/README.md.
 """

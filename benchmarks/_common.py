@@ -175,14 +175,28 @@ def json_app(body: bytes) -> Callable[..., Coroutine[Any, Any, None]]:
     return app
 
 
-def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Drive a coroutine that never suspends (our doubles never do) without an event loop's overhead."""
+def run_sync(awaitable: Awaitable[Any]) -> Any:
+    """Drive an awaitable that never suspends (our doubles never do) without an event loop's overhead.
+
+    A coroutine is driven directly; any other awaitable (the send handed to vLLM returns the
+    server's awaitable, or a compiled object's) through its `__await__`.
+    """
+    coro: Any = awaitable if type(awaitable) is _COROUTINE else awaitable.__await__()
     try:
         coro.send(None)
     except StopIteration as stop:
         return stop.value
     coro.close()
     raise RuntimeError("benchmark coroutine suspended; use an event loop")
+
+
+async def _nothing() -> None:
+    return None
+
+
+_probe = _nothing()
+_COROUTINE = type(_probe)
+_probe.close()
 
 
 # --------------------------------------------------------------------------- statistics
@@ -261,7 +275,7 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
 
 @dataclass
 class Target:
-    """One of issue 5's targets, judged by the benchmark that measures it."""
+    """One of the targets in benchmarks/README.md, judged by the benchmark that measures it."""
 
     name: str
     passed: bool | None  # None: not measured in this run

@@ -103,15 +103,15 @@ def _send_path_pass(plan: Plan, messages: list[dict[str, Any]], sampled: list[bo
     """The `reshaping.ReshapingSend` send vLLM calls for every body message, down to a send that does nothing."""
     clock = time.perf_counter_ns
     reshaping = ReshapingSend(plan, Clock(), _noop_send)
-    run_sync(reshaping({"type": "http.response.start", "status": 200, "headers": list(SSE_HEADERS)}))
+    run_sync(reshaping.app_send({"type": "http.response.start", "status": 200, "headers": list(SSE_HEADERS)}))
     ns = out.ns
     for message, keep in zip(messages, sampled, strict=True):
         t0 = clock()
-        run_sync(reshaping(message))
+        run_sync(reshaping.app_send(message))
         t1 = clock()
         if keep:
             ns.append(t1 - t0)
-    run_sync(reshaping({"type": "http.response.body", "body": b"", "more_body": False}))
+    run_sync(reshaping.app_send({"type": "http.response.body", "body": b"", "more_body": False}))
 
 
 def _plain_send_pass(messages: list[dict[str, Any]], sampled: list[bool], out: _Samples) -> None:

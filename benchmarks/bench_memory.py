@@ -112,15 +112,16 @@ def _stream_scenario(mode: str, n_events: int, split: bool) -> Callable[[], dict
 
     async def drive() -> dict[str, Any]:
         sink = _CountingSink()
-        send: Any = sink if plan is None else ReshapingSend(plan, Clock(), sink)
+        reshaping = None if plan is None else ReshapingSend(plan, Clock(), sink)
+        send: Any = sink if reshaping is None else reshaping.app_send
         await send({"type": "http.response.start", "status": 200, "headers": list(SSE_HEADERS)})
         source = _pieces(iterate(), seed=n_events) if split else iterate()
         max_buffered = messages = 0
         for piece in source:
             await send({"type": "http.response.body", "body": piece, "more_body": True})
             messages += 1
-            if plan is not None:
-                max_buffered = max(max_buffered, send._stream.buffered)
+            if reshaping is not None and reshaping._stream is not None:
+                max_buffered = max(max_buffered, reshaping._stream.buffered)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return {"max_buffered": max_buffered, "largest_event": largest, "messages": messages,
                 "client_bytes": sink.body_bytes}  # fmt: skip

@@ -50,12 +50,12 @@ def _stream_pass(plan: Any, messages: list[dict[str, Any]], counting: bool) -> i
     clock = time.thread_time_ns
     t0 = clock()
     reshaping = ReshapingSend(plan, Clock(), _noop_send)
-    run_sync(reshaping(dict(_START)))
+    run_sync(reshaping.app_send(dict(_START)))
     if not counting:
         reshaping._tally = None
     for message in messages:
-        run_sync(reshaping(message))
-    run_sync(reshaping(_END))
+        run_sync(reshaping.app_send(message))
+    run_sync(reshaping.app_send(_END))
     reshaping.count_stream()
     return clock() - t0
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from vllm_nvext.protocol import PATHS, Endpoint
 from vllm_nvext.tools import tiny_model
 from vllm_nvext.tools.server import MIDDLEWARE, TINY_ARGS, VllmServer
 
@@ -118,7 +119,7 @@ async def one_stream(
     t0 = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
-    async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
+    async with client.stream("POST", PATHS[Endpoint.CHAT], json=body, headers=headers) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:500]!r}")
         async for line in resp.aiter_lines():

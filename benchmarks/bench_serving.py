@@ -50,25 +50,25 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks._common import Target, fmt, median, percentile, print_table, print_targets, run_loop
+from vllm_nvext.protocol import PATHS, Endpoint
 
-from benchmarks._common import Target, fmt, median, percentile, print_table, print_targets, run_loop  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 HARNESS = ROOT / "scripts" / "vllm033_harness.py"
 MODEL = "tiny"
 MIDDLEWARE = "vllm_nvext.NvextMiddleware"
+CHAT = PATHS[Endpoint.CHAT]
 MESSAGES = [{"role": "user", "content": "Tell me about token ids."}]
 LONG_TOKENS = 256
 SHORT_TOKENS = 16
 
-TARGET_LONG = "serving share: long streams (>= 256 tokens), CPU per token <= 1.01x vLLM 0.33's own"
-TARGET_SHORT = "serving share: short streams and unary (<= 16 tokens), CPU per request <= 1.01x vLLM 0.33's own"
-TARGET_OPT_OUT = "serving share: a request that opts into nothing, CPU <= 1.002x vLLM 0.33's own"
-TARGETS = (TARGET_LONG, TARGET_SHORT, TARGET_OPT_OUT)
-LIMIT_IDS = 1.01
-LIMIT_OPT_OUT = 1.002
+TARGET_LONG = "serving share: long streams (>= 256 tokens), CPU per token <= 1.01x vLLM 0.33's own (compiled path)"
+TARGET_LONG_PY = "serving share: long streams, CPU per token <= 1.05x vLLM 0.33's own on the pure-Python path"
+TARGET_SHORT = "serving share: short streams and unary (<= 16 tokens), CPU per request <= 1.03x vLLM 0.33's own"
+TARGET_OPT_OUT = "serving share: a request that opts into nothing, CPU <= 1.003x vLLM 0.33's own"
+TARGETS = (TARGET_LONG, TARGET_LONG_PY, TARGET_SHORT, TARGET_OPT_OUT)
+LIMITS = {TARGET_LONG: 1.01, TARGET_LONG_PY: 1.05, TARGET_SHORT: 1.03, TARGET_OPT_OUT: 1.003}
 
 
 # --------------------------------------------------------------------------- the cases
@@ -95,12 +95,23 @@ class Arm:
     label: str
     stock_opt: str  # the stock request: "ids" (return_token_ids) or "plain"
     mw_opt: str  # the middleware's request: "ids", "nvext" or "plain"
+    middleware: str = "default"  # a key of MIDDLEWARES
 
+
+# The middleware side of each arm, as `vllm serve --middleware` takes it. "default" is NvextMiddleware
+# as installed (its compiled stream path when the extension is built), "python" its pure-Python path.
+MIDDLEWARES = {
+    "default": MIDDLEWARE,
+    "python": "benchmarks._middlewares.PurePythonNvextMiddleware",
+    "floor": "benchmarks._middlewares.FloorMiddleware",
+}
 
 ARMS = (
     Arm("ids vllm", "ids", "ids"),
     Arm("ids nvext", "ids", "nvext"),
+    Arm("ids nvext, pure Python", "ids", "nvext", "python"),
     Arm("opt-out", "plain", "plain"),
+    Arm("floor (do-nothing ASGI)", "ids", "ids", "floor"),
 )
 
 
@@ -235,8 +246,8 @@ class Exchange:
             "scheme": "http",
             "method": "POST",
             "root_path": "",
-            "path": "/v1/chat/completions",
-            "raw_path": b"/v1/chat/completions",
+            "path": CHAT,
+            "raw_path": CHAT.encode(),
             "query_string": b"",
             "headers": [
                 (b"host", b"127.0.0.1:8000"),
@@ -366,13 +377,19 @@ async def measure_in_process(rounds: int, profile: bool) -> list[Target]:
     h._install()
     build_client, build_app, init_state = _launchers()
     stock_args = _vllm_args([])
-    mw_args = _vllm_args(["--middleware", MIDDLEWARE])
     t0 = time.perf_counter()
     async with build_client(stock_args) as engine:
         stock_app = await _build_app(build_app, init_state, engine, stock_args)
-        mw_app = await _build_app(build_app, init_state, engine, mw_args)
+        mw_apps = {}
+        for key, middleware in MIDDLEWARES.items():
+            args = _vllm_args(["--middleware", middleware])
+            mw_apps[key] = await _build_app(build_app, init_state, engine, args)
+        mw_app = mw_apps["default"]
         ready = time.perf_counter() - t0
-        print(f"  vLLM {h.VLLM_VERSION} app x2 over the scripted engine core, ready in {ready:.0f} s", flush=True)
+        from vllm_nvext._asgi_response import stream_path
+
+        print(f"  vLLM {h.VLLM_VERSION} app x{1 + len(mw_apps)} over the scripted engine core, ready in {ready:.0f} s;"
+              f" NvextMiddleware's stream path: {stream_path(False)}", flush=True)  # fmt: skip
         bodies = {(c.name, opt): request_body(c, opt) for c in CASES for opt in ("ids", "nvext", "plain")}
         # Warm-up and checks: every request once on each side, compared.
         answers: dict[tuple[str, str], Exchange] = {}  # stock vLLM's answer per case and arm
@@ -380,7 +397,7 @@ async def measure_in_process(rounds: int, profile: bool) -> list[Target]:
             for case in CASES:
                 for arm in ARMS:
                     stock, _ = await exchange(stock_app, bodies[case.name, arm.stock_opt])
-                    mw, _ = await exchange(mw_app, bodies[case.name, arm.mw_opt])
+                    mw, _ = await exchange(mw_apps[arm.middleware], bodies[case.name, arm.mw_opt])
                     check(case, arm, stock, mw)
                     answers[case.name, arm.label] = stock
         print("  checked: both sides answer the same text and ids, each in its dialect", flush=True)
@@ -396,6 +413,7 @@ async def measure_in_process(rounds: int, profile: bool) -> list[Target]:
             for i, (case, arm) in enumerate(jobs):
                 s_body, m_body = bodies[case.name, arm.stock_opt], bodies[case.name, arm.mw_opt]
                 pairs = results[case.name, arm.label]
+                mw_app = mw_apps[arm.middleware]
                 if (r + i) % 2:
                     _, s_cpu = await exchange(stock_app, s_body)
                     _, m_cpu = await exchange(mw_app, m_body)
@@ -408,7 +426,7 @@ async def measure_in_process(rounds: int, profile: bool) -> list[Target]:
         warm = warm_fixed_costs(answers, bodies, 10 if rounds < 60 else 20)
         targets = in_process_table(results, rounds, warm)
         if profile:
-            await profile_middleware(mw_app, bodies)
+            await profile_middleware(mw_apps["default"], bodies)
     return targets
 
 
@@ -443,7 +461,12 @@ def warm_fixed_costs(answers: dict[tuple[str, str], Exchange], bodies: dict[tupl
     No vLLM code runs between the middleware's steps here, so its code and data stay in the caches:
     a lower bound of what it adds inside a real server (where vLLM's work between two events evicts them).
     """
+    from benchmarks._middlewares import FloorMiddleware, PurePythonNvextMiddleware
     from vllm_nvext import NvextMiddleware
+
+    classes: dict[str, Callable[[Any], Any]] = {
+        "default": NvextMiddleware, "python": PurePythonNvextMiddleware, "floor": FloorMiddleware,
+    }  # fmt: skip
 
     async def sink(message: dict[str, Any]) -> None:
         return None
@@ -465,7 +488,7 @@ def warm_fixed_costs(answers: dict[tuple[str, str], Exchange], bodies: dict[tupl
     for case in CASES:
         for arm in ARMS:
             direct = _replay_app(answers[case.name, arm.label])
-            mw = NvextMiddleware(direct)
+            mw = classes[arm.middleware](direct)
             s_body, m_body = bodies[case.name, arm.stock_opt], bodies[case.name, arm.mw_opt]
             n = 20 if case.per_token else 200
             for _ in range(n // 4):
@@ -506,7 +529,16 @@ def in_process_table(results: dict[tuple[str, str], Pairs], rounds: int,
                 f"{percentile(ratios, 25):.3f}..{percentile(ratios, 75):.3f}", fmt(warm_us, 1), f"{floor:.4f}x",
             ])  # fmt: skip
             label = f"{case.name} {arm.label} {ratio:.4f}x (95% CI {lo:.4f}..{hi:.4f}; warm floor {floor:.4f}x)"
-            name = TARGET_OPT_OUT if arm.mw_opt == "plain" else TARGET_LONG if case.per_token else TARGET_SHORT
+            if arm.middleware == "floor":
+                continue  # the floor is the reference the targets are read against, not a target
+            if arm.mw_opt == "plain":
+                name = TARGET_OPT_OUT
+            elif case.per_token:
+                name = TARGET_LONG_PY if arm.middleware == "python" else TARGET_LONG
+            elif arm.middleware == "python":
+                continue  # short requests: the target is the installed path's
+            else:
+                name = TARGET_SHORT
             verdict[name].append((ratio, lo, hi, label))
     print_table(
         "Serving share, in process: vLLM 0.33's own app with / without NvextMiddleware (CPU time of the process)",
@@ -529,7 +561,7 @@ def in_process_table(results: dict[tuple[str, str], Pairs], rounds: int,
         ],
     )  # fmt: skip
     targets = []
-    limits = {TARGET_LONG: LIMIT_IDS, TARGET_SHORT: LIMIT_IDS, TARGET_OPT_OUT: LIMIT_OPT_OUT}
+    limits = LIMITS
     for name in TARGETS:
         ratio, lo, hi, label = max(verdict[name])
         # The verdict is the point estimate's; say so when the interval straddles the limit.
@@ -617,7 +649,7 @@ def cross_process(rounds: int, per_run: dict[str, int]) -> None:
             with httpx.Client(base_url=server.url, timeout=600.0) as client:
                 c0 = _process_cpu_s(server.proc.pid)
                 for _ in range(n):
-                    with client.stream("POST", "/v1/chat/completions", content=body, headers=headers) as resp:
+                    with client.stream("POST", CHAT, content=body, headers=headers) as resp:
                         if resp.status_code != 200:
                             raise RuntimeError(f"{side}: HTTP {resp.status_code}")
                         for _chunk in resp.iter_raw():

@@ -1,8 +1,9 @@
-"""Run the benchmarks of issue 5 and print every table, then one PASS/FAIL line per target.
+"""Run the benchmarks and print every table, then one PASS/FAIL line per target (benchmarks/README.md).
 
     python -m benchmarks.run_all                    # all of them (make bench), a few minutes on 2 cores
     python -m benchmarks.run_all --quick            # smaller sizes, fewer rounds
-    python -m benchmarks.run_all --only events      # serving, events, layouts, metrics, asgi, memory, proxy, server
+    python -m benchmarks.run_all --only events      # serving, events, send, layouts, metrics, asgi, memory, proxy,
+                                                    # server
     python -m benchmarks.run_all --skip server      # everything but the real-server benchmark
 
 A missed target is reported, never turned into a failing exit status: these are measurements.
@@ -24,6 +25,7 @@ from . import (
     bench_proxy,
     bench_server,
     bench_serving,
+    bench_stream_send,
 )
 from ._common import Target, machine_description, print_targets
 
@@ -32,6 +34,8 @@ BENCHMARKS: dict[str, tuple[Callable[..., list[Target]], list[str]]] = {
     # What users pay: the middleware's share of vLLM 0.33's own serving CPU (runs in the 0.33 venv).
     "serving": (bench_serving.run, list(bench_serving.TARGETS)),
     "events": (bench_events.run, [bench_events.TARGET_PASS_THROUGH, bench_events.TARGET_RESHAPE]),
+    # The send handed to vLLM per mid-stream delta: floor, general path, pure Python, compiled.
+    "send": (bench_stream_send.run, []),
     # vLLM 0.32 and 0.33 layouts side by side: whole recorded streams through NvextMiddleware.
     "layouts": (bench_layouts.run, [bench_layouts.TARGET_LAYOUTS]),
     "metrics": (bench_metrics.run, [bench_metrics.TARGET_COUNTING]),
@@ -41,7 +45,7 @@ BENCHMARKS: dict[str, tuple[Callable[..., list[Target]], list[str]]] = {
     "proxy": (bench_proxy.run, list(bench_proxy.TARGETS)),
     "server": (bench_server.run, [bench_server.TARGET_SERVER]),
 }
-# The order issue 5 lists its targets in.
+# The order benchmarks/README.md lists its targets in.
 TARGET_ORDER = [
     *bench_serving.TARGETS,
     bench_events.TARGET_PASS_THROUGH,

@@ -1,1 +1,3 @@
-"""Repository scripts; `tests` and `benchmarks` import the vLLM 0.33 harness as `scripts.vllm033_harness`."""
+"""Repository scripts, run from the repository root as a package (`python -m scripts.record_fixtures`);
+the tests import `scripts.vllm033_harness` and `scripts.vllm_cpu_refs` from it. None of them changes
+`sys.path`."""

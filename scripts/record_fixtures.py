@@ -3,7 +3,8 @@
 
 Starts a stock vLLM server (no middleware) on the tiny model, sends each request in CASES and
 writes exactly the bytes vLLM answered to tests/fixtures/<name>.json|.sse, plus index.json
-(request, endpoint, status, content type, vLLM version). Run: `make fixtures`.
+(request, endpoint, status, content type, vLLM version). Run: `make fixtures`
+(= `python -m scripts.record_fixtures` from the repository root).
 
 `--vllm 0.33` records vLLM 0.33's layout instead, into tests/fixtures/vllm-0.33/: the same
 CASES plus CASES_033 from scripts/vllm033_harness.py (vLLM 0.33's own serving code over a
@@ -19,20 +20,18 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from vllm_nvext.protocol import PATHS, Endpoint
+from vllm_nvext.tools import tiny_model
+from vllm_nvext.tools.server import TINY_ARGS, VllmServer
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from vllm_nvext.tools import tiny_model  # noqa: E402
-from vllm_nvext.tools.server import TINY_ARGS, VllmServer  # noqa: E402
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
+CHAT, COMPLETIONS = PATHS[Endpoint.CHAT], PATHS[Endpoint.COMPLETIONS]
 MESSAGES = [{"role": "user", "content": "Tell me about token ids."}]
 GREEDY = {"model": "tiny", "temperature": 0}
 

@@ -39,12 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from scripts.reference_venvs import is_built, refs_dir  # noqa: E402
-from vllm_nvext.tools.server import VllmServer  # noqa: E402
+from vllm_nvext.tools.reference_venvs import is_built, refs_dir
+from vllm_nvext.tools.server import VllmServer
 
 VLLM_VERSION = "0.33.0"
 SETUP_TARGET = "make setup-vllm033"

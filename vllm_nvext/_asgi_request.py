@@ -66,31 +66,40 @@ class PassThrough:
         return message
 
 
-# Content-Type value -> read_as_json, for the values seen: a client's header repeats, and parsing
+# Content-Type value -> its media type, for the values seen: a client's header repeats, and parsing
 # it costs more than the rest of an opt-out request. Bounded, so made-up values cannot grow it.
-_JSON_TYPES: dict[bytes, bool] = {}
-_JSON_TYPES_MAX = 256
+_MEDIA_TYPES: dict[bytes, str] = {}
+_MEDIA_TYPES_MAX = 256
+
+
+def media_type(content_type: bytes) -> str:
+    """`maintype/subtype`, lower case, as FastAPI reads a Content-Type (`email.message`: parameters
+    and spaces ignored, an unparsable value is `text/plain`)."""
+    known = _MEDIA_TYPES.get(content_type)
+    if known is None:
+        message = email.message.Message()
+        message["content-type"] = content_type.decode("latin-1")
+        known = message.get_content_type()
+        if len(_MEDIA_TYPES) < _MEDIA_TYPES_MAX:
+            _MEDIA_TYPES[content_type] = known
+    return known
+
+
+def is_json(content_type: bytes) -> bool:
+    """FastAPI's rule for a JSON body: `application/json` or `application/<anything>+json`."""
+    maintype, _, subtype = media_type(content_type).partition("/")
+    return maintype == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def is_event_stream(content_type: bytes) -> bool:
+    return media_type(content_type) == "text/event-stream"
 
 
 def read_as_json(content_type: bytes | None) -> bool:
     """Whether vLLM's FastAPI route parses the body as JSON (its own rule, on the first header)."""
     if content_type is None:
         return _vllm_compat.untyped_body_is_json()
-    known = _JSON_TYPES.get(content_type)
-    if known is None:
-        known = _parse_json_type(content_type)
-        if len(_JSON_TYPES) < _JSON_TYPES_MAX:
-            _JSON_TYPES[content_type] = known
-    return known
-
-
-def _parse_json_type(content_type: bytes) -> bool:
-    message = email.message.Message()
-    message["content-type"] = content_type.decode("latin-1")
-    if message.get_content_maintype() != "application":
-        return False
-    subtype = message.get_content_subtype()
-    return subtype == "json" or subtype.endswith("+json")
+    return is_json(content_type)
 
 
 def set_header(scope: Scope, name: bytes, value: bytes, *, replace: bool = True) -> None:

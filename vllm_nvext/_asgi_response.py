@@ -4,48 +4,154 @@ A stream's bytes go through `stream.StreamReshaper` as they come; a unary body i
 complete, reshaped by `unary.reshape_unary_body` and sent with its new length. A JSON error about
 a field the middleware set from an nvext field is renamed to that field (`response.rename_error`);
 other errors, 204/206/304 and encoded bodies pass untouched. Used by `NvextMiddleware`; public for benchmarks.
+
+vLLM is handed `ReshapingSend.app_send`: a plain function (`python_stream_send`) or the compiled
+`_speedups.StreamSend`, which serve an armed stream's mid-stream deltas themselves
+(`stream.Splice`) and hand every other message to the `ReshapingSend`. Same bytes as the general
+path, both implementations: tests/unit/test_stream_send.py.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from time import perf_counter_ns
 
 from . import _json, metrics
-from ._asgi_request import Message, Send
+from ._asgi_request import Message, Send, is_event_stream, is_json
 from .nvext_values import Clock
+from .protocol import Endpoint
 from .request import Plan
 from .response import rename_error
-from .stream import StreamReshaper
+from .stream import UNSAFE_TEXT, StreamReshaper
 from .unary import reshape_unary_body
 
 logger = logging.getLogger("vllm_nvext")
 
 _PASS_STATUSES = frozenset({204, 206, 304})
+_ID_BYTES = b"0123456789,"
+_UNTIMED = 1 << 62  # the countdown to the next timed message when metrics are off: never reached
+
+# The splice's parts, as `stream.Splice` holds them, the on-ids callback, the metrics countdown and
+# the tally's `add` (None: metrics off).
+Arm = Callable[[bytes, bytes, bytes, bytes, bool, bool, "Callable[[bytes, int, int], None] | None", int,
+                "Callable[[int], int] | None"], None]  # fmt: skip
+
+
+def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Message], Awaitable[None]], Arm,
+                                                                   Callable[[], None], Callable[[], int]]:  # fmt: skip
+    """The pure-Python `send` handed to vLLM: (send, arm, disarm, countdown).
+
+    Until armed, every message goes to `general` (the `ReshapingSend`). Armed with a stream's
+    `stream.Splice`, it serves the mid-stream deltas the splice serves (the checks of
+    `Splice.locate`, the bytes of `Splice.render`) as a plain function that returns `downstream`'s
+    awaitable: no coroutine of its own. Anything else goes to `general`, which arms or disarms it
+    again. While armed it keeps the metrics countdown (metrics.StreamTally) and times the sampled
+    message itself; `countdown` hands it back.
+    """
+    prefix = head = tail = mid = b""
+    lp = lh = lt = 0
+    strip = trio = armed = False
+    on_ids: Callable[[bytes, int, int], None] | None = None
+    tally_add: Callable[[int], int] | None = None
+    left = 0
+    unsafe = UNSAFE_TEXT.search
+    clock = perf_counter_ns
+
+    def send(message: Message) -> Awaitable[None]:
+        nonlocal left
+        if armed and message.get("more_body", False) and message["type"] == "http.response.body":
+            body = message.get("body", b"")
+            t0 = clock() if left == 1 else 0
+            if type(body) is bytes and body.startswith(prefix) and body.endswith(tail):
+                end = len(body) - lt
+                start = body.rfind(b"[")  # the tail holds none (stream.Splice)
+                h = start - lh
+                if (
+                    h >= lp
+                    and body.startswith(head, h)
+                    and unsafe(body, lp, h) is None
+                    and body[end - 1] == 93  # ]
+                    and not body[start + 1 : end - 1].strip(_ID_BYTES)
+                ):
+                    if on_ids is not None:
+                        on_ids(body, start, end)
+                    if trio:
+                        ids = body[start:end]
+                        message["body"] = b"".join((body[:start] if strip else body[:end], mid, ids, b"}}\n\n"))
+                    elif strip:
+                        message["body"] = body[:start] + mid
+                    if t0 and tally_add is not None:
+                        left = tally_add(clock() - t0)
+                    else:
+                        left -= 1
+                    return downstream(message)
+        return general(message)
+
+    def arm(p: bytes, h: bytes, t: bytes, m: bytes, s: bool, tr: bool, ids: Callable[[bytes, int, int], None] | None,
+            countdown: int, add: Callable[[int], int] | None) -> None:  # fmt: skip
+        nonlocal prefix, head, tail, mid, lp, lh, lt, strip, trio, armed, on_ids, left, tally_add
+        prefix, head, tail, mid, strip, trio, on_ids, left, tally_add = p, h, t, m, s, tr, ids, countdown, add
+        lp, lh, lt = len(p), len(h), len(t)
+        armed = True
+
+    def disarm() -> None:
+        nonlocal armed
+        armed = False
+
+    def countdown() -> int:
+        return left
+
+    return send, arm, disarm, countdown
+
+
+# The echoed prompts of a plan, decoded; None when the client went away meanwhile.
+DecodeEcho = Callable[[Plan], Awaitable["tuple[str | tuple[int, ...], ...] | None"]]
 
 
 class ReshapingSend:
     """The `send` handed to vLLM when the response has to be reshaped."""
 
-    __slots__ = ("plan", "clock", "send", "_kind", "_start", "_parts", "_stream", "_tally", "_left")
+    __slots__ = ("plan", "clock", "send", "route", "decode_echo", "_kind", "_start", "_parts", "_stream", "_tally",
+                 "_left", "app_send", "_arm", "_disarm", "_countdown", "_armed")  # fmt: skip
 
-    _PASS, _UNARY, _STREAM, _ERROR = 0, 1, 2, 3
+    _PASS, _UNARY, _STREAM, _ERROR, _DROP = 0, 1, 2, 3, 4
 
-    def __init__(self, plan: Plan, clock: Clock, send: Send) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        clock: Clock,
+        send: Send,
+        stream_send: StreamSendFactory | None = None,
+        route: Endpoint | None = None,
+        decode_echo: DecodeEcho | None = None,
+    ) -> None:
         self.plan = plan
         self.clock = clock
         self.send = send
+        # The metrics' `endpoint` label: the route the client called (docs/metrics.md), /invocations
+        # included, whichever of chat or completions served it.
+        self.route = plan.endpoint if route is None else route
+        # Decodes the plan's echoed id prompts once vLLM has accepted the request (docs/protocol.md §8).
+        self.decode_echo = decode_echo
         self._kind = self._PASS
         self._start: Message | None = None
         self._parts: list[bytes] = []
         self._stream: StreamReshaper | None = None
         self._tally: metrics.StreamTally | None = None  # None: metrics off, nothing timed
         self._left = metrics.StreamTally.FIRST  # body messages until the next timed one
+        # The send to hand vLLM: serves armed streams' deltas itself, everything else through this object.
+        make = STREAM_SENDS[stream_path(False)] if stream_send is None else stream_send
+        self.app_send, self._arm, self._disarm, self._countdown = make(self, send)
+        self._armed = False  # app_send is armed: its countdown is the one that counts
 
     async def __call__(self, message: Message) -> None:
         if self._kind == 2 and message["type"] == "http.response.body":  # _STREAM: the hot path, inlined
             stream = self._stream
             assert stream is not None
+            if self._armed:
+                self._left = self._countdown()
             body = message.get("body", b"")
             if type(body) is not bytes:
                 body = bytes(body)  # memoryview or bytearray: `in` and find() need real bytes
@@ -62,10 +168,24 @@ class ReshapingSend:
                 out += stream.flush()  # an unterminated tail goes out as it came
             if out is not body:
                 message["body"] = out  # vLLM's message dict is its own per send: reused, not copied
+            if more and stream.armed:
+                splice = stream.splice
+                assert splice is not None
+                on_ids = stream.delta_ids if stream.needs_ids else None
+                tally = self._tally
+                countdown, add = (_UNTIMED, None) if tally is None else (self._left, tally.add)
+                self._arm(splice.prefix, splice.head, splice.tail, splice.mid, splice.strip, splice.trio, on_ids,
+                          countdown, add)  # fmt: skip
+                self._armed = True
+            elif self._armed:
+                self._disarm()
+                self._armed = False
             if out or not more:
                 await self.send(message)
             return
         kind = message["type"]
+        if self._kind == self._DROP:
+            return  # the client went away while the echoed prompts were decoded
         if kind == "http.response.start":
             await self._on_start(message)
         elif kind == "http.response.body" and self._kind in (self._UNARY, self._ERROR):
@@ -75,27 +195,38 @@ class ReshapingSend:
 
     async def _on_start(self, message: Message) -> None:
         status = message["status"]
-        content_type = b""
+        if self.decode_echo is not None and 200 <= status < 300:
+            # Only now: vLLM has checked the key, the model and every id, and done its own work.
+            decoded = await self.decode_echo(self.plan)
+            if decoded is None:
+                self._kind = self._DROP
+                return
+            self.plan = replace(self.plan, echo_prompts=decoded)
+        content_type: bytes | None = None
         encoded = False
         for name, value in message.get("headers", ()):
-            if name.lower() == b"content-type":
-                content_type = value.lower()
-            elif name.lower() == b"content-encoding":
+            lower = name.lower()
+            if lower == b"content-type":
+                # The request side's rule (`_asgi_request.read_as_json`): the first header, read as FastAPI reads it.
+                content_type = value if content_type is None else content_type
+            elif lower == b"content-encoding":
                 encoded = True
-        if status >= 400 and self.plan.error_params and not encoded and content_type.startswith(b"application/json"):
+        json_body = content_type is not None and is_json(content_type)
+        event_stream = content_type is not None and is_event_stream(content_type)
+        if status >= 400 and self.plan.error_params and not encoded and json_body:
             self._kind = self._ERROR
             self._start = message
             return  # held until the body is complete, to fix its length
         if status >= 400 or status in _PASS_STATUSES or encoded:
             self._kind = self._PASS
-        elif not self.plan.reshapes_answer and not content_type.startswith(b"text/event-stream"):
+        elif not self.plan.reshapes_answer and not event_stream:
             self._kind = self._PASS  # only vLLM's errors could change (error events come in streams)
-        elif content_type.startswith(b"text/event-stream"):
+        elif event_stream:
             self._kind = self._STREAM
             self._stream = StreamReshaper(self.plan, self.clock)
             self._tally = metrics.StreamTally() if metrics.enabled() else None
             message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]
-        elif content_type.startswith(b"application/json"):
+        elif json_body:
             self._kind = self._UNARY
             self._start = message
             return  # held until the body is complete, to fix its length
@@ -121,7 +252,7 @@ class ReshapingSend:
         except Exception:  # never turn a good vLLM answer into a 500
             logger.exception("vllm-nvext could not reshape a response; forwarded unchanged")
             unchanged = 1
-        metrics.count_reshaping(self.plan.endpoint, metrics.UNARY, 1, (perf_counter_ns() - t0) / 1e9, unchanged)
+        metrics.count_reshaping(self.route, metrics.UNARY, 1, (perf_counter_ns() - t0) / 1e9, unchanged)
         start = self._start
         assert start is not None
         headers = [(n, v) for n, v in start.get("headers", ()) if n.lower() != b"content-length"]
@@ -135,12 +266,43 @@ class ReshapingSend:
         stream, tally = self._stream, self._tally
         if stream is not None and tally is not None:
             self._tally = None
-            left = self._left
+            left = self._countdown() if self._armed else self._left
             events = tally.messages(left) - stream.framed + stream.framed_events
             seconds = tally.seconds(left)
-            metrics.count_reshaping(self.plan.endpoint, metrics.STREAM, events, seconds, stream.unchanged)
+            metrics.count_reshaping(self.route, metrics.STREAM, events, seconds, stream.unchanged)
 
 
 def _renamed_error(body: bytes, plan: Plan) -> bytes | None:
     obj = _json.loads(body)
     return _json.dumps(obj) if rename_error(obj, plan) else None
+
+
+StreamSendFactory = Callable[[Send, Send], tuple[Callable[[Message], Awaitable[None]], Arm, Callable[[], None],
+                                                 Callable[[], int]]]  # fmt: skip
+
+
+def _compiled_stream_send() -> StreamSendFactory | None:
+    """`_speedups.StreamSend` as a factory like `python_stream_send`; None when the extension is not built."""
+    try:
+        from ._speedups import StreamSend
+    except ImportError:
+        return None
+
+    def compiled(general: Send, downstream: Send) -> tuple[Callable[[Message], Awaitable[None]], Arm,
+                                                           Callable[[], None], Callable[[], int]]:  # fmt: skip
+        send = StreamSend(general, downstream)
+        return send, send.arm, send.disarm, send.countdown
+
+    return compiled
+
+
+# The stream paths this install has, by the name the startup log and metrics use (`impl`).
+STREAM_SENDS: dict[str, StreamSendFactory] = {"python": python_stream_send}
+_compiled = _compiled_stream_send()
+if _compiled is not None:
+    STREAM_SENDS["c"] = _compiled
+
+
+def stream_path(pure_python: bool) -> str:
+    """The stream path that runs: "c" when the extension is built and not turned off, else "python"."""
+    return "python" if pure_python or "c" not in STREAM_SENDS else "c"

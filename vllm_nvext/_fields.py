@@ -8,6 +8,7 @@ comes with vLLM; it is imported on the first request, so the CLI works without i
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Annotated, Any
 
@@ -25,6 +26,15 @@ _VLLM_MODELS = {
     Endpoint.CHAT_BATCH: (("vllm.entrypoints.openai.chat_completion.protocol", "BatchChatCompletionRequest"),),
 }
 _readers: dict[tuple[Endpoint, bool], Any] = {}
+# The fields read, over both endpoints: the replica models' fields (metrics names its refusal labels by them).
+DECISION_FIELDS = frozenset(
+    {"return_token_ids", "n", "prompt", "prompt_embeds", "echo", "logprobs", "stream", "prompt_logprobs"}
+    | {"kv_transfer_params", "include_reasoning"}
+)
+
+# vLLM's /invocations tries its request models in this order and serves the body on the first that
+# validates it (`get_generate_invocation_types`: chat, then completions), else answers its own 400.
+INVOCATION_ORDER = (Endpoint.CHAT, Endpoint.COMPLETIONS)
 
 
 def replica_model(endpoint: Endpoint) -> Any:
@@ -59,6 +69,7 @@ def replica_model(endpoint: Endpoint) -> Any:
         stream: bool | None = False
         prompt_logprobs: int | None = None
         kv_transfer_params: dict[str, Any] | None = None
+        include_reasoning: bool = True
 
     _readers[(Endpoint.COMPLETIONS, False)] = CompletionFields
     _readers[(Endpoint.CHAT, False)] = ChatFields
@@ -107,3 +118,61 @@ def read_fields(data: dict[str, Any], endpoint: Endpoint, names: Any = None) -> 
         error = exc.errors(include_url=False)[0]
         name = str(error["loc"][0]) if error["loc"] else None
         raise RequestError(f"`{name}` is invalid for vLLM: {error['msg']}", name) from None
+
+
+def _vllm_model_for_invocations(endpoint: Endpoint) -> Any:
+    """vLLM's own request model for /invocations: loaded in a vLLM server, imported on first use elsewhere."""
+    model = vllm_request_model(endpoint)
+    if model is not None:
+        return model
+    for module_name, class_name in _VLLM_MODELS[endpoint]:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:  # no vLLM here, or another layout: the pinned rule below
+            continue
+        model = getattr(module, class_name, None)
+        if isinstance(model, type) and hasattr(model, "model_fields"):
+            return model
+    return None
+
+
+def _pinned_accepts(data: dict[str, Any], endpoint: Endpoint) -> bool:
+    """Without vLLM: vLLM 0.32's chat model needs `messages`, a list of messages with a role."""
+    from pydantic import ValidationError
+
+    if endpoint is Endpoint.CHAT:
+        messages = data.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            return False
+    try:
+        replica_model(endpoint).model_validate(data)
+    except ValidationError:
+        return False
+    return True
+
+
+def invocation_route(data: dict[str, Any]) -> Endpoint | None:
+    """The route vLLM serves an /invocations body on, decided as vLLM decides it; None: neither (vLLM's 400).
+
+    vLLM's own models validate the body in vLLM's order (docs/protocol.md §10); only /invocations
+    bodies pay for the full validation.
+    """
+    from pydantic import ValidationError
+
+    # `nvext` is no field of vLLM's (it never reaches vLLM): left out, so vLLM's "ignored fields"
+    # warning is not logged for it.
+    data = {k: v for k, v in data.items() if k != "nvext"}
+    for endpoint in INVOCATION_ORDER:
+        model = _vllm_model_for_invocations(endpoint)
+        if model is None:
+            if _pinned_accepts(data, endpoint):
+                return endpoint
+            continue
+        try:
+            model.model_validate(data)
+        except ValidationError:
+            continue  # vLLM tries the next model
+        except Exception:
+            return None  # vLLM's validator raised something else: vLLM answers it itself
+        return endpoint
+    return None

@@ -10,8 +10,7 @@ import json
 import json.scanner
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -120,8 +119,7 @@ def _value_end(text: str, i: int) -> int:
     raise ValueError("unterminated JSON value")
 
 
-@dataclass(frozen=True, slots=True)
-class Member:
+class Member(NamedTuple):
     """One `"key": value` of a JSON object in its text: `text[start:end]` is the member."""
 
     key: str
@@ -130,22 +128,41 @@ class Member:
     end: int
 
 
+_WS_CHARS = " \t\n\r"
+_SCANSTRING: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+
+
 def object_members(text: str, i: int) -> tuple[list[Member], int]:
-    """The members of the valid JSON object starting at `text[i]` and the index after it."""
+    """The members of the valid JSON object starting at `text[i]` and the index after it.
+
+    Whitespace is skipped by _WS only where there is some: compact JSON (what clients send) costs
+    one character test per gap instead of a pattern match; the same positions either way.
+    """
     assert text[i] == "{"
     members: list[Member] = []
-    i = _WS.match(text, i + 1).end()  # type: ignore[union-attr]
+    ws, ws_chars, scanstring, value_end = _WS.match, _WS_CHARS, _SCANSTRING, _value_end
+    i += 1
+    if text[i] in ws_chars:
+        i = ws(text, i).end()  # type: ignore[union-attr]
     if text[i] == "}":
         return members, i + 1
     while True:
-        key, colon = json.decoder.scanstring(text, i + 1)  # type: ignore[attr-defined]
-        value_start = _WS.match(text, _WS.match(text, colon).end() + 1).end()  # type: ignore[union-attr]
-        end = _value_end(text, value_start)
+        key, colon = scanstring(text, i + 1)
+        if text[colon] in ws_chars:
+            colon = ws(text, colon).end()  # type: ignore[union-attr]
+        value_start = colon + 1  # past the colon
+        if text[value_start] in ws_chars:
+            value_start = ws(text, value_start).end()  # type: ignore[union-attr]
+        end = value_end(text, value_start)
         members.append(Member(key, i, value_start, end))
-        i = _WS.match(text, end).end()  # type: ignore[union-attr]
+        i = end
+        if text[i] in ws_chars:
+            i = ws(text, i).end()  # type: ignore[union-attr]
         if text[i] == "}":
             return members, i + 1
-        i = _WS.match(text, i + 1).end()  # type: ignore[union-attr]  # past the comma
+        i += 1  # past the comma
+        if text[i] in ws_chars:
+            i = ws(text, i).end()  # type: ignore[union-attr]
 
 
 def splice_object(text: str, start: int, drop: frozenset[str], add: list[tuple[str, str]]) -> str:

@@ -8,6 +8,7 @@ UTF-16, UTF-32: vLLM's `json.loads` reads those too) is always read.
 
 from __future__ import annotations
 
+import functools
 import re
 
 from . import _json
@@ -29,6 +30,8 @@ _LONGEST_KEY_TOKEN = 2 + 6 * len("return_token_ids")
 def _mentions_key(data: bytes) -> bool:
     if not any(marker in data for marker in _KEY_MARKERS):
         return False  # the common case: two or three C scans
+    if b'"nvext"' in data or b'"return_token_ids"' in data:
+        return True  # the plain spelling is a match of _KEY_TOKEN: one C scan instead of the pattern's
     return _KEY_TOKEN.search(data) is not None
 
 
@@ -37,15 +40,24 @@ def might_opt_in(body: bytes) -> bool:
     return _json.needs_decoding(body) or _mentions_key(body)
 
 
+@functools.cache
+def _key_tokens(words: tuple[str, ...]) -> re.Pattern[bytes]:
+    return re.compile(b"|".join(_spelled(word) for word in words))
+
+
 class OptInScan:
-    """The `might_opt_in` test over a body that arrives in pieces (keys split across pieces too)."""
+    """The `might_opt_in` test over a body that arrives in pieces (keys split across pieces too).
 
-    __slots__ = ("found", "_head", "_tail")
+    `also`: more keys (at most as long as `return_token_ids`) whose mention makes the body one to read.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("found", "_head", "_tail", "_also")
+
+    def __init__(self, also: tuple[str, ...] = ()) -> None:
         self.found = False
         self._head = b""
         self._tail = b""
+        self._also = _key_tokens(also) if also else None
 
     def feed(self, chunk: bytes) -> bool:
         if self.found:
@@ -56,7 +68,7 @@ class OptInScan:
                 self.found = True
                 return True
         window = self._tail + chunk
-        if _mentions_key(window):
+        if _mentions_key(window) or (self._also is not None and self._also.search(window) is not None):
             self.found = True
         self._tail = window[-(_LONGEST_KEY_TOKEN - 1) :]
         return self.found

@@ -8,11 +8,12 @@ behaviour is assumed.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import os
 import secrets
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -122,12 +123,40 @@ def capabilities() -> dict[str, bool]:
     }
 
 
+# vLLM's `--api-key` check guards only these path prefixes (after the root path), the same
+# from 0.30 to 0.33; read from the installed vLLM's own module where it has one (`guarded_prefixes`).
+GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
+_AUTHENTICATE = "entrypoints/serve/middleware/authenticate.py"
+
+
+@cache
+def guarded_prefixes() -> tuple[str, ...]:
+    """The installed vLLM's `GUARDED_PREFIX` (its key check's route rule), else the pinned copy."""
+    root = _vllm_root()
+    if root is None:
+        return GUARDED_PREFIX
+    try:
+        tree = ast.parse((root / _AUTHENTICATE).read_text(encoding="utf-8", errors="replace"))
+    except (OSError, SyntaxError, ValueError):
+        return GUARDED_PREFIX
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "GUARDED_PREFIX" for t in node.targets)
+            and isinstance(node.value, ast.Tuple)
+        ):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                break
+            if value and all(isinstance(v, str) for v in value):
+                return tuple(value)
+    return GUARDED_PREFIX
+
+
 # Where a key for vLLM's check comes from when the middleware runs outside vLLM's process
 # (`vllm-nvext proxy --api-key`): the scope carries the keys, the check is the same.
 API_KEYS = "vllm_nvext.api_keys"
-# vLLM's `AuthenticationMiddleware.GUARDED_PREFIX` (the same in 0.30-0.33; a unit test compares it
-# with the installed vLLM's): only paths under these need the key (`/invocations` does not).
-GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 
 
 def api_keys(scope: MutableMapping[str, Any]) -> list[str]:
@@ -141,17 +170,17 @@ def api_keys(scope: MutableMapping[str, Any]) -> list[str]:
 def auth_refuses(scope: MutableMapping[str, Any]) -> bool:
     """Would vLLM's `--api-key` check refuse this request? (Only matters when mounted outside it.)
 
-    A replica of vLLM's `AuthenticationMiddleware`: paths under `GUARDED_PREFIXES` (after the root
-    path), a `Bearer` token compared in constant time with each key.
+    A replica of vLLM's `AuthenticationMiddleware`: `OPTIONS` and the paths outside its guarded
+    prefixes (after the root path) pass; otherwise a `Bearer` token, compared in constant time with
+    the keys (`api_keys`), must match.
     """
-    root = scope.get("root_path", "")
-    path = scope.get("path", "")
-    if root and path.startswith(root):
-        path = path[len(root) :]
-    if scope.get("method") == "OPTIONS" or not path.startswith(GUARDED_PREFIXES):
+    if scope.get("method") == "OPTIONS":
         return False
     tokens = api_keys(scope)
     if not tokens:
+        return False
+    path: str = scope.get("path", "")
+    if not path.removeprefix(scope.get("root_path", "")).startswith(guarded_prefixes()):
         return False
     for name, value in scope["headers"]:
         if name == b"authorization":
@@ -161,3 +190,66 @@ def auth_refuses(scope: MutableMapping[str, Any]) -> bool:
             digest = hashlib.sha256(param.encode()).digest()
             return not any(secrets.compare_digest(digest, hashlib.sha256(t.encode()).digest()) for t in tokens)
     return True
+
+
+def server_args(scope: MutableMapping[str, Any]) -> Any:
+    """`vllm serve`'s parsed arguments (`app.state.args`); None outside a vLLM server."""
+    return getattr(getattr(scope.get("app"), "state", None), "args", None)
+
+
+def hides_reasoning_ids(args: Any) -> bool:
+    """Does this server answer a chat request with `include_reasoning: false` with `token_ids: null`?
+
+    vLLM's chat serving hides the ids (and logprobs) of such a request whenever it composed a
+    parser: a reasoning parser, or a tool parser with auto tool choice (`ParserManager`).
+    """
+    if args is None:
+        return False
+    reasoning = getattr(args, "reasoning_parser", None) or getattr(
+        getattr(args, "structured_outputs_config", None), "reasoning_parser", None
+    )
+    tools = getattr(args, "enable_auto_tool_choice", False) is True and bool(getattr(args, "tool_call_parser", None))
+    return bool(reasoning) or tools
+
+
+# vLLM's connector that names its files after request ids, and where vLLM registers it.
+_PATH_NAMING_CONNECTOR = "ExampleHiddenStatesConnector"
+_PATH_NAMING_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+
+
+def builds_paths_from_request_ids(args: Any) -> bool:
+    """Does the server's kv connector join request ids into file paths (`--kv-transfer-config`)?
+
+    vLLM's own `ExampleHiddenStatesConnector` does (`<shared_storage_path>/<request id>.safetensors`),
+    by name from vLLM's registry or its own module, alone or inside a `MultiConnector`. The
+    project's `CPUHiddenStatesConnector` names files by a digest instead; other connectors are
+    not known to.
+    """
+    config = getattr(args, "kv_transfer_config", None)
+    return config is not None and _names_files_after_ids(config, 0)
+
+
+def _names_files_after_ids(config: Any, depth: int) -> bool:
+    def read(key: str) -> Any:
+        return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+    name, module = read("kv_connector"), read("kv_connector_module_path")
+    if name == _PATH_NAMING_CONNECTOR and module in (None, "", _PATH_NAMING_MODULE):
+        return True
+    extra = read("kv_connector_extra_config")
+    children = extra.get("connectors") if isinstance(extra, dict) else None
+    if name != "MultiConnector" or not isinstance(children, list) or depth > 4:
+        return False
+    return any(isinstance(child, dict) and _names_files_after_ids(child, depth + 1) for child in children)
+
+
+RUST_FRONTEND_ENV = "VLLM_USE_RUST_FRONTEND"
+
+
+def rust_frontend_on(environ: Mapping[str, str] | None = None) -> str | None:
+    """VLLM_USE_RUST_FRONTEND's value when it turns vLLM's Rust frontend on (vLLM reads it as an int)."""
+    value = (os.environ if environ is None else environ).get(RUST_FRONTEND_ENV, "").strip()
+    try:
+        return value if int(value) else None
+    except ValueError:
+        return value if value.lower() in ("true", "yes", "on") else None

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 ENV_MODE = "VLLM_NVEXT_MODE"
 ENV_ALLOW_MODE_HEADER = "VLLM_NVEXT_ALLOW_MODE_HEADER"
 ENV_MAX_BODY_BYTES = "VLLM_NVEXT_MAX_BODY_BYTES"
+ENV_STRIP_KV_REMOTE_ADDRESS = "VLLM_NVEXT_STRIP_KV_REMOTE_ADDRESS"
+ENV_PURE_PYTHON = "VLLM_NVEXT_PURE_PYTHON"
 MODE_HEADER = "x-nvext-mode"
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -50,6 +52,9 @@ class Settings:
     mode: Mode = Mode.AUTO
     allow_mode_header: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Remove `remote_host` / `remote_port` from a client's kv_transfer_params (docs/scaling-out.md).
+    strip_kv_remote_address: bool = False
+    pure_python: bool = False  # the pure-Python stream path even where the compiled one is built
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _mode(self.mode, "mode"))
@@ -57,6 +62,10 @@ class Settings:
             raise ConfigError(f"allow_mode_header: expected True or False, got {self.allow_mode_header!r}")
         if not _positive_int(self.max_body_bytes):
             raise ConfigError(f"max_body_bytes: expected a positive integer, got {self.max_body_bytes!r}")
+        if not isinstance(self.strip_kv_remote_address, bool):
+            raise ConfigError(f"strip_kv_remote_address: expected True or False, got {self.strip_kv_remote_address!r}")
+        if not isinstance(self.pure_python, bool):
+            raise ConfigError(f"pure_python: expected True or False, got {self.pure_python!r}")
 
     @classmethod
     def create(
@@ -65,6 +74,8 @@ class Settings:
         mode: Mode | str | None = None,
         allow_mode_header: bool | None = None,
         max_body_bytes: int | None = None,
+        strip_kv_remote_address: bool | None = None,
+        pure_python: bool | None = None,
         base: Settings | None = None,
     ) -> Settings:
         """Settings from keyword arguments; each one left at None comes from `base` (default: the environment)."""
@@ -74,6 +85,10 @@ class Settings:
             mode=base.mode if mode is None else _mode(mode, "mode"),
             allow_mode_header=base.allow_mode_header if allow_mode_header is None else allow_mode_header,
             max_body_bytes=base.max_body_bytes if max_body_bytes is None else max_body_bytes,
+            strip_kv_remote_address=(
+                base.strip_kv_remote_address if strip_kv_remote_address is None else strip_kv_remote_address
+            ),
+            pure_python=base.pure_python if pure_python is None else pure_python,
         )
 
     @classmethod
@@ -91,7 +106,11 @@ class Settings:
                 raise ConfigError(f"{ENV_MAX_BODY_BYTES}: expected a positive integer, got {raw_cap!r}")
         else:
             cap = DEFAULT_MAX_BODY_BYTES
-        return cls(mode=mode, allow_mode_header=allow, max_body_bytes=cap)
+        strip = _parse_bool(env, ENV_STRIP_KV_REMOTE_ADDRESS, False)
+        pure = _parse_bool(env, ENV_PURE_PYTHON, False)
+        return cls(
+            mode=mode, allow_mode_header=allow, max_body_bytes=cap, strip_kv_remote_address=strip, pure_python=pure
+        )
 
 
 def _mode(value: object, name: str) -> Mode:

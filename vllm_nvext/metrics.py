@@ -15,6 +15,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from ._client_params import REQUEST_ID_HEADER
+from ._fields import DECISION_FIELDS
 from .config import MODE_HEADER
 from .nvext_schema import param_names
 
@@ -24,24 +26,10 @@ STREAM, UNARY, UNKNOWN = "stream", "unary", "unknown"
 # Refusals without a field to name: the body-size cap.
 BODY = "body"
 
-# The `param` of a refusal names a request field the middleware knows; a key the client made
-# up is reported as `<unknown>` under the object it was found in, never by its name.
-_TOP_LEVEL_PARAMS = frozenset(
-    {
-        "nvext",
-        MODE_HEADER,
-        # vLLM's request fields the middleware reads (request.field_reader) or refuses a combination of
-        "return_token_ids",
-        "n",
-        "prompt",
-        "prompt_embeds",
-        "echo",
-        "logprobs",
-        "stream",
-        "prompt_logprobs",
-        "kv_transfer_params",
-    }
-)
+# The `param` of a refusal names a request field the middleware knows (those it reads, and a request
+# id a kv connector would join into a file path: docs/hidden-states.md); a key the client made up is
+# reported as `<unknown>` under the object it was found in, never by its name.
+_TOP_LEVEL_PARAMS = frozenset({"nvext", MODE_HEADER, *DECISION_FIELDS, REQUEST_ID_HEADER, "request_id"})
 _NVEXT_PARAMS = param_names()
 UNKNOWN_KEY = "<unknown>"
 OTHER = "other"
@@ -114,6 +102,38 @@ def _counters() -> _Counters | None:
                 return None
             _state = _Counters(Counter)
     return _state
+
+
+_stream_path: str | None = None
+
+
+def set_stream_path(impl: str) -> None:
+    """`vllm_nvext_stream_path_info{impl="c"|"python"}`: which stream path runs (the last middleware built says)."""
+    global _stream_path
+    if impl == _stream_path or _counters() is None:
+        return
+    with _lock:
+        from prometheus_client import Gauge
+
+        gauge = _info_gauge(Gauge)
+        if _stream_path is not None:
+            gauge.labels(impl=_stream_path).set(0)
+        gauge.labels(impl=impl).set(1)
+        _stream_path = impl
+
+
+_gauges: dict[str, Any] = {}
+
+
+def _info_gauge(gauge: Any) -> Any:
+    if "stream_path" not in _gauges:
+        _gauges["stream_path"] = gauge(
+            PREFIX + "stream_path_info",
+            "The stream path that runs: 1 for the compiled one (impl=c) or the pure-Python one (impl=python).",
+            ["impl"],
+            multiprocess_mode="max",  # several API-server processes run the same path
+        )
+    return _gauges["stream_path"]
 
 
 def enabled() -> bool:

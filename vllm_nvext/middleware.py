@@ -10,18 +10,21 @@ vLLM and the client byte for byte (docs/protocol.md §10).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
+import logging
+from functools import partial
 from typing import Any
 
-from . import _json, _vllm_compat, metrics
+from . import _client_params, _json, _vllm_compat, metrics
 from ._asgi_request import ASGIApp, Message, PassThrough, Receive, Replay, Scope, Send, read_as_json, set_header
-from ._asgi_response import ReshapingSend
+from ._asgi_response import STREAM_SENDS, ReshapingSend, StreamSendFactory, stream_path
 from ._optin import OptInScan
 from .config import MODE_HEADER, Mode, Settings
 from .nvext_values import Clock
 from .protocol import ENDPOINT_PATHS, Endpoint, RequestError, error_body
 from .request import Plan, read_request
 from .request import plan as plan_request_for
+
+logger = logging.getLogger("vllm_nvext")
 
 _MODE_HEADER = MODE_HEADER.encode()
 # Set on the scope by the first instance, so a second mount (plugin and --middleware) is inert.
@@ -43,11 +46,22 @@ class NvextMiddleware:
         mode: Mode | str | None = None,
         allow_mode_header: bool | None = None,
         max_body_bytes: int | None = None,
+        strip_kv_remote_address: bool | None = None,
+        pure_python: bool | None = None,
     ) -> None:
         self.app = app
         self.settings = Settings.create(
-            mode=mode, allow_mode_header=allow_mode_header, max_body_bytes=max_body_bytes, base=settings
+            mode=mode,
+            allow_mode_header=allow_mode_header,
+            max_body_bytes=max_body_bytes,
+            strip_kv_remote_address=strip_kv_remote_address,
+            pure_python=pure_python,
+            base=settings,
         )
+        self.stream_path = stream_path(self.settings.pure_python)  # "c" or "python" (_asgi_response.STREAM_SENDS)
+        self._stream_send = STREAM_SENDS[self.stream_path]
+        metrics.set_stream_path(self.stream_path)
+        logger.info("vllm-nvext: the %s stream path runs (VLLM_NVEXT_PURE_PYTHON=1 forces Python)", self.stream_path)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or _HANDLED in scope:
@@ -58,28 +72,52 @@ class NvextMiddleware:
         if root and path.startswith(root):
             path = path[len(root) :]  # `vllm serve --root-path` behind a proxy
         endpoint = ENDPOINT_PATHS.get(path)
-        if endpoint is None:
+        # A server whose kv connector joins request ids into file paths gets plain names only.
+        guard = _vllm_compat.builds_paths_from_request_ids(_vllm_compat.server_args(scope))
+        request_id = _first_header(scope, b"x-request-id") if guard else None
+        if (
+            request_id is not None
+            and not _client_params.is_plain_name(request_id.decode("latin-1"))
+            and not _vllm_compat.auth_refuses(scope)
+        ):
+            message = _client_params.not_plain_message("X-Request-Id")
+            await _send_error(send, RequestError(message, _client_params.REQUEST_ID_HEADER))
+            return
+        if endpoint is None or _vllm_compat.auth_refuses(scope):
+            # Mounted outside vLLM's key check, a request it refuses reaches it untouched: nothing
+            # of the middleware runs before the check (docs/protocol.md §10).
             await self.app(scope, receive, send)
             return
         scope[_HANDLED] = True
-        await _Exchange(self.app, self.settings, endpoint, scope, receive, send).run()
+        exchange = _Exchange(self.app, self.settings, endpoint, scope, receive, send, self._stream_send)
+        exchange.body_request_id = guard and request_id is None  # vLLM then takes the body's `request_id`
+        await exchange.run()
 
 
 class _Exchange:
     """One request/response cycle through the middleware."""
 
-    __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "clock")
+    __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "clock", "stream_send", "body_request_id")
 
     def __init__(
-        self, app: ASGIApp, settings: Settings, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send
+        self,
+        app: ASGIApp,
+        settings: Settings,
+        endpoint: Endpoint,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        stream_send: StreamSendFactory,
     ) -> None:
         self.app = app
+        self.stream_send = stream_send
         self.settings = settings
         self.endpoint = endpoint
         self.scope = scope
         self.receive = receive
         self.send = send
         self.clock = Clock()
+        self.body_request_id = False  # the body's `request_id` must be a plain name
 
     async def run(self) -> None:
         scope = self.scope
@@ -103,7 +141,11 @@ class _Exchange:
             return
 
         cap = self.settings.max_body_bytes
-        scan = OptInScan()
+        # Keys besides the opt-in ones that make a body one to read (and hold to the cap).
+        also: tuple[str, ...] = ("request_id",) if self.body_request_id else ()
+        if self.settings.strip_kv_remote_address:
+            also += tuple(sorted(_client_params.REMOTE_ADDRESS_KEYS))
+        scan = OptInScan(also)
         parts: list[bytes] = []
         size = 0
         more = True
@@ -117,13 +159,18 @@ class _Exchange:
             size += len(chunk)
             parts.append(chunk)
             if scan.feed(chunk) and size > cap:
-                await self._refuse(_too_large(cap), b"".join(parts), more)
+                await self._refuse(_too_large(cap))
                 return
             if more and not scan.found and max(size, declared_length) > cap:
                 metrics.count_request(self.endpoint, "none", self.settings.mode, metrics.UNKNOWN)
                 await self._pass_through(parts, scan)  # too large to hold, and no opt-in so far
                 return
         body = parts[0] if len(parts) == 1 else b"".join(parts)
+        if also and scan.found:
+            checked = await self._check_client_params(body)
+            if checked is None:
+                return  # answered
+            body = checked
 
         try:
             request = read_request(body, self.endpoint, scanned=True) if scan.found else None
@@ -132,15 +179,14 @@ class _Exchange:
                 await self.app(scope, Replay([body], False, self.receive), self.send)
                 return
             mode = self._mode(modes)
-            plan = plan_request_for(request, mode, dp_rank_header=dp_rank)
+            hides = _vllm_compat.hides_reasoning_ids(_vllm_compat.server_args(scope))
+            plan = plan_request_for(request, mode, dp_rank_header=dp_rank, hides_reasoning_ids=hides)
         except RequestError as exc:
-            await self._refuse(exc, body, False)
+            await self._refuse(exc)
             return
+        decode_echo = None
         if any(not isinstance(p, str) for p in plan.echo_prompts):
-            decoded = await self._decode_echo_prompts(plan, request.data.get("model"))
-            if decoded is None:
-                return  # vLLM's own answer about the ids went to the client
-            plan = replace(plan, echo_prompts=decoded)
+            decode_echo = partial(self._decode_echo_prompts, model=request.data.get("model"))
         if plan.body is not None:
             body = plan.body
             set_header(scope, b"content-length", str(len(body)).encode())
@@ -150,9 +196,9 @@ class _Exchange:
         if not plan.reshapes_response:
             await self.app(scope, Replay([body], False, self.receive), self.send)
             return
-        reshaping = ReshapingSend(plan, self.clock, self.send)
+        reshaping = ReshapingSend(plan, self.clock, self.send, self.stream_send, self.endpoint, decode_echo)
         try:
-            await self.app(scope, Replay([body], False, self.receive), reshaping)
+            await self.app(scope, Replay([body], False, self.receive), reshaping.app_send)
         finally:
             reshaping.count_stream()  # also for a stream the client cut short
 
@@ -167,34 +213,49 @@ class _Exchange:
             if text.strip():
                 try:
                     chosen.add(Mode.parse(text))
-                except ValueError as exc:
-                    raise RequestError(f"header `{MODE_HEADER}`: {exc}", MODE_HEADER) from None
+                except ValueError:
+                    names = "|".join(m.value for m in Mode)
+                    message = f"header `{MODE_HEADER}`: invalid mode {text.strip()!r}: expected one of {names}"
+                    raise RequestError(message, MODE_HEADER) from None
         if len(chosen) > 1:
             names = ", ".join(sorted(m.value for m in chosen))
             raise RequestError(f"header `{MODE_HEADER}` is repeated with different modes ({names})", MODE_HEADER)
         return chosen.pop() if chosen else mode
 
-    async def _decode_echo_prompts(self, plan: Plan, model: Any) -> tuple[str, ...] | None:
+    async def _decode_echo_prompts(self, plan: Plan, model: Any) -> tuple[str | tuple[int, ...], ...] | None:
         """Each echoed id prompt as vLLM echoes it: decoded by vLLM's own `/detokenize`.
 
-        None when vLLM refused to decode one; its answer (it names the bad id) went to the client.
+        Called when vLLM's successful answer starts, so after vLLM checked the key, the model and
+        the ids and did its own work for them (an error of vLLM's reaches the client as stock).
+        One call per distinct id prompt, stopped as soon as the client goes (None then).
         """
-        texts: list[str] = []
-        for prompt in plan.echo_prompts:
-            if isinstance(prompt, str):
-                texts.append(prompt)
-                continue
-            status, headers, body = await _internal_post(self.app, self.scope, "/detokenize", model, prompt)
+        decoding = asyncio.ensure_future(self._decode_distinct(plan.echo_prompts, model))
+        watching = asyncio.ensure_future(self.receive())  # the body is read: only a disconnect comes
+        try:
+            await asyncio.wait((decoding, watching), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (decoding, watching):
+                if not task.done():
+                    task.cancel()
+        if watching.done() and not watching.cancelled() or not decoding.done() or decoding.cancelled():
+            return None  # the client went away (the only message that can come after the body)
+        texts = decoding.result()
+        return tuple(texts.get(p, p) if not isinstance(p, str) else p for p in plan.echo_prompts)
+
+    async def _decode_distinct(
+        self, prompts: tuple[str | tuple[int, ...], ...], model: Any
+    ) -> dict[tuple[int, ...], str]:
+        texts: dict[tuple[int, ...], str] = {}
+        for prompt in dict.fromkeys(p for p in prompts if not isinstance(p, str)):
+            status, _, body = await _internal_post(self.app, self.scope, "/detokenize", model, prompt)
             try:
                 decoded = _json.loads(body) if status == 200 else None
             except ValueError:
-                decoded = None  # not vLLM's answer shape: the client gets it as it came
+                decoded = None
             if not isinstance(decoded, dict) or not isinstance(decoded.get("prompt"), str):
-                await self.send({"type": "http.response.start", "status": status, "headers": headers})
-                await self.send({"type": "http.response.body", "body": body, "more_body": False})
-                return None
-            texts.append(decoded["prompt"])
-        return tuple(texts)
+                break  # vLLM, which accepted these ids, answered otherwise: the text stays as vLLM wrote it
+            texts[prompt] = decoded["prompt"]
+        return texts
 
     async def _pass_through(self, parts: list[bytes], scan: OptInScan) -> None:
         receive = PassThrough(parts, scan, self.receive)
@@ -211,27 +272,55 @@ class _Exchange:
         if receive.aborted and not started:
             await self._send_error(_too_large(self.settings.max_body_bytes))
 
-    async def _refuse(self, error: RequestError, body: bytes, more_body: bool) -> None:
-        if _vllm_compat.auth_refuses(self.scope):
-            # Mounted outside vLLM's auth: an unauthenticated caller gets vLLM's 401, not our verdict.
-            await self.app(self.scope, Replay([body], more_body, self.receive), self.send)
-            return
+    async def _refuse(self, error: RequestError) -> None:
         await self._send_error(error)
 
+    async def _check_client_params(self, body: bytes) -> bytes | None:
+        """The body with the client's remote address stripped (when set); None once a refusal went out.
+
+        Only reached past vLLM's key check (`NvextMiddleware.__call__`).
+        """
+        try:
+            data = _json.loads_as_vllm(body)
+        except (ValueError, RecursionError):
+            return body  # vLLM refuses it with its own error
+        request_id = data.get("request_id") if self.body_request_id and isinstance(data, dict) else None
+        if isinstance(request_id, str) and not _client_params.is_plain_name(request_id):
+            await self._send_error(RequestError(_client_params.not_plain_message("request_id"), "request_id"))
+            return None
+        if self.settings.strip_kv_remote_address:
+            stripped = _client_params.strip_remote_address(body, data)
+            if stripped is not None:
+                set_header(self.scope, b"content-length", str(len(stripped)).encode())
+                return stripped
+        return body
+
     async def _send_error(self, error: RequestError) -> None:
-        metrics.count_refusal(error.param, error.status)
-        payload = error_body(error.message, error.param, error.status)
-        await self.send(
-            {
-                "type": "http.response.start",
-                "status": error.status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(payload)).encode()),
-                ],
-            }
-        )
-        await self.send({"type": "http.response.body", "body": payload, "more_body": False})
+        await _send_error(self.send, error)
+
+
+async def _send_error(send: Send, error: RequestError) -> None:
+    metrics.count_refusal(error.param, error.status)
+    payload = error_body(error.message, error.param, error.status)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": error.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+def _first_header(scope: Scope, name: bytes) -> bytes | None:
+    """The first of a repeated request header, the one starlette's `headers.get` gives vLLM."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
 
 
 def _too_large(cap: int) -> RequestError:

@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from . import _vllm_compat
 from .config import Settings
 from .middleware import NvextMiddleware
 
@@ -30,7 +31,6 @@ class NvextPlugin:
         return None
 
 
-RUST_FRONTEND_ENV = "VLLM_USE_RUST_FRONTEND"
 RUST_FRONTEND_REFUSAL = (
     "vllm-nvext: VLLM_PLUGINS names nvext, but VLLM_USE_RUST_FRONTEND={value} serves HTTP with vLLM's Rust "
     "frontend, which loads no endpoint plugin and no --middleware: the server would answer without vllm-nvext, "
@@ -39,19 +39,10 @@ RUST_FRONTEND_REFUSAL = (
 )
 
 
-def rust_frontend_on(environ: Mapping[str, str] | None = None) -> str | None:
-    """VLLM_USE_RUST_FRONTEND's value when it turns vLLM's Rust frontend on (vLLM reads it as an int)."""
-    value = (os.environ if environ is None else environ).get(RUST_FRONTEND_ENV, "").strip()
-    try:
-        return value if int(value) else None
-    except ValueError:
-        return value if value.lower() in ("true", "yes", "on") else None
-
-
 def refuse_rust_frontend(environ: Mapping[str, str] | None = None) -> None:
     """vLLM's general plugin `nvext`: stop a server configured for vllm-nvext under the Rust frontend."""
     env = os.environ if environ is None else environ
-    value = rust_frontend_on(env)
+    value = _vllm_compat.rust_frontend_on(env)
     plugins = env.get("VLLM_PLUGINS")
     if value is not None and plugins is not None and "nvext" in plugins.split(","):
         raise SystemExit(RUST_FRONTEND_REFUSAL.format(value=value))

@@ -6,6 +6,9 @@ Pure data; see docs/protocol.md for what each name means on the wire.
 from __future__ import annotations
 
 import enum
+import re
+import sys
+from collections.abc import Callable
 
 from . import _json
 
@@ -15,7 +18,7 @@ class Endpoint(str, enum.Enum):
     COMPLETIONS = "completions"
     # One chat.completion answering several conversations, one choice each (vLLM 0.32+).
     CHAT_BATCH = "chat_batch"
-    # SageMaker's route: vLLM serves the body as chat when it holds `messages`, else as completions.
+    # SageMaker's route: vLLM serves the body as chat when its chat model validates it, else as completions.
     INVOCATIONS = "invocations"
 
 
@@ -27,6 +30,8 @@ ENDPOINT_PATHS = {
     "/v1/chat/completions/batch": Endpoint.CHAT_BATCH,
     "/invocations": Endpoint.INVOCATIONS,
 }
+# The same table the other way round: each endpoint's path (what the tools and tests send to).
+PATHS = {endpoint: path for path, endpoint in ENDPOINT_PATHS.items()}
 
 # Response selectors Dynamo understands (docs/protocol.md §3.2); other strings are ignored, as Dynamo does.
 COMPLETION_TOKEN_IDS = "completion_token_ids"
@@ -37,6 +42,8 @@ STOP_REASON = "stop_reason"
 DETAILED_FINISH_REASON = "detailed_finish_reason"
 PROMPT_LOGPROBS = "prompt_logprobs"
 ROUTED_EXPERTS = "routed_experts"
+# Dynamo's, never answered here: a single vLLM server has no Dynamo workers (docs/protocol.md §5).
+WORKER_ID = "worker_id"
 ID_SELECTORS = frozenset({COMPLETION_TOKEN_IDS, PROMPT_TOKEN_IDS})
 # Selectors answered under `nvext` in every mode: vLLM has no place for them.
 NVEXT_ONLY_SELECTORS = frozenset(
@@ -68,6 +75,28 @@ _ERROR_TYPES = {
 
 
 def error_body(message: str, param: str | None, status: int) -> bytes:
-    """vLLM's error envelope (docs/protocol.md §9)."""
+    """vLLM's error envelope (docs/protocol.md §9), the message passed through vLLM's `sanitize_message`."""
     kind = _ERROR_TYPES.get(status, "BadRequestError")
-    return _json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})
+    return _json.dumps({"error": {"message": sanitize_message(message), "type": kind, "param": param, "code": status}})
+
+
+# vLLM's own sanitizer (0.32+), used when its serving code is loaded; else this copy of its rules.
+_VLLM_SANITIZER = "vllm.entrypoints.serve.exception_handling.utils"
+_LEAKS = (
+    (re.compile(r" at 0x[0-9a-fA-F]+>"), ">"),
+    (re.compile(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?'), ""),
+    (re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+"), "<path>"),
+    (re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+"), "<path>"),
+)
+
+
+def _pinned_sanitize(message: str) -> str:
+    for pattern, replacement in _LEAKS:
+        message = pattern.sub(replacement, message)
+    return message.strip()
+
+
+def sanitize_message(message: str) -> str:
+    """Strip memory addresses, tracebacks and file paths from a message, as vLLM does with its own."""
+    theirs: Callable[[str], str] | None = getattr(sys.modules.get(_VLLM_SANITIZER), "sanitize_message", None)
+    return (theirs or _pinned_sanitize)(message)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _json, _vllm_compat
-from ._fields import read_fields
+from ._fields import invocation_route, read_fields
 from ._optin import might_opt_in
 from .config import Mode
 from .nvext_schema import json_type, validate_nvext
@@ -82,6 +82,9 @@ class Plan:
     # (vLLM's field, the client's field) for each vLLM field set from an nvext field: an error
     # vLLM raises about the former names the latter (docs/protocol.md §9).
     error_params: tuple[tuple[str, str], ...] = ()
+    # A chat stream whose ids vLLM withholds (`include_reasoning: false` on a server with a parser):
+    # every chunk says "not reported", the role chunk before any id too (docs/protocol.md §3.4).
+    ids_withheld: bool = False
 
     @property
     def reshapes_answer(self) -> bool:
@@ -125,11 +128,26 @@ def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> R
     if not isinstance(data, dict):
         return None
     if endpoint is Endpoint.INVOCATIONS:
-        endpoint = Endpoint.CHAT if "messages" in data else Endpoint.COMPLETIONS
-    return_token_ids = read_fields(data, endpoint, ("return_token_ids",)).return_token_ids
-    if return_token_ids is not True and "nvext" not in data:
-        return None  # opts into nothing
-    fields = read_fields(data, endpoint)
+        route = invocation_route(data)
+        if route is None:
+            return None  # vLLM's own 400: no request model of its takes the body
+        endpoint = route
+    if endpoint is Endpoint.CHAT_BATCH and not _conversations(data.get("messages")):
+        return None  # vLLM's own validation error: `messages` is not a list of conversations
+    if "nvext" not in data:
+        if read_fields(data, endpoint, ("return_token_ids",)).return_token_ids is not True:
+            return None  # opts into nothing
+        fields = read_fields(data, endpoint)
+    else:
+        # Shortcut: the nvext dialect opts in whatever return_token_ids says, so the fields are
+        # read once; on an error return_token_ids is read alone first, as the opt-in test reads
+        # it, so the same field is named:
+        # tests/unit/test_request.py::test_nvext_dialect_names_the_field_the_two_reads_named.
+        try:
+            fields = read_fields(data, endpoint)
+        except RequestError:
+            read_fields(data, endpoint, ("return_token_ids",))
+            raise
     nvext = data.get("nvext")
     if nvext is None:
         nvext = {}
@@ -148,8 +166,12 @@ def plan_request(body: bytes, endpoint: Endpoint, mode: Mode, *, dp_rank_header:
     return None if request is None else plan(request, mode, dp_rank_header=dp_rank_header)
 
 
-def plan(request: Request, mode: Mode, *, dp_rank_header: bytes | None = None) -> Plan:
-    """The Plan for a request that opts in. `dp_rank_header` is the client's first `X-data-parallel-rank`."""
+def plan(
+    request: Request, mode: Mode, *, dp_rank_header: bytes | None = None, hides_reasoning_ids: bool = False
+) -> Plan:
+    """The Plan for a request that opts in. `dp_rank_header` is the client's first `X-data-parallel-rank`;
+    `hides_reasoning_ids`: the server withholds the ids of chat requests with `include_reasoning: false`
+    (`_vllm_compat.hides_reasoning_ids`)."""
     endpoint, data, fields, nvext = request.endpoint, request.data, request.fields, request.nvext
     return_token_ids = fields.return_token_ids is True
     requested = set(nvext.get("extra_fields") or [])
@@ -226,6 +248,9 @@ def plan(request: Request, mode: Mode, *, dp_rank_header: bytes | None = None) -
         await_usage=fields.stream is True and n * prompts == 1 and bool(selectors & {TIMING, ENGINE_DATA}),
         root_kv=fields.kv_transfer_params is not None,
         error_params=tuple(rewrite.sources.items()),
+        ids_withheld=hides_reasoning_ids
+        and endpoint is Endpoint.CHAT
+        and getattr(fields, "include_reasoning", True) is False,
     )
 
 
@@ -349,6 +374,11 @@ def _has_non_text_content(messages: Any) -> bool:
         ):
             return True
     return False
+
+
+def _conversations(messages: Any) -> bool:
+    """Is `messages` what vLLM's batch route takes: a non-empty list of non-empty conversations?"""
+    return isinstance(messages, list) and bool(messages) and all(isinstance(m, list) and m for m in messages)
 
 
 def _check_chat_batch(request: Request) -> None:

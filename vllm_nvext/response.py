@@ -9,6 +9,7 @@ vLLM placement (docs/protocol.md §1) is what vLLM writes; nvext placement (§3)
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ._shapes import choice_logprobs
@@ -47,7 +48,7 @@ def _put_back_echo(choice: dict[str, Any], plan: Plan) -> bool:
         return False
     prompt = plan.echo_prompts[prompt_index]
     if not isinstance(prompt, str):
-        return False  # never decoded: the middleware refused such a request before it went upstream
+        return False  # not decoded (vLLM's /detokenize answered otherwise): the text as vLLM wrote it
     choice["text"] = prompt + text
     return True
 
@@ -204,25 +205,34 @@ def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
     return True
 
 
-# How vLLM's message tells a field it does not name in `param`, where its name alone would not do:
-# an out-of-vocabulary id in a completions prompt (`param: null`).
-_MENTIONS = {"prompt": "Token id "}
+# vLLM's errors about a field that name no `param`, told apart by the whole of vLLM's message
+# template, never by a word a client could write into a message (a model name, a logit_bias key).
+_TEMPLATES = {
+    # an out-of-vocabulary id in a completions prompt
+    "prompt": re.compile(r"Token id -?[0-9]+ is out of vocabulary"),
+    # vLLM's messages about thinking_token_budget begin with its name
+    "thinking_token_budget": re.compile(r"`?thinking_token_budget`? [^\n]*"),
+}
 
 
 def rename_error(obj: Any, plan: Plan) -> bool:
     """Make vLLM's error about a field the middleware set name the client's field instead; False if unchanged.
 
-    vLLM names the field it validated (`kv_transfer_params.prompt_token_ids` for ids sent as
-    `nvext.token_data`), or only mentions it in the message (`thinking_token_budget`). Unary
-    error bodies and the error events of a stream alike.
+    vLLM names the field it validated in `param` (`kv_transfer_params.prompt_token_ids` for ids
+    sent as `nvext.token_data`); where its `param` is null, the whole message must be one of
+    vLLM's templates about the field (`_TEMPLATES`). Unary error bodies and the error events of a
+    stream alike.
     """
     error = obj.get("error") if isinstance(obj, dict) else None
     if not isinstance(error, dict):
         return False
     param, message = error.get("param"), error.get("message")
     for vllm_field, client_field in plan.error_params:
-        mention = _MENTIONS.get(vllm_field, vllm_field)
-        if param == vllm_field or (isinstance(message, str) and mention in message):
+        template = _TEMPLATES.get(vllm_field)
+        about_it = param == vllm_field or (
+            param is None and template is not None and isinstance(message, str) and template.fullmatch(message)
+        )
+        if about_it:
             error["param"] = client_field
             if isinstance(message, str):
                 error["message"] = f"`{client_field}` (sent to vLLM as `{vllm_field}`): {message}"
@@ -314,8 +324,11 @@ class ChunkReshaper:
         if self.prompt_ids is None:
             self.prompt_ids = _prompt_ids(obj, choice, plan.endpoint)
         delta = choice.get("token_ids")
-        # No key: a chunk before any token (the role chunk); null: vLLM withheld this chunk's ids.
-        delta_ids: list[int] | None = delta if isinstance(delta, list) else None if "token_ids" in choice else []
+        # No key: a chunk before any token (the role chunk), "no tokens" unless the plan knows the ids
+        # are withheld; null: vLLM withheld this chunk's ids.
+        delta_ids: list[int] | None = (
+            delta if isinstance(delta, list) else None if "token_ids" in choice or plan.ids_withheld else []
+        )
         if delta_ids and self.ttft_ms is None:
             self.ttft_ms = self.clock.elapsed_ms()
         index = choice.get("index")

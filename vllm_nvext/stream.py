@@ -3,7 +3,8 @@
 `StreamReshaper` owns the SSE framer and every hot-path shortcut. The general path frames the
 bytes into events, decodes each `data:` payload, lets `response.ChunkReshaper` reshape the
 chunk and encodes it again; each shortcut below names the test that proves it gives the same
-bytes as that path. Nothing here knows ASGI.
+bytes as that path. `Splice`, the cheapest, is also what the `send` handed to vLLM serves
+deltas with (`_asgi_response.python_stream_send`, `_speedups.c`). Nothing here knows ASGI.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ _DELTA_TAIL = re.compile(
     rb"((?:" + _NULL_KEY + rb")*\}\](?:" + _NULL_KEY + rb")*\}\n\n)\Z"
 )
 _ID_BYTES = b"0123456789,"
+_CHOICES = b'"choices":['
+# Root keys the general path rewrites on a mid-stream delta (docs/protocol.md §3.4): a chunk with
+# one of them before `choices` is never served by the byte-level path.
+_ROOT_REWRITTEN = (b'"prompt_token_ids":', b'"nvext":')
 # The shape vLLM writes each event in: `data: ` + one JSON object + a blank line.
 _DATA = b"data: "
 _JSON_AT = len(_DATA)  # where the chunk's JSON object starts
@@ -40,6 +45,91 @@ _EVENT_END = b"\n\n"
 _CHUNK_END = len(b"}" + _EVENT_END)  # the chunk object's closing brace and the event's end
 _LIST = ord("[")
 _NOT_JSON = object()
+
+
+_NVEXT_IDS = b',"nvext":{"completion_token_ids":'
+_LIST_END = ord("]")
+# What a delta's text (one JSON string's bytes) must not hold for a splice to serve it: a quote, a
+# line end, a backslash at its end (the escape of what follows).
+UNSAFE_TEXT = re.compile(rb'["\r\n]|\\\Z')
+# Where the text of a delta starts: chat's delta content (or reasoning) and completions' text.
+_TEXT_KEYS = (b'"delta":{"content":"', b'"delta":{"reasoning_content":"', b'"delta":{"reasoning":"', b'"text":"')
+# How many times a stream learns a splice (its first delta, then after a layout change).
+ARMINGS = 3
+
+
+class Splice:
+    """The bytes vLLM writes around every mid-stream delta of a stream, learned from one delta.
+
+    A delta it serves is `prefix` + the text (one JSON string's bytes, none of UNSAFE_TEXT) +
+    `head` + the ids (`[digits and commas]`) + `tail`. Such a delta has the
+    learned delta's structure with another text and other ids, so the general path would give it
+    the bytes `render` gives (for the valid JSON vLLM writes). `StreamReshaper` arms one only
+    after `render` reproduced, byte for byte, what the general path made of the delta it was
+    learned from; `_asgi_response.stream_send` and the compiled `_speedups.StreamSend` serve the
+    same deltas with the same checks.
+    """
+
+    __slots__ = ("prefix", "head", "tail", "strip", "trio", "mid")
+
+    def __init__(self, prefix: bytes, head: bytes, tail: bytes, strip: bool, trio: bool) -> None:
+        self.prefix = prefix
+        self.head = head
+        self.tail = tail
+        self.strip = strip  # vLLM's copy of the ids goes back to null
+        self.trio = trio  # the ids go into the chunk's nvext, at the end of the chunk
+        # What follows the ids' place: null (stripped), the tail up to the chunk's closing brace,
+        # and the nvext key (trio); rendered as event[:start or end] + mid [+ ids + "}}\n\n"].
+        null = b"null" if strip else b""
+        self.mid = null + tail[:-_CHUNK_END] + _NVEXT_IDS if trio else null + tail
+
+    def locate(self, event: bytes) -> int:
+        """Where the ids of a delta this splice serves start; -1 for any other event."""
+        prefix, tail = self.prefix, self.tail
+        if not (event.startswith(prefix) and event.endswith(tail)):
+            return -1
+        end = len(event) - len(tail)
+        start = event.rfind(b"[")  # the tail holds none
+        head = start - len(self.head)
+        if (
+            head < len(prefix)
+            or not event.startswith(self.head, head)
+            or UNSAFE_TEXT.search(event, len(prefix), head) is not None
+            or event[end - 1] != _LIST_END
+            or event[start + 1 : end - 1].strip(_ID_BYTES)
+        ):
+            return -1
+        return start
+
+    def render(self, event: bytes, start: int) -> bytes:
+        """The client's bytes for a delta whose ids start at `start` (see `locate`)."""
+        end = len(event) - len(self.tail)
+        if self.trio:
+            return b"".join((event[:start] if self.strip else event[:end], self.mid, event[start:end], b"}}\n\n"))
+        return event[:start] + self.mid if self.strip else event
+
+
+def _learn_splice(event: bytes, start: int, end: int, strip: bool, trio: bool) -> Splice | None:
+    """A splice for a delta whose ids sit at event[start:end]; None if its text is not found."""
+    for key in _TEXT_KEYS:
+        at = event.find(key, _JSON_AT, start)
+        if at >= 0:
+            break
+    else:
+        return None
+    text = at + len(key)
+    close = text  # the text's closing quote: the first quote not escaped
+    while True:
+        close = event.find(b'"', close, start)
+        if close < 0:
+            return None
+        backslashes = close - text - len(event[text:close].rstrip(b"\\"))
+        if backslashes % 2 == 0:
+            break
+        close += 1
+    if b"[" in event[end:]:
+        return None  # the ids are found as the last list of the event
+    return Splice(event[:text], event[close:start], event[end:], strip, trio)
 
 
 def _is_plain_data_event(event: bytes) -> bool:
@@ -59,8 +149,8 @@ class StreamReshaper:
     sent it, and at most one partial event is held back.
     """
 
-    __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "_head", "_tail", "_held", "_waiting",
-                 "framed", "framed_events", "unchanged")  # fmt: skip
+    __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "_root", "splice", "_armings", "_head", "_tail",
+                 "_held", "_waiting", "framed", "framed_events", "unchanged")  # fmt: skip
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
         self.chunks = ChunkReshaper(plan, clock)
@@ -68,6 +158,11 @@ class StreamReshaper:
         self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
         self._trio = plan.nvext_trio
         self._fast = False  # the byte-level path serves deltas once the first chunk was decoded
+        # The bytes up to `"choices":[` of the chunk that armed the byte-level path: vLLM writes the
+        # same root keys before `choices` on every chunk of a stream, and a delta must repeat them.
+        self._root = b""
+        self.splice: Splice | None = None  # serves mid-stream deltas once armed (see Splice)
+        self._armings = ARMINGS
         self._head = b""  # the bytes from finish_reason to the ids, and after them, of the last delta matched
         self._tail = b""
         self._held = False  # the framer holds a partial event (the `buffered` property, as a plain slot)
@@ -128,9 +223,16 @@ class StreamReshaper:
         around every delta of a stream, so the bytes around the last match are checked literally
         first. Same bytes as decoding (for the valid JSON vLLM writes):
         tests/unit/test_stream_layouts.py::test_byte_level_path_gives_the_general_paths_bytes.
-        Everything else, the first and final chunks among them, is decoded.
+        Everything else, the first and final chunks among them, is decoded. Cheapest of all, an
+        armed `Splice` (same bytes: tests/unit/test_stream_layouts.py and test_stream_send.py).
         """
         if self._fast and self._waiting is None:
+            splice = self.splice
+            if splice is not None:
+                start = splice.locate(event)
+                if start >= 0:
+                    self.delta_ids(event, start, len(event) - len(splice.tail))
+                    return splice.render(event, start)
             tail = self._tail
             if tail and event.endswith(tail):
                 end = len(event) - len(tail)
@@ -139,17 +241,19 @@ class StreamReshaper:
                 if (
                     pos > _JSON_AT
                     and event.startswith(self._head, pos)
+                    and event.startswith(self._root)
                     and not event[start + 1 : end - 1].translate(None, _ID_BYTES)
                     and event[end - 1 : end] == b"]"
-                    and event.find(_FINISH_KEY) == pos  # the only choice of this chunk
-                    and event[_JSON_AT : _JSON_AT + 1] == b"{"
+                    and event.find(_FINISH_KEY, len(self._root)) == pos  # the only choice of this chunk
                 ):
+                    if self._armings and (splice is None or not event.startswith(splice.prefix)):
+                        return self._arm(event, start, end)  # the first delta, or the layout changed
                     return self._delta(event, start, end)
             pos = event.rfind(_FINISH_KEY)
             # first == last occurrence: exactly one choice in this chunk
             m = (
                 _DELTA_TAIL.match(event, pos)
-                if pos > 0 and event.find(_FINISH_KEY) == pos and event[_JSON_AT : _JSON_AT + 1] == b"{"
+                if pos > 0 and event.startswith(self._root) and event.find(_FINISH_KEY, len(self._root)) == pos
                 else None
             )
             if m is not None:
@@ -157,10 +261,41 @@ class StreamReshaper:
                 if event[start] == _LIST:  # learn the bytes around a list of ids
                     self._head = event[pos:start]
                     self._tail = m.group(2)
+                    if self._armings and (splice is None or not event.startswith(splice.prefix)):
+                        return self._arm(event, start, end)  # the first delta, or the layout changed
                 return self._delta(event, start, end)
         if event == b"data: [DONE]\n\n":
             return None if self._waiting is None else self._release() + event
         return self._decoded_event(event)
+
+    def _arm(self, event: bytes, start: int, end: int) -> bytes:
+        """Serve a mid-stream delta by the general path, and arm the splice it teaches if that reproduces it."""
+        self._armings -= 1
+        self.splice = None
+        out = self._decoded_event(event)
+        splice = _learn_splice(event, start, end, self._strip, self._trio)
+        if splice is not None and splice.locate(event) == start and splice.render(event, start) == out:
+            self.splice = splice
+        return out
+
+    @property
+    def armed(self) -> bool:
+        """The next message may be served by the splice alone: nothing held back, nothing waiting."""
+        return self.splice is not None and self._fast and not self._held and self._waiting is None
+
+    @property
+    def needs_ids(self) -> bool:
+        """A delta served by the splice must be reported with `delta_ids` (engine_data, or no first token yet)."""
+        return self.chunks.engine or self.chunks.ttft_ms is None
+
+    def delta_ids(self, event: bytes, start: int, end: int) -> None:
+        """What the general path records from a delta's listed ids at event[start:end]: first-token time, engine ids."""
+        if end - start > 2:
+            chunks = self.chunks
+            if chunks.ttft_ms is None:
+                chunks.ttft_ms = chunks.clock.elapsed_ms()
+            if chunks.engine:
+                chunks.ids.extend(_json.loads(event[start:end]))
 
     def _delta(self, event: bytes, start: int, end: int) -> bytes | None:
         """A mid-stream delta whose ids (a list, or null) sit at event[start:end]."""
@@ -168,12 +303,8 @@ class StreamReshaper:
         listed = ids[0] == _LIST  # else null: vLLM withheld the ids, which stay unreported
         if not listed:
             self.chunks.withhold_ids()
-        elif end - start > 2:
-            chunks = self.chunks
-            if chunks.ttft_ms is None:
-                chunks.ttft_ms = chunks.clock.elapsed_ms()
-            if chunks.engine:
-                chunks.ids.extend(_json.loads(ids))
+        else:
+            self.delta_ids(event, start, end)
         strip = self._strip and listed  # vLLM's copy goes back to null, an empty one too
         if self._trio:
             return b"".join(
@@ -208,10 +339,26 @@ class StreamReshaper:
         if chunks.pending is not None:
             self._waiting = (before, obj, after)  # a finish chunk that waits for the usage chunk
             return released
-        if isinstance(obj, dict) and obj.get("choices"):
+        if isinstance(obj, dict) and obj.get("choices") and before == _DATA:
             # engine_data with logprobs or several choices needs every chunk decoded.
-            self._fast = not chunks.decode_every_chunk
+            self._fast = not chunks.decode_every_chunk and self._learn_root(event)
         return released + (before + _json.dumps(obj) + after if changed else event)
+
+    def _learn_root(self, event: bytes) -> bool:
+        """Learn the root bytes before `choices` from a decoded chunk; False if deltas must stay decoded.
+
+        Inside a JSON string every quote is escaped, so the key tokens found here are keys; the
+        root ends at the last `"choices":[` before the first choice's `finish_reason`, so a root
+        value holding a `choices` list of its own cannot end it early.
+        """
+        end = event.rfind(_CHOICES, 0, max(event.find(_FINISH_KEY), 0))
+        if end < 0 or event[_JSON_AT : _JSON_AT + 1] != b"{":
+            return False
+        root = event[: end + len(_CHOICES)]
+        if any(key in root for key in _ROOT_REWRITTEN):
+            return False
+        self._root = root
+        return True
 
     def _release(self) -> bytes:
         """The waiting finish chunk, as it stands (completed from the usage chunk if one came)."""
@@ -237,3 +384,15 @@ class StreamReshaper:
             logger.exception("vllm-nvext could not reshape a stream event; forwarded unchanged")
             self.unchanged += 1
             return event if self._waiting is None else self._release() + event
+
+
+class DecodingStreamReshaper(StreamReshaper):
+    """`StreamReshaper` with the byte-level path for mid-stream deltas off: every `data:` event is decoded.
+
+    The general path each shortcut must give the bytes of; the tests compare the two.
+    """
+
+    __slots__ = ()
+
+    def reshape_event(self, event: bytes) -> bytes | None:
+        return self._decoded_event(event)

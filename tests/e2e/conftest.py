@@ -254,16 +254,19 @@ scale_server = register(
 )
 
 
-def _hidden_states_vllm(kind: str = "hs", vllm: str = "0.32", **extra_config: Any) -> Server:
-    """Hidden-state capture on CPU with the package's connector, behind the middleware."""
+def _hidden_states_vllm(
+    kind: str = "hs", vllm: str = "0.32", connector: str = "CPUHiddenStatesConnector", **extra_config: Any
+) -> Server:
+    """Hidden-state capture on CPU with the package's connector (or vLLM's own), behind the middleware."""
     speculative = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}},
     }
+    module = {"kv_connector_module_path": "vllm_nvext.hidden_states_connector"}
     transfer = {
-        "kv_connector": "CPUHiddenStatesConnector",
-        "kv_connector_module_path": "vllm_nvext.hidden_states_connector",
+        "kv_connector": connector,
+        **(module if connector == "CPUHiddenStatesConnector" else {}),
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {
             "shared_storage_path": tempfile.mkdtemp(prefix="vllm-nvext-hs-"),
@@ -278,6 +281,11 @@ def _hidden_states_vllm(kind: str = "hs", vllm: str = "0.32", **extra_config: An
 hs_server = register("hs", _hidden_states_vllm, url_env="VLLM_NVEXT_HS_URL")
 # The same with `allow_custom_save_path`: a client may name its file inside the storage directory.
 hs_custom_server = register("hs_custom", lambda: _hidden_states_vllm("hs_custom", allow_custom_save_path=True))
+# vLLM's own ExampleHiddenStatesConnector (paths from request ids): only requests the middleware
+# refuses are sent to it (it cannot write on CPU).
+# It runs in the parser group's pytest run (marker `e2e_connector`), never beside the main
+# group, whose servers already peak near the machine's memory.
+hs_vllm_server = register("hs_vllm", lambda: _hidden_states_vllm("hs_vllm", connector="ExampleHiddenStatesConnector"))
 
 
 raw033_server = register("raw033", tiny_vllm("raw033", vllm="0.33"), reference="setup-vllm033")

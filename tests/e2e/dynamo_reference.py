@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.reference_venvs import is_built, refs_dir
+from vllm_nvext.tools.reference_venvs import is_built, refs_dir
 from vllm_nvext.tools.server import TINY_ARGS, free_port
 
 ROOT = Path(__file__).resolve().parents[2]

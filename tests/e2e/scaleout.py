@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from scripts.reference_venvs import is_built, refs_dir
+from vllm_nvext.tools.reference_venvs import is_built, refs_dir
 from vllm_nvext.tools.server import ServerProcess
 
 ROUTER_VERSION = "0.1.17"  # scripts/setup_router.sh

@@ -14,10 +14,11 @@ import httpx
 import pytest
 
 from tests.helpers import CHAT, COMPLETIONS, MODEL_NAME, content_events, final_event, post, sse_events
+from vllm_nvext.protocol import PATHS, Endpoint
 
 pytestmark = pytest.mark.e2e
 
-BATCH = "/v1/chat/completions/batch"
+BATCH = PATHS[Endpoint.CHAT_BATCH]
 NVEXT_IDS = {"nvext": {"extra_fields": ["completion_token_ids"]}}
 GREEDY = {"model": MODEL_NAME, "max_tokens": 5, "temperature": 0}
 USER_X = [{"role": "user", "content": "x"}]
@@ -140,7 +141,7 @@ def test_invocations_is_translated_as_the_route_vllm_serves_the_body_on(translat
     completion = {**GREEDY, "prompt": "Hello"}
     for body, path in ((chat, CHAT), (completion, COMPLETIONS)):
         stock = post(raw, path, {**body, "return_token_ids": True})["choices"][0]["token_ids"]
-        got = post(translated, "/invocations", {**body, **NVEXT_IDS})
+        got = post(translated, PATHS[Endpoint.INVOCATIONS], {**body, **NVEXT_IDS})
         assert got["nvext"]["completion_token_ids"] == stock
 
 
@@ -204,10 +205,12 @@ def test_ids_vllm_withholds_are_never_reported_as_no_tokens(parser, stream):
         assert both["choices"][0]["token_ids"] is None and both["nvext"]["completion_token_ids"] is None
         return
     chunks = content_events(got)
-    assert all(c["nvext"]["completion_token_ids"] is None for c in chunks[1:]), chunks
+    assert "token_ids" not in chunks[0]["choices"][0], "the role chunk comes before any id"
+    # Every chunk, the role chunk too: `ids += chunk["nvext"]["completion_token_ids"] or []` never reads [].
+    assert all(c["nvext"]["completion_token_ids"] is None for c in chunks), chunks
     engine = final_event(got)["nvext"]["engine_data"]
     assert engine["completion_token_ids"] is None and engine["finished"] is True
-    assert all(c["nvext"]["completion_token_ids"] is None for c in content_events(both)[1:])
+    assert all(c["nvext"]["completion_token_ids"] is None for c in content_events(both))
     assert [e for e in got if not e["choices"]][0]["usage"]["completion_tokens"] == len(shown["token_ids"])
 
 

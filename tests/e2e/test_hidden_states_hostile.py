@@ -23,9 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from tests.helpers import API_KEY, MODEL_NAME
+from tests.helpers import API_KEY, CHAT, COMPLETIONS, MODEL_NAME
 from vllm_nvext import hidden_states
 from vllm_nvext.client import extract
 from vllm_nvext.hidden_states import HiddenStatesError
@@ -67,7 +68,7 @@ def _post(url: str, path: str, body: dict[str, Any], request_id: bytes | None) -
 
 def _completion(url: str, prompt: list[int], request_id: bytes | None = None, **extra: Any) -> tuple[int, Any]:
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0, "return_token_ids": True}
-    return _post(url, "/v1/completions", {**body, **extra}, request_id)
+    return _post(url, COMPLETIONS, {**body, **extra}, request_id)
 
 
 def _health(url: str) -> int:
@@ -194,7 +195,7 @@ def test_a_client_chosen_path_is_ignored_without_allow_custom_save_path(hs_serve
 def test_the_server_still_serves_chat_captures_afterwards(hs_server):
     assert _health(hs_server.url) == 200
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}
-    status, answer = _post(hs_server.url, "/v1/chat/completions", {**body, "return_token_ids": True}, None)
+    status, answer = _post(hs_server.url, CHAT, {**body, "return_token_ids": True}, None)
     assert status == 200, answer
     ids = extract(answer)
     assert ids.prompt_token_ids
@@ -284,3 +285,30 @@ def test_a_client_chosen_path_outside_is_refused_with_a_clear_error(
     outside = [p for p in _traces(Path(tempfile.gettempdir()), 4) if p != str(sentinel) and not p.startswith(inside)]
     assert outside == [], "files or directories were created outside the storage directories"
     _captured(*_completion(hs_custom_server.url, PROMPT, f"/../../x{MARK}".encode()), PROMPT)
+
+
+# --- vLLM's own connector: request ids that are not plain names never reach it --------------
+
+
+@pytest.mark.e2e_connector
+@pytest.mark.parametrize(
+    ("headers", "body", "param"),
+    [
+        ({"X-Request-Id": "/../../target/" + MARK}, {}, "x-request-id"),
+        ({"X-Request-Id": "a" * 129}, {}, "x-request-id"),
+        ({}, {"request_id": "..\\" + MARK}, "request_id"),
+    ],
+)
+def test_vllms_connector_gets_no_request_id_that_is_not_a_plain_name(hs_vllm_server, headers, body, param):
+    request = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1, **body}
+    keyless = httpx.post(f"{hs_vllm_server.url}/v1/completions", json=request, headers=headers, timeout=60)
+    assert keyless.status_code == 401, "vLLM's key check comes first"
+    got = httpx.post(
+        f"{hs_vllm_server.url}/v1/completions",
+        json=request,
+        headers={**headers, "Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    )
+    assert got.status_code == 400 and got.json()["error"]["param"] == param, got.text
+    assert MARK not in got.text, "the error never repeats the id"
+    assert not [p for p in _traces(Path(tempfile.gettempdir()), 4) if MARK in p], "nothing was written"

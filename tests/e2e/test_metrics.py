@@ -28,6 +28,7 @@ PREFIX = "vllm_nvext:"
 METRICS = ("requests", "refusals", "forwarded_unchanged", "reshaped_events", "reshaping_seconds")
 SECRET = "metrics-e2e-private-text"  # a client string that must never become a label value
 ENDPOINT = {CHAT: "chat", COMPLETIONS: "completions"}
+INVOCATIONS = "/invocations"
 Sample = tuple[str, tuple[tuple[str, str], ...]]
 
 
@@ -116,6 +117,17 @@ def send_mix(client: httpx.Client) -> Expected:
             assert events > 2 or not stream
             want.counts[key("reshaped_events", endpoint=endpoint, kind=kind)] += events
             want.timed.add(key("reshaping_seconds", endpoint=endpoint, kind=kind))
+    # /invocations is labelled by its route on every counter, whichever route serves the body.
+    for served_as, stream in ((CHAT, True), (COMPLETIONS, False)):
+        body = greedy(served_as, max_tokens=5, **DIALECTS["nvext"], **({"stream": True} if stream else {}))
+        resp = client.post(INVOCATIONS, json=body)
+        assert resp.status_code == 200 and b'"nvext"' in resp.content, resp.text
+        kind = "stream" if stream else "unary"
+        want.counts[key("requests", endpoint="invocations", dialect="nvext", placement="auto", kind=kind)] += 1
+        want.counts[key("reshaped_events", endpoint="invocations", kind=kind)] += (
+            resp.content.count(b"\n\n") if stream else 1
+        )
+        want.timed.add(key("reshaping_seconds", endpoint="invocations", kind=kind))
     for path, fields, headers, param in REFUSALS:
         resp = client.post(path, json=greedy(path, **fields), headers=headers)
         assert resp.status_code == 400, resp.text

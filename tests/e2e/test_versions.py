@@ -236,3 +236,41 @@ def test_capability_probes_per_version(version):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout) == PROBE_ANSWERS[version]
+
+
+# What the middleware copies from vLLM, checked against each version's own code: the key check's
+# guarded prefixes, /invocations' order of request models (chat, then completions), sanitize_message.
+_VLLM_RULES = """
+import json, pathlib, vllm
+from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX
+from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
+from vllm_nvext import _vllm_compat, protocol
+factories = (pathlib.Path(vllm.__file__).parent / "entrypoints/generate/factories.py").read_text()
+leak = 'bad <object at 0x7f00aa> in\\n  File "/usr/lib/x.py", line 3, in f\\n /home/u/m.bin /a/b/c.txt'
+print(json.dumps({
+    "guarded": [list(GUARDED_PREFIX), list(_vllm_compat.guarded_prefixes()), list(_vllm_compat.GUARDED_PREFIX)],
+    "chat_first": factories.index("(ChatCompletionRequest,") < factories.index("(CompletionRequest,"),
+    "sanitize": sanitize_message(leak) == protocol._pinned_sanitize(leak),
+}))
+"""
+
+
+@pytest.mark.parametrize(
+    "version",
+    [
+        pytest.param(
+            v, id=f"vllm-{v}", marks=[pytest.mark.reference, *([pytest.mark.e2e_versions] if v in SEPARATE else [])]
+        )
+        for v in PROBE_ANSWERS
+    ],
+)
+def test_the_rules_copied_from_vllm_are_each_versions_own(version):
+    done = subprocess.run(
+        [str(_venv_python(version)), "-c", _VLLM_RULES], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rules = json.loads(done.stdout.strip().splitlines()[-1])
+    theirs, read, pinned = rules["guarded"]
+    assert theirs == read == pinned, "the key check's guarded prefixes"
+    assert rules["chat_first"], "/invocations tries chat, then completions"
+    assert rules["sanitize"], "the copy of sanitize_message's rules"

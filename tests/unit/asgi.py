@@ -67,12 +67,13 @@ async def call(
     headers: Sequence[tuple[bytes, bytes]] = ((b"content-type", b"application/json"),),
     request_cuts: Sequence[int] = (),
     root_path: str = "",
-    disconnect: bool = True,
+    scope_extra: dict[str, Any] | None = None,
+    app_state: Any = None,
+    disconnect_after_body: bool = False,
 ) -> Result:
     """Send one request through `app`, the body split at `request_cuts`; collect the response.
 
-    After the body, `receive` answers `http.disconnect`, or (`disconnect=False`, as a server does
-    while the client stays) waits.
+    `disconnect_after_body`: the client goes as soon as its body is sent.
     """
     hdrs = [*headers, (b"content-length", str(len(body)).encode())]
     scope = {
@@ -88,7 +89,10 @@ async def call(
         "headers": hdrs,
         "client": ("127.0.0.1", 1234),
         "server": ("127.0.0.1", 8000),
+        **(scope_extra or {}),
     }
+    if app_state is not None:
+        scope["app"] = app_state  # what vLLM's app carries: `state.args` (the key check reads it)
     bounds = [*sorted(set(request_cuts)), len(body)]
     pending = []
     prev = 0
@@ -96,11 +100,14 @@ async def call(
         pending.append({"type": "http.request", "body": body[prev:cut], "more_body": i < len(bounds) - 1})
         prev = cut
 
+    answered = asyncio.Event()
+
     async def receive():
         if pending:
             return pending.pop(0)
-        if not disconnect:
-            await asyncio.Event().wait()
+        if disconnect_after_body:
+            return {"type": "http.disconnect"}
+        await answered.wait()  # as a server does: the disconnect comes once the response is complete
         return {"type": "http.disconnect"}
 
     start: dict[str, Any] = {}
@@ -113,6 +120,8 @@ async def call(
         elif message["type"] == "http.response.body":
             assert start, "body before start"
             messages.append(bytes(message.get("body", b"")))
+            if not message.get("more_body", False):
+                answered.set()
 
     await app(scope, receive, send)
     return Result(start["status"], list(start.get("headers", [])), b"".join(messages), messages)

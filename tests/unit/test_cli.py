@@ -44,7 +44,7 @@ STAND_IN = textwrap.dedent(
 def stand_in(monkeypatch):
     """vLLM replaced by the stand-in; the command line vLLM would have got is printed by it."""
     handlers = {}
-    monkeypatch.setattr(cli, "_missing", lambda *names: [])
+    monkeypatch.setattr(cli, "missing_modules", lambda *names: [])
     monkeypatch.setattr(cli.signal, "signal", lambda signum, handler: handlers.__setitem__(signum, handler))
     monkeypatch.setattr(
         VllmServer,

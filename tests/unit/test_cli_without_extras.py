@@ -95,21 +95,21 @@ def test_the_blocker_hides_only_the_extras():
 
 
 def test_serve_stops_before_starting_anything_when_vllm_is_missing(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_missing", lambda *names: [n for n in names if n == "vllm"])
+    monkeypatch.setattr(cli, "missing_modules", lambda *names: [n for n in names if n == "vllm"])
     monkeypatch.setattr(cli, "VllmServer", None)  # would fail loudly if serve went on
     assert cli.main(["serve"]) == cli.EXIT_MISSING
     assert capsys.readouterr().err.startswith("vllm-nvext serve: error: needs vLLM (vllm not installed)")
 
 
 def test_serve_of_the_tiny_model_names_its_own_needs(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_missing", lambda *names: [n for n in names if n == "transformers"])
+    monkeypatch.setattr(cli, "missing_modules", lambda *names: [n for n in names if n == "transformers"])
     assert cli.main(["serve"]) == cli.EXIT_MISSING
     err = capsys.readouterr().err
     assert "needs torch and transformers for the tiny model (transformers not installed)" in err
 
 
 def test_missing_looks_modules_up_without_importing_them():
-    assert cli._missing("json", "vllm_nvext_no_such_module", "no_such.sub") == [
+    assert cli.missing_modules("json", "vllm_nvext_no_such_module", "no_such.sub") == [
         "vllm_nvext_no_such_module",
         "no_such.sub",
     ]

@@ -8,20 +8,23 @@ them (`include_reasoning: false` on a server with a parser; tests/e2e/test_edges
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from tests.helpers import sse_events, sse_frames
+from tests.helpers import CHAT, COMPLETIONS, sse_events, sse_frames
 from tests.recorded import recording
-from vllm_nvext import Mode
+from tests.unit.asgi import Upstream, call
+from vllm_nvext import Mode, NvextMiddleware, _vllm_compat
 from vllm_nvext.nvext_values import Clock
 from vllm_nvext.protocol import Endpoint, RequestError
-from vllm_nvext.request import plan_request
+from vllm_nvext.request import plan, plan_request, read_request
 from vllm_nvext.response import rename_error, reshape_unary
-from vllm_nvext.stream import StreamReshaper
+from vllm_nvext.stream import DecodingStreamReshaper, StreamReshaper
 
 NVEXT_IDS = {"extra_fields": ["completion_token_ids", "engine_data"]}
 
@@ -48,26 +51,78 @@ def test_withheld_unary_ids_are_null_never_empty():
     assert nv["prompt_token_ids"] == rec.json()["prompt_token_ids"], "vLLM still reports the prompt ids"
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_withheld_stream_ids_are_null_on_every_chunk_that_had_tokens(fast, monkeypatch):
-    rec = recording("chat_stream_ids")
-    events = sse_frames(rec.body)
-    plan = _plan({**rec.request, "nvext": NVEXT_IDS})
-    if not fast:  # the general path for every event
-        monkeypatch.setattr(StreamReshaper, "reshape_event", StreamReshaper._decoded_event)
-    reshaper = StreamReshaper(plan, Clock())
+def _stream_through(plan, events: list[bytes], fast: bool) -> list[dict]:
+    reshaper = (StreamReshaper if fast else DecodingStreamReshaper)(plan, Clock())  # else the general path only
     sent = b""
-    for event in map(_withheld, events):
+    for event in events:
         new = reshaper.reshape_event(event)
         sent += event if new is None else new  # the finish chunk waits for the usage chunk
     sent += reshaper.flush()
-    chunks = sse_events(sent, complete=False)
-    with_choices = [c for c in chunks if c["choices"]]
-    assert with_choices[0]["nvext"]["completion_token_ids"] == [], "the role chunk has no token: [] is true"
-    for chunk in with_choices[1:]:
+    return [c for c in sse_events(sent, complete=False) if c["choices"]]
+
+
+# What vLLM's args hold on a server with a reasoning parser (`--reasoning-parser qwen3`).
+PARSER_ARGS = SimpleNamespace(reasoning_parser="qwen3", tool_call_parser=None, enable_auto_tool_choice=False)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("mode", [Mode.AUTO, Mode.BOTH])
+def test_withheld_stream_ids_are_null_on_every_chunk_the_role_chunk_too(fast, mode):
+    rec = recording("chat_stream_ids")
+    request = read_request(
+        json.dumps({**rec.request, "include_reasoning": False, "nvext": NVEXT_IDS}).encode(), Endpoint.CHAT
+    )
+    assert request is not None
+    hides = _vllm_compat.hides_reasoning_ids(PARSER_ARGS)
+    chunks = _stream_through(plan(request, mode, hides_reasoning_ids=hides), [*map(_withheld, sse_frames(rec.body))],
+                             fast)  # fmt: skip
+    assert "token_ids" not in chunks[0]["choices"][0], "the role chunk, before any id"
+    for chunk in chunks:
+        # A client doing `ids += chunk["nvext"]["completion_token_ids"] or []` would read [] as "no tokens".
         assert chunk["nvext"]["completion_token_ids"] is None, chunk
-    finish = with_choices[-1]["nvext"]
+    finish = chunks[-1]["nvext"]
     assert finish["engine_data"]["completion_token_ids"] is None and finish["engine_data"]["finished"] is True
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_role_chunk_says_no_tokens_where_vllm_reports_the_ids(fast):
+    rec = recording("chat_stream_ids")
+    shown = [i for e in sse_events(rec.body) if e["choices"] for i in e["choices"][0].get("token_ids") or []]
+    for body, hides in (({**rec.request, "include_reasoning": False}, False), (rec.request, True)):
+        request = read_request(json.dumps({**body, "nvext": NVEXT_IDS}).encode(), Endpoint.CHAT)
+        assert request is not None
+        chunks = _stream_through(plan(request, Mode.AUTO, hides_reasoning_ids=hides), sse_frames(rec.body), fast)
+        assert chunks[0]["nvext"]["completion_token_ids"] == [], "the role chunk has no token: [] is true"
+        assert [i for c in chunks for i in c["nvext"]["completion_token_ids"]] == shown
+
+
+@pytest.mark.parametrize(
+    ("args", "hides"),
+    [
+        (None, False),
+        (SimpleNamespace(), False),
+        (PARSER_ARGS, True),
+        (
+            SimpleNamespace(reasoning_parser="", structured_outputs_config=SimpleNamespace(reasoning_parser="qwen3")),
+            True,
+        ),
+        (SimpleNamespace(reasoning_parser=None, tool_call_parser="hermes", enable_auto_tool_choice=True), True),
+        # vLLM composes no tool parser without auto tool choice: it reports the ids.
+        (SimpleNamespace(reasoning_parser=None, tool_call_parser="hermes", enable_auto_tool_choice=False), False),
+    ],
+)
+def test_the_server_withholds_ids_exactly_when_vllm_composes_a_parser(args, hides):
+    assert _vllm_compat.hides_reasoning_ids(args) is hides
+
+
+def test_withheld_ids_are_read_from_the_servers_args_through_the_middleware():
+    rec = recording("chat_stream_ids")
+    body = json.dumps({**rec.request, "include_reasoning": False, "nvext": NVEXT_IDS}).encode()
+    for args, role_ids in ((PARSER_ARGS, None), (SimpleNamespace(reasoning_parser=None), [])):
+        app = SimpleNamespace(state=SimpleNamespace(args=args))
+        upstream = Upstream(content_type="text/event-stream", body=b"".join(map(_withheld, sse_frames(rec.body))))
+        got = asyncio.run(call(NvextMiddleware(upstream), CHAT, body, scope_extra={"app": app}))
+        assert sse_events(got.body, complete=False)[0]["nvext"]["completion_token_ids"] == role_ids
 
 
 def test_orchestrator_root_kv_transfer_params_stay_at_the_root_in_every_mode():
@@ -124,6 +179,28 @@ def test_vllm_errors_about_a_field_the_middleware_set_name_the_clients_field(end
     assert not rename_error(unrelated, plan), "an error about another field is left as vLLM wrote it"
 
 
+@pytest.mark.parametrize(
+    ("nvext", "error"),
+    [
+        # the client's model name holds the field's name: stock's 404 about `model` stays
+        ({"greed_sampling": True}, {"message": "The model `my temperature model` does not exist.", "param": "model"}),
+        ({"cache_salt": "s"}, {"message": "The model `cache_salt` does not exist.", "param": "model"}),
+        ({"token_data": [1]}, {"message": "The model `Token id 5` does not exist.", "param": "model"}),
+        # a logit_bias key named like the field: vLLM's message quotes it, with no param
+        ({"greed_sampling": True}, {"message": "Invalid key in logit_bias: 'temperature'", "param": None}),
+        ({"max_thinking_tokens": 5}, {"message": "Bad logit_bias key 'thinking_token_budget x'", "param": None}),
+        ({"token_data": [1]}, {"message": "bad logit_bias key 'Token id 5 is out of vocabulary'", "param": None}),
+    ],
+)
+def test_errors_are_renamed_from_vllms_param_never_from_text_a_client_wrote(nvext, error):
+    """vLLM's message can quote the client (its model name, a logit_bias key): only `param` or one of
+    vLLM's whole-message templates tells which field an error is about (docs/protocol.md §9)."""
+    plan = _plan({"model": "tiny", "prompt": "x", "nvext": nvext}, Endpoint.COMPLETIONS)
+    answer = {"error": {**error, "type": "NotFoundError", "code": 404}}
+    assert plan.error_params and not rename_error(answer, plan)
+    assert answer["error"] == {**error, "type": "NotFoundError", "code": 404}, "as vLLM wrote it"
+
+
 def test_echoed_prompt_is_put_back_per_choice():
     rec = recording("completions_unary_ids_n2")
     body = rec.json()
@@ -154,6 +231,16 @@ def test_chat_batch_follows_the_several_choices_rules():
     assert one.nvext_trio
 
 
+@pytest.mark.parametrize(
+    "messages",
+    [[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], [], [[]], "junk", [[{"role": "user"}], {}]],
+)
+def test_batch_messages_that_are_not_conversations_get_vllms_own_error(messages):
+    """vLLM's batch model refuses them itself: the middleware's several-choices refusal never answers."""
+    body = {"model": "tiny", "messages": messages, "nvext": {"extra_fields": ["completion_token_ids"]}}
+    assert plan_request(json.dumps(body).encode(), Endpoint.CHAT_BATCH, Mode.AUTO) is None
+
+
 def test_invocations_is_read_as_the_route_vllm_serves_it_on():
     chat = _plan({"messages": [{"role": "user", "content": "a"}], "return_token_ids": True}, Endpoint.INVOCATIONS)
     completions = _plan({"prompt": "a", "return_token_ids": True}, Endpoint.INVOCATIONS)
@@ -177,12 +264,17 @@ class _VllmWithDetokenize:
         data = json.loads(body)
         answer: dict[str, Any]
         if scope["path"].endswith("/detokenize"):
+            await asyncio.sleep(0)  # vLLM's tokenizer runs apart: the event loop turns meanwhile
             self.detokenized.append((scope["path"], list(scope["headers"]), data))
             status, answer = (400, {"error": {"message": "Token id 99999 is out of vocabulary"}}) if self.refuse else (
                 200, {"prompt": "".join(chr(t) for t in data["tokens"])})  # fmt: skip
+        elif self.refuse:  # vLLM's completions check the same ids
+            status, answer = 400, {"error": {"message": "Token id 99999 is out of vocabulary", "param": None}}
         else:
             status = 200
-            answer = {"choices": [{"index": 0, "text": "gen", "token_ids": [1, 2], "prompt_token_ids": data["prompt"]}]}
+            prompts = data["prompt"] if isinstance(data["prompt"][0], list) else [data["prompt"]]
+            answer = {"choices": [{"index": i, "text": "gen", "token_ids": [1, 2], "prompt_token_ids": p}
+                                  for i, p in enumerate(prompts)]}  # fmt: skip
         out = json.dumps(answer).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -208,16 +300,19 @@ async def test_echo_of_an_id_prompt_is_decoded_by_vllms_own_detokenize():
     assert path == "/api/detokenize" and sent == {"model": "tiny", "tokens": [72, 105]}
     assert (b"authorization", b"Bearer k") in sent_headers, "with the client's credentials"
 
-    refusing = NvextMiddleware(_VllmWithDetokenize(refuse=True), settings=Settings())
-    result = await call(refusing, "/v1/completions", body.encode())
+    refusing = _VllmWithDetokenize(refuse=True)
+    result = await call(NvextMiddleware(refusing, settings=Settings()), COMPLETIONS, body.encode())
     assert result.status == 400 and b"out of vocabulary" in result.body, "vLLM's own answer about the ids"
+    assert not refusing.detokenized and json.loads(result.body)["error"]["param"] is None, (
+        "vLLM refused first: its completions answer, as stock; never /detokenize's, which names `body.tokens.0`"
+    )
 
     async def not_json(scope, receive, send) -> None:  # a route answering something else: never a 500
         await receive()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         await send({"type": "http.response.body", "body": b"<html>", "more_body": False})
 
-    result = await call(NvextMiddleware(not_json, settings=Settings()), "/v1/completions", body.encode())
+    result = await call(NvextMiddleware(not_json, settings=Settings()), COMPLETIONS, body.encode())
     assert (result.status, result.body) == (200, b"<html>")
 
 
@@ -229,10 +324,32 @@ async def test_a_field_mapped_without_ids_leaves_vllms_answer_byte_for_byte():
     answer = b'{"choices": [{"index": 0, "text": "a"}], "usage": {"completion_tokens": 1}}'
     app = NvextMiddleware(Upstream(body=answer), settings=Settings())
     body = json.dumps({"model": "tiny", "prompt": "x", "nvext": {"greed_sampling": True}}).encode()
-    result = await call(app, "/v1/completions", body)
+    result = await call(app, COMPLETIONS, body)
     assert result.status == 200 and result.body == answer
     error = b'{"error": {"message": "temperature is bad", "param": "temperature", "code": 400}}'
-    refused = await call(
-        NvextMiddleware(Upstream(status=400, body=error), settings=Settings()), "/v1/completions", body
-    )
+    refused = await call(NvextMiddleware(Upstream(status=400, body=error), settings=Settings()), COMPLETIONS, body)
     assert json.loads(refused.body)["error"]["param"] == "nvext.greed_sampling", "the client's field"
+
+
+async def test_echo_decodes_each_distinct_id_prompt_once_and_stops_when_the_client_goes():
+    from tests.unit.asgi import call
+    from vllm_nvext import NvextMiddleware, Settings
+
+    prompts = [[72, 105], [72, 105], [79, 107], [72, 105]]
+    body = json.dumps(
+        {"model": "tiny", "prompt": prompts, "echo": True, "nvext": {"extra_fields": ["timing"]}}
+    ).encode()
+    vllm = _VllmWithDetokenize()
+    result = await call(NvextMiddleware(vllm, settings=Settings()), "/v1/completions", body)
+    assert [c["text"] for c in json.loads(result.body)["choices"]] == ["Higen", "Higen", "Okgen", "Higen"]
+    assert [d["tokens"] for _, _, d in vllm.detokenized] == [[72, 105], [79, 107]], "one call per distinct prompt"
+
+    gone = _VllmWithDetokenize()
+    app = NvextMiddleware(gone, settings=Settings())
+    many = json.dumps(
+        {"model": "tiny", "prompt": [[65 + i] for i in range(50)], "echo": True, "nvext": {"extra_fields": ["timing"]}}
+    ).encode()
+    with pytest.raises(KeyError):  # the driver saw no response at all: nothing was sent to the client
+        await call(app, "/v1/completions", many, disconnect_after_body=True)
+    assert len(gone.detokenized) < 5, "decoding stops when the client goes, not after the 50 prompts"
+    assert all(path.endswith("/detokenize") for path, _, _ in gone.detokenized), "nothing went upstream"

@@ -25,7 +25,9 @@ from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings, metrics
 from vllm_nvext import _json as nvjson
 from vllm_nvext import response as nvresponse
+from vllm_nvext._fields import DECISION_FIELDS, replica_model
 from vllm_nvext.nvext_schema import NVEXT_FIELDS, NVEXT_OBJECTS, param_names
+from vllm_nvext.protocol import Endpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 NVEXT_IDS = {"extra_fields": ["completion_token_ids"]}
@@ -307,6 +309,13 @@ def test_every_field_the_middleware_validates_is_its_own_refusal_label():
     assert metrics.refusal_param(None) == "body"
 
 
+def test_every_vllm_field_the_middleware_reads_is_its_own_refusal_label():
+    read = {name for endpoint in (Endpoint.COMPLETIONS, Endpoint.CHAT) for name in replica_model(endpoint).model_fields}
+    assert read == DECISION_FIELDS, "metrics labels a refusal by the fields the middleware reads"
+    for name in read:
+        assert metrics.refusal_param(name) == name
+
+
 _LABELS = {
     "body",
     "other",
@@ -398,3 +407,19 @@ def test_counters_of_several_processes_are_summed_in_multiprocess_mode(tmp_path)
     assert 'vllm_nvext:refusals_total{param="n",status="400"} 2.0' in lines
     assert 'vllm_nvext:reshaped_events_total{endpoint="chat",kind="stream"} 20.0' in lines
     assert 'vllm_nvext:reshaping_seconds_total{endpoint="chat",kind="stream"} 0.5' in lines
+
+
+# --- one rule for the `endpoint` label: the route the client called --------------------------
+
+
+@pytest.mark.parametrize("name", ["chat_stream_ids", "completions_unary_ids"])
+async def test_invocations_is_labelled_by_its_route_on_every_counter(name):
+    rec = recording(name)
+    app, _ = _app(rec)
+    before = scrape()
+    result = await call(app, "/invocations", _body(rec, "nvext"))
+    assert b'"nvext"' in result.body, "served as the body's route and reshaped"
+    got = delta(before)
+    assert got[request_sample("invocations", "nvext", "auto", _kind(rec))] == 1
+    assert got[sample("reshaped_events", endpoint="invocations", kind=_kind(rec))] >= 1
+    assert {dict(labels)["endpoint"] for _, labels in got} == {"invocations"}, "never chat or completions"

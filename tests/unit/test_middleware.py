@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import sse_events
+from tests.helpers import CHAT, COMPLETIONS, sse_events
 from tests.recorded import Recording, recording, recordings
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings
@@ -67,9 +67,9 @@ async def test_get_and_non_json_bodies_pass_untouched(no_json_parse):
     rec = recording("chat_unary_ids")
     app, upstream = _app(rec, mode=Mode.NVEXT)
     body = b'{"return_token_ids": true}'
-    result = await call(app, "/v1/chat/completions", body, headers=((b"content-type", b"text/plain"),))
+    result = await call(app, CHAT, body, headers=((b"content-type", b"text/plain"),))
     assert upstream.received == body and result.body == rec.body
-    result = await call(app, "/v1/chat/completions", b"", method="GET")
+    result = await call(app, CHAT, b"", method="GET")
     assert result.body == rec.body
 
 
@@ -77,7 +77,7 @@ async def test_invalid_json_reaches_vllm_unchanged():
     rec = recording("error_max_tokens")
     app, upstream = _app(rec, mode=Mode.NVEXT)
     body = b'{"nvext": {"extra_fields": ["completion_token_ids"]'
-    result = await call(app, "/v1/completions", body)
+    result = await call(app, COMPLETIONS, body)
     assert upstream.received == body and result.status == 400 and result.body == rec.body
 
 
@@ -85,7 +85,7 @@ async def test_error_status_from_vllm_passes_through_in_every_mode():
     rec = recording("error_max_tokens")
     for mode in Mode:
         app, _ = _app(rec, mode=mode)
-        result = await call(app, "/v1/completions", _nvext_request(rec))
+        result = await call(app, COMPLETIONS, _nvext_request(rec))
         assert (result.status, result.body) == (400, rec.body)
 
 
@@ -318,7 +318,7 @@ async def test_mid_stream_error_reaches_the_client_without_nvext():
 async def test_bodiless_and_partial_statuses_pass_through(status):
     upstream = Upstream(status=status, body=b"")
     app = NvextMiddleware(upstream, settings=Settings(mode=Mode.NVEXT))
-    result = await call(app, "/v1/completions", b'{"return_token_ids": true}')
+    result = await call(app, COMPLETIONS, b'{"return_token_ids": true}')
     assert result.status == status and result.body == b""
 
 
@@ -395,11 +395,12 @@ def _fastapi_reads_untyped_body_as_json() -> bool:
     class Body(pydantic.BaseModel):
         n: int
 
-    app = FastAPI()
-
-    @app.post("/p")
-    async def post(body: Body) -> dict:
+    async def post(body):
         return {"n": body.n}
+
+    post.__annotations__ = {"body": Body}  # a local class: the string annotation would not resolve
+    app = FastAPI()
+    app.post("/p")(post)
 
     async def go() -> int:
         transport = httpx.ASGITransport(app=app)
@@ -432,3 +433,83 @@ async def test_a_body_without_content_type_is_read_as_vllms_fastapi_reads_it(as_
     # Read as JSON by vLLM: translated (nvext answered); otherwise vLLM never sees the fields: untouched.
     assert ("nvext" in json.loads(result.body)) is as_json
     assert (upstream.received == body) is not as_json
+
+
+# --- one Content-Type rule, request and response side: FastAPI's, on the first header ----------
+
+CONTENT_TYPES = [
+    "application/json",
+    "Application/JSON; charset=utf-8",
+    " application/json ;",
+    "application/problem+json",
+    "application/vnd.api+json",
+    "application/json-seq",
+    "application/jsonx",
+    "application/x-ndjson",
+    "text/json",
+    "text/plain",
+    "json",
+    "",
+]
+
+
+def _fastapi_reads_as_json(content_type: str) -> bool:
+    """Ask the installed FastAPI whether a route with a body model reads this Content-Type as JSON."""
+    import asyncio
+
+    import httpx
+    import pydantic
+    from fastapi import FastAPI
+
+    class Body(pydantic.BaseModel):
+        n: int
+
+    async def post(body):
+        return {"n": body.n}
+
+    post.__annotations__ = {"body": Body}  # a local class: the string annotation would not resolve
+    app = FastAPI()
+    app.post("/p")(post)
+
+    async def go() -> int:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            resp = await client.post("/p", content=b'{"n": 1}', headers={"content-type": content_type})
+            return resp.status_code
+
+    return asyncio.run(go()) == 200
+
+
+@pytest.mark.parametrize("content_type", [c for c in CONTENT_TYPES if c])
+def test_a_content_type_is_json_exactly_when_fastapi_reads_it_as_json(content_type):
+    from vllm_nvext._asgi_request import is_json
+
+    pytest.importorskip("fastapi")
+    assert is_json(content_type.encode()) is _fastapi_reads_as_json(content_type)
+
+
+@pytest.mark.parametrize("content_type", CONTENT_TYPES)
+async def test_a_response_is_reshaped_as_json_by_the_request_sides_rule(content_type):
+    from vllm_nvext._asgi_request import is_json
+
+    rec = recording("chat_unary_ids")
+    upstream = Upstream(content_type=content_type, body=rec.body)
+    result = await call(NvextMiddleware(upstream), rec.path, _nvext_request(rec))
+    reshaped = "nvext" in json.loads(result.body)
+    assert reshaped is (bool(content_type) and is_json(content_type.encode())), "application/json-seq is not JSON"
+
+
+@pytest.mark.parametrize(("first", "second"), [("text/plain", "application/json"), ("application/json", "text/plain")])
+async def test_of_repeated_response_content_types_the_first_counts_as_on_the_request_side(first, second):
+    rec = recording("chat_unary_ids")
+    upstream = Upstream(content_type=first, body=rec.body, extra_headers=[(b"content-type", second.encode())])
+    result = await call(NvextMiddleware(upstream), rec.path, _nvext_request(rec))
+    assert ("nvext" in json.loads(result.body)) is (first == "application/json")
+
+
+async def test_a_stream_is_reshaped_whatever_the_parameters_of_its_event_stream_type():
+    rec = recording("chat_stream_ids")
+    for content_type in ("text/event-stream", "Text/Event-Stream; charset=utf-8"):
+        upstream = Upstream(content_type=content_type, body=rec.body)
+        result = await call(NvextMiddleware(upstream), rec.path, _nvext_request(rec))
+        assert b'"nvext"' in result.body, content_type

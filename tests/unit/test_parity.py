@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.helpers import CHAT, COMPLETIONS
 from tests.recorded import Recording, recording, recordings
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings
@@ -130,9 +131,9 @@ def test_builtin_prompts_cover_every_kind_on_both_endpoints():
 def test_token_data_case_sends_ids_to_completions_in_vllm_and_to_chat_in_nvext():
     case = Case(Prompt(4, token_ids=TOKEN_PROMPT), "chat", "token_data")
     path, body = request_body(case, VLLM_DIALECT, False, "m", 16)
-    assert path == "/v1/completions" and body["prompt"] == TOKEN_PROMPT and body["return_token_ids"] is True
+    assert path == COMPLETIONS and body["prompt"] == TOKEN_PROMPT and body["return_token_ids"] is True
     path, body = request_body(case, NVEXT_DIALECT, False, "m", 16)
-    assert path == "/v1/chat/completions" and body["nvext"]["token_data"] == TOKEN_PROMPT
+    assert path == CHAT and body["nvext"]["token_data"] == TOKEN_PROMPT
     assert "prompt" not in body and body["messages"]
 
 

@@ -38,7 +38,7 @@ JSON = (b"content-type", b"application/json")
 
 async def call(app: Any, path: str, body: bytes, **kwargs: Any) -> asgi.Result:
     """One request through the proxy from a client that stays until the answer is complete."""
-    return await asgi.call(app, path, body, disconnect=False, **kwargs)
+    return await asgi.call(app, path, body, **kwargs)
 
 
 def proxy_over(app: Any, *, keys: tuple[str, ...] = (), settings: Settings | None = None) -> NvextProxy:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_nvext._optin import might_opt_in
 from vllm_nvext.config import Mode
 from vllm_nvext.protocol import Endpoint, RequestError
-from vllm_nvext.request import plan_request
+from vllm_nvext.request import plan_request, read_request
 
 CHAT, COMPLETIONS = Endpoint.CHAT, Endpoint.COMPLETIONS
 
@@ -255,3 +257,52 @@ def test_big_integers_survive_the_rewrite_exactly():
     body = b'{"prompt": "x", "seed": 123456789012345678901234567890, "nvext": {"extra_fields": []}}'
     up = _upstream(plan_request(body, COMPLETIONS, Mode.AUTO))
     assert up["seed"] == 123456789012345678901234567890
+
+
+def _two_reads(body: bytes, endpoint):
+    """read_request's field reads as they were: return_token_ids alone (the opt-in test), then all."""
+    from vllm_nvext._fields import read_fields
+
+    data = json.loads(body)
+    rti = read_fields(data, endpoint, ("return_token_ids",)).return_token_ids
+    if rti is not True and "nvext" not in data:
+        return None
+    return read_fields(data, endpoint)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"return_token_ids": "x", "n": "many"},
+        {"return_token_ids": "x"},
+        {"n": "many", "max_tokens": "lots"},
+        {"return_token_ids": True, "max_tokens": "lots"},
+        {"return_token_ids": [], "temperature": "hot", "n": 0.5},
+        {"max_tokens": 3},
+    ],
+)
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS])
+def test_nvext_dialect_names_the_field_the_two_reads_named(extra, endpoint):
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} if endpoint is Endpoint.CHAT else {
+        "model": "m", "prompt": "hi"}  # fmt: skip
+    body = json.dumps({**base, "nvext": {"extra_fields": ["completion_token_ids"]}, **extra}).encode()
+    try:
+        want = _two_reads(body, endpoint)
+    except RequestError as exc:
+        with pytest.raises(RequestError) as got:
+            read_request(body, endpoint)
+        assert (got.value.param, str(got.value)) == (exc.param, str(exc)), "the client would be told of another field"
+        return
+    request = read_request(body, endpoint)
+    assert request is not None and request.fields == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([b'"nvext"', b'"return_token_ids"', b"nvext", b"\\u006e", b'"\\u006evext"', b'"',
+                                 b"return_token_ids", b"x", b":", b'"nvex"', b"\\u"]), max_size=8))  # fmt: skip
+def test_the_opt_in_scan_reads_the_plain_key_spelling_as_the_pattern_does(pieces):
+    from vllm_nvext import _optin
+
+    data = b"".join(pieces)
+    pattern = any(m in data for m in _optin._KEY_MARKERS) and _optin._KEY_TOKEN.search(data) is not None
+    assert _optin._mentions_key(data) == pattern, f"{data!r}: the opt-in test and the key pattern disagree"

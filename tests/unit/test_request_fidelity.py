@@ -21,7 +21,7 @@ from vllm_nvext import Mode, NvextMiddleware, Settings
 from vllm_nvext import _json as nvjson
 from vllm_nvext._fields import field_reader, replica_model
 from vllm_nvext._optin import OptInScan, might_opt_in
-from vllm_nvext.protocol import Endpoint, RequestError
+from vllm_nvext.protocol import PATHS, Endpoint, RequestError
 from vllm_nvext.request import plan_request, read_request
 
 vllm_completion = pytest.importorskip("vllm.entrypoints.openai.completion.protocol")
@@ -282,6 +282,22 @@ def test_splice_keeps_every_other_member_exactly(obj, drop, indent):
             assert text[m.start : m.end] in out
 
 
+@SLOW
+@given(
+    obj=st.dictionaries(st.text(max_size=5), JSON_VALUES, max_size=6),
+    gaps=st.lists(st.sampled_from(["", " ", "\t", "\n ", "\r\n", "  "]), min_size=40, max_size=40),
+)
+def test_members_are_found_whatever_whitespace_sits_in_any_gap(obj, gaps):
+    # whitespace before and after every key, colon and comma, where json.dumps never puts it
+    it = iter(gaps * 4)
+    members_text = [f"{next(it)}{json.dumps(k)}{next(it)}:{next(it)}{json.dumps(v)}{next(it)}" for k, v in obj.items()]
+    text = "{" + next(it) + ",".join(members_text) + "}" if members_text else "{" + next(it) + "}"
+    members, end = nvjson.object_members(text, 0)
+    assert [m.key for m in members] == list(obj) and end == len(text), "a member was missed or the end misread"
+    assert all(json.loads(text[m.value_start : m.end]) == obj[m.key] for m in members), "a value was misread"
+    assert all(text[m.start] == '"' and text[m.value_start] not in " \t\r\n" for m in members)
+
+
 # --- regressions: each finding, as a unit test --------------------------------------------------
 
 
@@ -419,10 +435,10 @@ def _upstream_app(**settings_kw) -> tuple[NvextMiddleware, Upstream]:
 async def test_first_content_type_decides_as_in_vllm():
     app, upstream = _upstream_app()
     body = json.dumps({**BASE[COMPLETIONS], "nvext": {"greed_sampling": True}}).encode()
-    await call(app, "/v1/completions", body, headers=((b"content-type", b"application/json"), (b"content-type", b"x")))
+    await call(app, PATHS[COMPLETIONS], body, headers=((b"content-type", b"application/json"), (b"content-type", b"x")))
     assert upstream.received is not None and json.loads(upstream.received)["temperature"] == 0.0
     app, upstream = _upstream_app()
-    await call(app, "/v1/completions", body, headers=((b"content-type", b"text/plain"), *JSON))
+    await call(app, PATHS[COMPLETIONS], body, headers=((b"content-type", b"text/plain"), *JSON))
     assert upstream.received == body, "vLLM does not read it as JSON: it reaches vLLM untouched"
 
 
@@ -430,19 +446,19 @@ async def test_first_content_type_decides_as_in_vllm():
 async def test_mode_header_never_fails_a_request_that_opts_into_nothing(mode):
     app, upstream = _upstream_app()
     body = json.dumps(BASE[COMPLETIONS]).encode()
-    result = await call(app, "/v1/completions", body, headers=(*JSON, (b"x-nvext-mode", mode)))
+    result = await call(app, PATHS[COMPLETIONS], body, headers=(*JSON, (b"x-nvext-mode", mode)))
     assert result.status == 200 and upstream.received == body
 
 
 async def test_empty_mode_header_counts_as_absent_and_differing_repeats_are_refused():
     body = json.dumps({**BASE[COMPLETIONS], "return_token_ids": True}).encode()
     app, upstream = _upstream_app(mode=Mode.VLLM)
-    assert (await call(app, "/v1/completions", body, headers=(*JSON, (b"x-nvext-mode", b"")))).status == 200
+    assert (await call(app, PATHS[COMPLETIONS], body, headers=(*JSON, (b"x-nvext-mode", b"")))).status == 200
     same = (*JSON, (b"x-nvext-mode", b"nvext"), (b"x-nvext-mode", b"NVEXT"))
-    assert (await call(app, "/v1/completions", body, headers=same)).status == 200
+    assert (await call(app, PATHS[COMPLETIONS], body, headers=same)).status == 200
     app, upstream = _upstream_app()
     differ = (*JSON, (b"x-nvext-mode", b"nvext"), (b"x-nvext-mode", b"vllm"))
-    result = await call(app, "/v1/completions", body, headers=differ)
+    result = await call(app, PATHS[COMPLETIONS], body, headers=differ)
     assert result.status == 400 and upstream.calls == 0
     assert json.loads(result.body)["error"]["param"] == "x-nvext-mode"
 
@@ -451,7 +467,7 @@ async def test_echo_with_ids_the_middleware_turns_on_is_served():
     # The echoed prompt is put back in the answer (tests/e2e/test_edges.py compares it with stock vLLM).
     app, upstream = _upstream_app()
     body = json.dumps({**BASE[COMPLETIONS], "echo": True, "nvext": NVEXT_IDS}).encode()
-    result = await call(app, "/v1/completions", body)
+    result = await call(app, PATHS[COMPLETIONS], body)
     assert result.status == 200 and upstream.calls == 1
     assert upstream.received is not None and json.loads(upstream.received)["return_token_ids"] is True
 
@@ -460,14 +476,14 @@ async def test_echo_with_ids_the_middleware_turns_on_is_served():
 async def test_body_over_the_cap_that_opts_into_nothing_streams_through_byte_for_byte(cuts):
     app, upstream = _upstream_app(max_body_bytes=1000)
     body = json.dumps({**BASE[COMPLETIONS], "prompt": "\\u00e9 nvext " * 400}).encode()
-    result = await call(app, "/v1/completions", body, request_cuts=cuts)
+    result = await call(app, PATHS[COMPLETIONS], body, request_cuts=cuts)
     assert result.status == 200 and upstream.received == body
 
 
 async def test_body_over_the_cap_that_opts_in_late_is_a_413_and_vllm_is_told_the_client_left():
     app, upstream = _upstream_app(max_body_bytes=1000)
     body = json.dumps({**BASE[COMPLETIONS], "user": "x" * 3000, "nvext": NVEXT_IDS}).encode()
-    result = await call(app, "/v1/completions", body, request_cuts=(500, 1500, 2500))
+    result = await call(app, PATHS[COMPLETIONS], body, request_cuts=(500, 1500, 2500))
     assert result.status == 413 and "1000" in json.loads(result.body)["error"]["message"]
     assert upstream.received is not None and b"nvext" not in upstream.received
 
@@ -475,5 +491,5 @@ async def test_body_over_the_cap_that_opts_in_late_is_a_413_and_vllm_is_told_the
 async def test_body_over_the_cap_that_opts_in_early_is_a_413_without_vllm():
     app, upstream = _upstream_app(max_body_bytes=1000)
     body = json.dumps({"nvext": NVEXT_IDS, **BASE[COMPLETIONS], "user": "x" * 3000}).encode()
-    result = await call(app, "/v1/completions", body, request_cuts=(500, 1500))
+    result = await call(app, PATHS[COMPLETIONS], body, request_cuts=(500, 1500))
     assert result.status == 413 and upstream.calls == 0

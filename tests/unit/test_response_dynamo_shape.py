@@ -11,8 +11,7 @@ from vllm_nvext.nvext_values import Clock, detailed_finish_reason, kv_cache_hit,
 from vllm_nvext.protocol import Endpoint
 from vllm_nvext.request import plan_request
 from vllm_nvext.response import ChunkReshaper, reshape_unary
-
-SIX = ["completion_token_ids", "prompt_token_ids", "engine_data", "timing", "stop_reason", "detailed_finish_reason"]
+from vllm_nvext.tools.dynamo_conformance import SIX
 
 
 def _plan(endpoint: Endpoint, selectors: list[str], **extra):
@@ -33,7 +32,7 @@ def _choice(index: int, ids: list[int], finish: str | None = "length", stop_reas
 
 
 def test_unary_keys_follow_dynamo_order_with_cached_tokens_and_vllm_metrics():
-    plan = _plan(Endpoint.COMPLETIONS, SIX, logprobs=1)
+    plan = _plan(Endpoint.COMPLETIONS, list(SIX), logprobs=1)
     usage = {"prompt_tokens": 2, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 0}}
     metrics = {"queue_time_ms": 0.25, "time_to_first_token_ms": 12.5, "generation_time_ms": 3.0}
     choice = _choice(0, [7, 8, 9], "stop", stop_reason="b", logprobs={"token_logprobs": [-0.5, -1.0, -1.5]})

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from vllm_nvext.plugin import refuse_rust_frontend, rust_frontend_on
+from vllm_nvext._vllm_compat import rust_frontend_on
+from vllm_nvext.plugin import refuse_rust_frontend
 from vllm_nvext.tools import cli
 
 ROOT = Path(__file__).resolve().parents[2]

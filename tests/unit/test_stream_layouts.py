@@ -4,9 +4,9 @@ The general path decodes each event, reshapes the chunk and encodes it again; th
 path keeps vLLM's bytes for mid-stream deltas. Both must give the client the same bytes for the
 recorded streams of vLLM 0.32 and 0.33 (tests/recorded.py) as they came, and for the layouts
 hypothesis derives from them: null-valued keys added before or after the choice's `token_ids`
-or at the root (what 0.33 did), and whatever else a layout might do (non-null values, keys the
-middleware reads or writes, empty/null/huge ids, tricky text, two choices in one chunk), which
-must fall back to the general path.
+or at the root, after `choices` (what 0.33 did) or before it, and whatever else a layout might
+do (non-null values, keys the middleware reads or writes, empty/null/huge ids, tricky text, two
+choices in one chunk), which must fall back to the general path.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from vllm_nvext import stream as stream_module
 from vllm_nvext.nvext_values import Clock
 from vllm_nvext.protocol import RequestError
 from vllm_nvext.request import plan_request
-from vllm_nvext.stream import StreamReshaper
+from vllm_nvext.stream import DecodingStreamReshaper, StreamReshaper
 
 # n=2 and echo streams refuse every nvext selector; wall-clock `timing` differs between runs.
 STREAMS = sorted(
@@ -37,13 +37,6 @@ MODES = [Mode.NVEXT, Mode.BOTH, Mode.AUTO, Mode.VLLM]
 KEYS = ["weight_versions", "kv_transfer_params", "routed_experts", "x_y", "nvext", "token_ids", "finish_reason",
         "prompt_token_ids", "stop_reason", "logprobs"]  # fmt: skip
 VALUES: st.SearchStrategy[Any] = st.sampled_from([None, None, None, None, 0, "", "null", {}, [], {"a": None}, True])
-
-
-class GeneralPath(StreamReshaper):
-    """The same stream object with every shortcut of `reshape_event` off: decode everything."""
-
-    __slots__ = ()
-    reshape_event = StreamReshaper._decoded_event
 
 
 def _plan(rec: Recording, mode: Mode, selectors: list[str]):
@@ -59,7 +52,7 @@ def _events(body: bytes) -> list[bytes]:
 
 
 def _both_paths(plan, events: list[bytes]) -> tuple[bytes, bytes, StreamReshaper]:
-    fast, general = StreamReshaper(plan, Clock()), GeneralPath(plan, Clock())
+    fast, general = StreamReshaper(plan, Clock()), DecodingStreamReshaper(plan, Clock())
     got = b"".join(fast.feed(e) for e in events) + fast.flush()
     want = b"".join(general.feed(e) for e in events) + general.flush()
     return got, want, fast
@@ -103,8 +96,31 @@ def test_byte_level_path_serves_every_mid_stream_delta_of_both_layouts(name, vll
     reshaper = StreamReshaper(plan, Clock())
     out = b"".join(reshaper.feed(e) for e in _events(rec.body))
     deltas = [e for e in rec.events() if e["choices"] and e["choices"][0]["finish_reason"] is None]
-    assert len(decoded) <= 2, f"vLLM {vllm}: {len(decoded)} events decoded, only the first and the finish chunk may be"
+    assert len(decoded) <= 3, (
+        f"vLLM {vllm}: {len(decoded)} events decoded, only the first, the delta that arms the splice and the finish"
+        " chunk may be"
+    )
+    assert reshaper.splice is not None, f"vLLM {vllm}: no splice armed"
     assert len(deltas) > 2 and out.count(b'"nvext":{"completion_token_ids":') >= len(deltas)
+
+
+@pytest.mark.parametrize("vllm", VLLM_VERSIONS)
+@pytest.mark.parametrize("value", [[1, 2], [], 0, None])
+def test_a_root_key_before_choices_on_a_delta_is_treated_as_the_general_path_treats_it(vllm, value):
+    # docs/protocol.md §3.4: vLLM's prompt ids go back to null in nvext placement, wherever they sit.
+    rec = recordings()["chat_stream_ids_long" if vllm == "0.32" else f"vllm-{vllm}/chat_stream_ids_long"]
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    events = []
+    for raw in _events(rec.body):
+        if raw.startswith(b"data: {") and b'"finish_reason":null' in raw and b'"token_ids":[' in raw:
+            raw = raw.replace(b'"choices":[', b'"prompt_token_ids":' + orjson.dumps(value) + b',"choices":[', 1)
+        events.append(raw)
+    got, want, _ = _both_paths(plan, events)
+    assert got == want, "a delta with prompt ids before `choices` differs from the general path" + _first_difference(
+        got, want
+    )
+    if value is not None and value != 0:
+        assert b'"prompt_token_ids":' + orjson.dumps(value) not in got, "vLLM's prompt ids reached the client"
 
 
 # --- layouts derived from the recordings ----------------------------------------------------
@@ -120,7 +136,7 @@ def layouts(draw: st.DrawFn) -> dict[str, Any]:
         names = draw(st.lists(st.sampled_from(KEYS), max_size=3, unique=True))
         return [(name, None if nulls_only else draw(VALUES)) for name in names]
 
-    return {"before_ids": keys(), "after_ids": keys(), "root": keys()}
+    return {"before_ids": keys(), "after_ids": keys(), "root_before": keys(), "root": keys()}
 
 
 IDS: st.SearchStrategy[list[int] | None] = st.one_of(
@@ -158,7 +174,9 @@ def _relayout(event: dict[str, Any], layout: dict[str, Any], draw: st.DrawFn) ->
     new_choices = [choice]
     if draw(st.integers(0, 19)) == 0:
         new_choices.append({**choice, "index": choice.get("index", 0) + 1})  # two choices in one chunk
-    return _insert({**event, "choices": new_choices}, None, layout["root"])
+    # root_before: after `model`, the last root key vLLM writes before `choices`
+    relaid = _insert({**event, "choices": new_choices}, "model", layout["root_before"])
+    return _insert(relaid, None, layout["root"])
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -11,11 +11,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from .. import plugin
+from .. import _vllm_compat
 from ..config import ENV_MODE, ConfigError, Mode, Settings
-from ..protocol import Endpoint
+from ..protocol import COMPLETION_TOKEN_IDS, PATHS, Endpoint
 from . import parity
-from .parity_checks import PATHS
 from .server import MIDDLEWARE, TINY_ARGS, VllmServer
 
 DEFAULT_PORT = 8000
@@ -30,7 +29,7 @@ PROXY_HOWTO = "pip install 'vllm-nvext[proxy]' (vLLM brings both)"
 DEFAULT_PROXY_PORT = 8080
 
 
-def _missing(*modules: str) -> list[str]:
+def missing_modules(*modules: str) -> list[str]:
     """Which of `modules` cannot be imported here (looked up without importing them)."""
     absent = []
     for name in modules:
@@ -45,7 +44,7 @@ def _missing(*modules: str) -> list[str]:
 
 def _needs(command: str, modules: Sequence[str], what: str, howto: str) -> bool:
     """Print one line naming what is missing and how to get it; True when something is."""
-    absent = _missing(*modules)
+    absent = missing_modules(*modules)
     if absent:
         print(
             f"vllm-nvext {command}: error: needs {what} ({', '.join(absent)} not installed): {howto}", file=sys.stderr
@@ -60,7 +59,7 @@ def _banner(base: str, model_name: str, mode: str) -> str:
         "messages": [{"role": "user", "content": "Hello"}],
         "max_tokens": 4,
         "temperature": 0,
-        "nvext": {"extra_fields": ["completion_token_ids"]},
+        "nvext": {"extra_fields": [COMPLETION_TOKEN_IDS]},
     }
     lines = [
         f"vllm-nvext: serving on {base} (mode {mode})",
@@ -76,7 +75,7 @@ def _banner(base: str, model_name: str, mode: str) -> str:
 
 def cmd_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
     tiny = args.model is None
-    rust = plugin.rust_frontend_on()
+    rust = _vllm_compat.rust_frontend_on()
     if rust is not None:
         # vLLM's Rust frontend refuses --middleware with no word of vllm-nvext: say why, and what works.
         print(

@@ -21,12 +21,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._shapes import choice_logprobs
-from ..protocol import ENDPOINT_PATHS, Endpoint
+from ..protocol import (
+    COMPLETION_TOKEN_IDS,
+    DETAILED_FINISH_REASON,
+    ENGINE_DATA,
+    PATHS,
+    PROMPT_TOKEN_IDS,
+    STOP_REASON,
+    TIMING,
+    WORKER_ID,
+    Endpoint,
+)
 from . import dynamo_differences
 
-_PATHS = {endpoint: path for path, endpoint in ENDPOINT_PATHS.items()}
-CHAT, COMPLETIONS = _PATHS[Endpoint.CHAT], _PATHS[Endpoint.COMPLETIONS]
-SIX = ("completion_token_ids", "prompt_token_ids", "engine_data", "timing", "stop_reason", "detailed_finish_reason")
+CHAT, COMPLETIONS = PATHS[Endpoint.CHAT], PATHS[Endpoint.COMPLETIONS]
+# The selectors the cases ask for all at once, and one by one with n=2.
+SIX = (COMPLETION_TOKEN_IDS, PROMPT_TOKEN_IDS, ENGINE_DATA, TIMING, STOP_REASON, DETAILED_FINISH_REASON)
 TOKEN_DATA = [257, 84, 82, 68, 81, 198, 39, 68, 75, 75, 78, 258, 198, 257, 64]
 # The tiny model's greedy continuations: chat "Say something." -> ")+b..." (ids 8, 10, 65, ...),
 # completions "Once upon a time" -> ids 248, 21 ("6"), ...; these prompts end in its EOS (258).
@@ -82,14 +92,14 @@ def cases(model: str) -> list[Case]:
         greedy = {**base, "temperature": 0}
         stop_text, stop_id = STOP[path]
         kinds: dict[str, dict[str, Any]] = {
-            "ids": _nvext("completion_token_ids"),
+            "ids": _nvext(COMPLETION_TOKEN_IDS),
             "six": _nvext(*SIX),
-            "logprobs-engine": {**LOGPROBS[path], **_nvext("engine_data")},
+            "logprobs-engine": {**LOGPROBS[path], **_nvext(ENGINE_DATA)},
             "stop-string": {"stop": [stop_text], **_nvext(*SIX)},
             "stop-token": {"stop_token_ids": [stop_id], **_nvext(*SIX)},
             "eos": {**EOS_PROMPT[path], "max_tokens": 10, **_nvext(*SIX)},
-            "token-data": _nvext("completion_token_ids", "engine_data", token_data=TOKEN_DATA),
-            "worker-id": _nvext("worker_id", "timing"),
+            "token-data": _nvext(COMPLETION_TOKEN_IDS, ENGINE_DATA, token_data=TOKEN_DATA),
+            "worker-id": _nvext(WORKER_ID, TIMING),
         }
         if path == CHAT:
             kinds["token-data"]["messages"] = [{"role": "user", "content": "(token_data)"}]
@@ -101,17 +111,17 @@ def cases(model: str) -> list[Case]:
             for transport in ("unary", "stream"):
                 body = {**sampled, **_nvext(selector), **TRANSPORTS[transport]}
                 out.append(Case(f"{ep}-n2-{selector}-{transport}", path, body))
-        out.append(Case(f"{ep}-unknown-key", path, {**greedy, "nvext": {"extra_fields": ["timing"], "bogus_key": 1}}))
-        out.append(Case(f"{ep}-mistyped-key", path, {**greedy, "nvext": {"extra_fields": "timing"}}))
+        out.append(Case(f"{ep}-unknown-key", path, {**greedy, "nvext": {"extra_fields": [TIMING], "bogus_key": 1}}))
+        out.append(Case(f"{ep}-mistyped-key", path, {**greedy, "nvext": {"extra_fields": TIMING}}))
     batch: dict[str, Any] = {
         "model": model,
         **BASE[COMPLETIONS],
         "temperature": 0,
         "prompt": ["Once upon a time", "Say"],
     }
-    out.append(Case("completions-batch-ids", COMPLETIONS, {**batch, **_nvext("completion_token_ids")}))
-    out.append(Case("completions-batch-engine_data", COMPLETIONS, {**batch, **_nvext("engine_data")}))
-    out.append(Case("completions-batch-timing", COMPLETIONS, {**batch, **_nvext("timing", "stop_reason")}))
+    out.append(Case("completions-batch-ids", COMPLETIONS, {**batch, **_nvext(COMPLETION_TOKEN_IDS)}))
+    out.append(Case("completions-batch-engine_data", COMPLETIONS, {**batch, **_nvext(ENGINE_DATA)}))
+    out.append(Case("completions-batch-timing", COMPLETIONS, {**batch, **_nvext(TIMING, STOP_REASON)}))
     return out
 
 
@@ -215,9 +225,9 @@ def _nvext_values(prefix: str, nv: Any, out: dict[str, Any]) -> None:
     if not isinstance(nv, dict):
         return
     for key, value in nv.items():
-        if key == "timing":
+        if key == TIMING:
             continue
-        if key == "engine_data" and isinstance(value, dict):
+        if key == ENGINE_DATA and isinstance(value, dict):
             value = {**value, "completion_logprobs": f32(value.get("completion_logprobs"))}
             value = {k: v for k, v in value.items() if v is not None}
         out[f"{prefix}.{key}"] = value
@@ -267,8 +277,8 @@ def facts(case: Case, answer: Answer) -> dict[str, Any]:
             seen.append(shape)
         for choice in choices or []:
             state = per_choice.setdefault(choice.get("index", 0), {"ids": [], "finish": None, "final": None})
-            if isinstance(nv, dict) and isinstance(nv.get("completion_token_ids"), list) and len(choices) == 1:
-                state["ids"].extend(nv["completion_token_ids"])
+            if isinstance(nv, dict) and isinstance(nv.get(COMPLETION_TOKEN_IDS), list) and len(choices) == 1:
+                state["ids"].extend(nv[COMPLETION_TOKEN_IDS])
             if choice.get("finish_reason") is not None:
                 state["finish"] = choice["finish_reason"]
                 state["final"] = nv
@@ -281,7 +291,7 @@ def facts(case: Case, answer: Answer) -> dict[str, Any]:
         out[f"choice{index}.nvext.completion_token_ids(concatenated)"] = state["ids"]
         final = state["final"]
         if isinstance(final, dict):
-            final = {k: v for k, v in final.items() if k != "completion_token_ids"}
+            final = {k: v for k, v in final.items() if k != COMPLETION_TOKEN_IDS}
         _nvext_values(f"choice{index}.finish.nvext", final, out)
     return out
 

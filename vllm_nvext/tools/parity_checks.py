@@ -16,7 +16,7 @@ from typing import Any
 
 from .._shapes import first_difference
 from ..client import TokenIds, TokenIdsError, extract, extract_stream, parse_sse
-from ..protocol import ENDPOINT_PATHS, Endpoint
+from ..protocol import COMPLETION_TOKEN_IDS, PATHS, Endpoint
 from . import dynamo_conformance
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
@@ -29,7 +29,6 @@ REQUESTS: tuple[tuple[str, bool], ...] = (
     (VLLM_DIALECT, False),
     (VLLM_DIALECT, True),
 )
-PATHS = {endpoint: path for path, endpoint in ENDPOINT_PATHS.items()}
 # Dynamo's chat clients send a placeholder message next to `nvext.token_data` (docs/protocol.md §3.1).
 TOKEN_DATA_PLACEHOLDER = [{"role": "user", "content": "(prompt sent as nvext.token_data)"}]
 
@@ -202,7 +201,7 @@ def request_body(case: Case, dialect: str, stream: bool, model: str, max_tokens:
     if dialect == VLLM_DIALECT:
         body["return_token_ids"] = True
     else:
-        nvext: dict[str, Any] = {"extra_fields": ["completion_token_ids"]}
+        nvext: dict[str, Any] = {"extra_fields": [COMPLETION_TOKEN_IDS]}
         if case.kind == "token_data":
             nvext["token_data"] = prompt.token_ids
         body["nvext"] = nvext

@@ -1,5 +1,8 @@
 """Where the reference venvs live (`VLLM_NVEXT_REFS`, by default ~/.cache/vllm-nvext/refs, as the
-setup_*.sh scripts build them), and whether one is complete. Importing this module is cheap."""
+scripts/setup_*.sh scripts build them), and whether one is complete. Importing this module is cheap.
+
+The test suite, the fixture recorder and the vLLM 0.33 harness (which runs in a reference venv of
+its own) find the reference venvs with it."""
 
 from __future__ import annotations
 

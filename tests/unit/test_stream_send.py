@@ -1,0 +1,225 @@
+"""The `send` handed to vLLM gives the general path's bytes, in both implementations.
+
+`_asgi_response.python_stream_send` and the compiled `_speedups.StreamSend` serve the mid-stream
+deltas of an armed stream themselves (stream.Splice); everything else goes through the general
+path. Whatever serves them, the client must get the bytes the general path gives (every shortcut
+off, every event decoded) on every recorded stream and on the layouts hypothesis derives from
+them (tests/unit/test_stream_layouts.py). The compiled arm is skipped only where the extension is
+not built; CI sets VLLM_NVEXT_REQUIRE_EXTENSION=1 so that a missing build fails instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import MutableMapping
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.recorded import recordings
+from tests.unit.test_stream_layouts import (
+    MODES,
+    RECORDED_CASES,
+    SELECTORS,
+    STREAMS,
+    _events,
+    _first_difference,
+    _plan,
+    _relayout,
+    layouts,
+)
+from vllm_nvext import NvextMiddleware, Settings, metrics
+from vllm_nvext import _asgi_response as asgi_response
+from vllm_nvext._asgi_response import STREAM_SENDS, ReshapingSend
+from vllm_nvext.config import ConfigError, Mode
+from vllm_nvext.nvext_values import Clock
+from vllm_nvext.stream import DecodingStreamReshaper
+
+IMPLS = ["python", "c"]
+START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+
+
+def _factory(impl: str) -> asgi_response.StreamSendFactory:
+    if impl not in STREAM_SENDS:
+        if os.environ.get("VLLM_NVEXT_REQUIRE_EXTENSION"):
+            pytest.fail("the compiled stream path is not built (python setup.py build_ext --inplace)")
+        pytest.skip("the compiled stream path is not built in this install")
+    return STREAM_SENDS[impl]
+
+
+def _drive(awaitable: Any) -> None:
+    coro = awaitable.__await__()
+    with pytest.raises(StopIteration):
+        coro.send(None)
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+
+    async def __call__(self, message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            self.bodies.append(bytes(message.get("body", b"")))
+
+
+def _through_send(plan: Any, events: list[bytes], impl: str) -> tuple[bytes, ReshapingSend]:
+    """The client's bytes for a stream sent one event per message through the send handed to vLLM."""
+    sink = _Sink()
+    reshaping = ReshapingSend(plan, Clock(), sink, _factory(impl))
+    _drive(reshaping.app_send(dict(START)))
+    for event in events:
+        _drive(reshaping.app_send({"type": "http.response.body", "body": event, "more_body": True}))
+    _drive(reshaping.app_send({"type": "http.response.body", "body": b"", "more_body": False}))
+    return b"".join(sink.bodies), reshaping
+
+
+def _general(plan: Any, events: list[bytes]) -> bytes:
+    general = DecodingStreamReshaper(plan, Clock())
+    return b"".join(general.feed(e) for e in events) + general.flush()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(("name", "mode", "selectors"), RECORDED_CASES)
+def test_recorded_stream_through_the_send_gives_the_general_paths_bytes(name, mode, selectors, impl):
+    plan = _plan(recordings()[name], mode, selectors)
+    events = _events(recordings()[name].body)
+    got, _ = _through_send(plan, events, impl)
+    want = _general(plan, events)
+    assert got == want, f"{impl}: the client would get other bytes than the general path gives" + _first_difference(
+        got, want
+    )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["chat_stream_ids_long", "vllm-0.33/completions_stream_ids_long"])
+def test_the_armed_send_serves_the_deltas_without_the_general_path(name, impl, monkeypatch):
+    rec = recordings()[name]
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    general_calls = []
+    real = ReshapingSend.__call__
+
+    async def counting(self, message):
+        general_calls.append(message["type"])
+        await real(self, message)
+
+    monkeypatch.setattr(ReshapingSend, "__call__", counting)
+    events = _events(rec.body)
+    _through_send(plan, events, impl)
+    texts_with_quotes = sum(b'\\"' in e for e in events)  # the splice leaves those to the general path
+    # start, first chunk, the delta that arms, quoted texts, finish, [DONE], end of stream
+    assert len(general_calls) <= 6 + texts_with_quotes, (
+        f"{impl}: {len(general_calls)} of {len(events) + 2} messages went through the general path"
+    )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_metrics_count_every_event_whichever_path_serves_it(impl, monkeypatch):
+    rec = recordings()["chat_stream_ids_long"]
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    counted: list[tuple[int, float]] = []
+    monkeypatch.setattr(
+        metrics,
+        "count_reshaping",
+        lambda endpoint, kind, events, seconds, unchanged=0: counted.append((events, seconds)),
+    )
+    events = _events(rec.body)
+    _, reshaping = _through_send(plan, events, impl)
+    reshaping.count_stream()
+    assert counted and counted[0][0] == len(events) and counted[0][1] > 0, (
+        f"{impl}: the reshaped-events metric reads {counted}, the stream had {len(events)} events"
+    )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_send_serves_memoryview_bodies_and_message_shapes_it_does_not_know_through_the_general_path(impl):
+    rec = recordings()["chat_stream_ids_long"]
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    events = _events(rec.body)
+    sink = _Sink()
+    reshaping = ReshapingSend(plan, Clock(), sink, _factory(impl))
+    _drive(reshaping.app_send(dict(START)))
+    for i, event in enumerate(events):
+        body: Any = memoryview(event) if i % 3 == 0 else bytearray(event) if i % 3 == 1 else event
+        message: dict[str, Any] = {"type": "http.response.body", "body": body, "more_body": True}
+        if i == 5:
+            message = {"type": "http.response.body", "more_body": 1, "body": event}  # a truthy non-bool
+        _drive(reshaping.app_send(message))
+    _drive(reshaping.app_send({"type": "http.response.body", "more_body": False}))
+    assert b"".join(sink.bodies) == _general(plan, events), f"{impl}: other bytes than the general path"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_the_send_gives_the_general_paths_bytes_on_any_layout(impl, data):
+    name = data.draw(st.sampled_from(STREAMS), label="recording")
+    rec = recordings()[name]
+    mode = data.draw(st.sampled_from(MODES), label="mode")
+    selectors = data.draw(st.lists(st.sampled_from(SELECTORS), min_size=1, max_size=3, unique=True), label="selectors")
+    plan = _plan(rec, mode, selectors)
+    if plan is None:
+        return
+    layout = data.draw(layouts(), label="layout")
+    events = []
+    for raw in _events(rec.body)[:40]:
+        if not raw.startswith(b"data: {"):
+            events.append(raw)
+            continue
+        event = _relayout(orjson.loads(raw[6:]), layout, data.draw)
+        try:
+            payload = orjson.dumps(event)
+        except TypeError:  # ids beyond 64 bits: encoded as the general path would (exactly)
+            payload = json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode()
+        events.append(b"data: " + payload + b"\n\n")
+    got, _ = _through_send(plan, events, impl)
+    want = _general(plan, events)
+    assert got == want, f"{impl} {name} {mode.value} {selectors} {layout}" + _first_difference(got, want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_two_implementations_agree_with_each_other_on_every_recorded_stream(impl):
+    reference = STREAM_SENDS["python"]
+    other = _factory(impl)
+    for name, mode, selectors in (p.values for p in RECORDED_CASES):
+        plan = _plan(recordings()[name], mode, selectors)
+        events = _events(recordings()[name].body)
+        sinks = []
+        for make in (reference, other):
+            sink = _Sink()
+            reshaping = ReshapingSend(plan, Clock(), sink, make)
+            _drive(reshaping.app_send(dict(START)))
+            for event in events:
+                _drive(reshaping.app_send({"type": "http.response.body", "body": event, "more_body": True}))
+            sinks.append(sink.bodies)
+        assert sinks[0] == sinks[1], f"{name}: python and {impl} send other messages"
+
+
+def test_the_setting_forces_the_pure_python_path():
+    assert NvextMiddleware(lambda *a: None, pure_python=True).stream_path == "python"
+    assert Settings.from_env({"VLLM_NVEXT_PURE_PYTHON": "1"}).pure_python is True
+    assert Settings.from_env({}).pure_python is False
+    with pytest.raises(ConfigError, match="VLLM_NVEXT_PURE_PYTHON"):
+        Settings.from_env({"VLLM_NVEXT_PURE_PYTHON": "maybe"})
+    with pytest.raises(ConfigError, match="pure_python"):
+        Settings(pure_python="yes")  # type: ignore[arg-type]
+    built = "c" if "c" in STREAM_SENDS else "python"
+    assert NvextMiddleware(lambda *a: None).stream_path == built
+
+
+def test_the_startup_log_and_the_info_metric_say_which_path_runs(caplog):
+    from prometheus_client import REGISTRY
+
+    with caplog.at_level("INFO", logger="vllm_nvext"):
+        NvextMiddleware(lambda *a: None, pure_python=True)
+    assert "the python stream path runs" in caplog.text
+    assert REGISTRY.get_sample_value("vllm_nvext:stream_path_info", {"impl": "python"}) == 1
+    if "c" in STREAM_SENDS:
+        NvextMiddleware(lambda *a: None)
+        assert REGISTRY.get_sample_value("vllm_nvext:stream_path_info", {"impl": "c"}) == 1
+        assert REGISTRY.get_sample_value("vllm_nvext:stream_path_info", {"impl": "python"}) == 0
