@@ -192,8 +192,15 @@ def auth_refuses(scope: MutableMapping[str, Any]) -> bool:
     return True
 
 
+# The upstream's arguments as `vllm-nvext proxy` was told them (its own flags), when the middleware
+# runs outside vLLM's process: read where `app.state.args` would be.
+SERVER_ARGS = "vllm_nvext.server_args"
+
+
 def server_args(scope: MutableMapping[str, Any]) -> Any:
-    """`vllm serve`'s parsed arguments (`app.state.args`); None outside a vLLM server."""
+    """`vllm serve`'s parsed arguments (`app.state.args`, or the proxy's `SERVER_ARGS`); None outside a vLLM server."""
+    if SERVER_ARGS in scope:
+        return scope[SERVER_ARGS]
     return getattr(getattr(scope.get("app"), "state", None), "args", None)
 
 

@@ -24,6 +24,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -68,6 +69,13 @@ class ProxyConfig:
     # Seconds to wait for each read from (or write to) the upstream; None: no limit.
     timeout: float | None = DEFAULT_TIMEOUT_S
     connect_timeout: float = CONNECT_TIMEOUT_S
+    # The upstream's own `vllm serve` flags the middleware reads from vLLM's args when mounted:
+    # a parser makes vLLM withhold ids under `include_reasoning: false`; a kv connector may name
+    # files after request ids (`_vllm_compat.hides_reasoning_ids`, `builds_paths_from_request_ids`).
+    reasoning_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    kv_transfer_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         url = httpx.URL(self.upstream)
@@ -219,9 +227,17 @@ class NvextProxy:
         self.forwarder = Forwarder(config, client)
         self.middleware = NvextMiddleware(self.forwarder, settings=settings)
         self.api_keys = config.api_keys
+        self.server_args = SimpleNamespace(
+            api_key=list(config.api_keys),
+            reasoning_parser=config.reasoning_parser,
+            enable_auto_tool_choice=config.enable_auto_tool_choice,
+            tool_call_parser=config.tool_call_parser,
+            kv_transfer_config=config.kv_transfer_config,
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[_vllm_compat.API_KEYS] = self.api_keys
+        scope[_vllm_compat.SERVER_ARGS] = self.server_args
         await self.middleware(scope, receive, send)
 
 

@@ -645,3 +645,40 @@ def test_the_proxy_server_process_answers_and_stops():
                 time.sleep(0.1)
         assert resp.status_code == 502 and resp.json()["error"]["type"] == "BadGatewayError"
     assert server.proc is not None and server.proc.poll() is not None, "stopped with its process group"
+
+
+def test_the_upstreams_parser_and_connector_flags_reach_the_middleware(served):
+    """What the middleware reads from vLLM's arguments when mounted, it reads from the proxy's flags."""
+    from vllm_nvext.tools import cli
+
+    transfer = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer"}
+    argv = ["proxy", "--upstream", "http://h:1", "--reasoning-parser", "qwen3", "--enable-auto-tool-choice"]
+    assert cli.main([*argv, "--tool-call-parser", "hermes", "--kv-transfer-config", json.dumps(transfer)]) == 0
+    config = served[0][0]
+    seen: list[dict[str, Any]] = []
+    app = NvextProxy(config, Settings())
+
+    async def middleware(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope)
+
+    app.middleware = middleware  # type: ignore[assignment]
+    asyncio.run(app({"type": "http", "headers": []}, _receiver([]), _receiver([])))
+    args = _vllm_compat.server_args(seen[0])
+    assert _vllm_compat.hides_reasoning_ids(args), "ids withheld under include_reasoning: false stay null"
+    assert _vllm_compat.builds_paths_from_request_ids(args)
+    assert _vllm_compat.api_keys(seen[0]) == []
+
+
+def test_without_flags_the_upstream_has_no_parser(served):
+    from vllm_nvext.tools import cli
+
+    assert cli.main(["proxy", "--upstream", "http://h:1"]) == 0
+    args = NvextProxy(served[0][0], Settings()).server_args
+    assert not _vllm_compat.hides_reasoning_ids(args) and not _vllm_compat.builds_paths_from_request_ids(args)
+
+
+def test_a_kv_transfer_config_that_is_not_json_is_refused(served, capsys):
+    from vllm_nvext.tools import cli
+
+    assert cli.main(["proxy", "--upstream", "http://h:1", "--kv-transfer-config", "{oops"]) == 2
+    assert capsys.readouterr().err.startswith("vllm-nvext proxy: error: ")

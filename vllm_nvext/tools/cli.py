@@ -142,8 +142,12 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             upstream=args.upstream,
             api_keys=tuple(args.api_key or [os.environ.get("VLLM_API_KEY", "")]),
             timeout=args.timeout or None,
+            reasoning_parser=args.reasoning_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            kv_transfer_config=json.loads(args.kv_transfer_config) if args.kv_transfer_config else None,
         )
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError) as exc:  # a bad --kv-transfer-config is a JSONDecodeError, a ValueError
         print(f"vllm-nvext proxy: error: {exc}", file=sys.stderr)
         return EXIT_MISSING
     print(
@@ -210,6 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="seconds to wait for each read from the upstream before a 504 (0: no limit; default 600)",
     )
+
+    upstream_flags = prox.add_argument_group(
+        "the upstream's own vllm serve flags",
+        "repeat those the middleware reads from vLLM's arguments when mounted (docs/scaling-out.md)",
+    )
+    upstream_flags.add_argument("--reasoning-parser", default=None)
+    upstream_flags.add_argument("--enable-auto-tool-choice", action="store_true")
+    upstream_flags.add_argument("--tool-call-parser", default=None)
+    upstream_flags.add_argument("--kv-transfer-config", default=None, help="its JSON")
 
     tiny = sub.add_parser("tiny-model", help="write the deterministic tiny model into DIR")
     tiny.add_argument("dir")
