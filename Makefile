@@ -1,6 +1,6 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
 # `make help` lists every target with the line after its `##`.
-.PHONY: help build-ext setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout setup-router lint format bench fixtures fixtures-vllm033 fixtures-agent
+.PHONY: help build-ext setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-agent
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -40,7 +40,7 @@ serve: setup ## vllm-nvext serve on the tiny model (ARGS="..." passes options)
 
 # Unit tests first (with the coverage gate), then the e2e tests on real servers, in groups whose
 # servers never run beside another group's (each group is a pytest run of its own).
-test: test-unit test-e2e test-e2e-scaleout test-e2e-versions ## everything CI runs: the unit tests, then every e2e group
+test: test-unit test-e2e test-e2e-scaleout test-e2e-versions test-e2e-proxy ## everything CI runs: the unit tests, then every e2e group
 
 # The coverage gate is [tool.coverage.report] fail_under in pyproject.toml (plain `pytest --cov` enforces it).
 # The unit tests run both stream paths and fail, rather than skip, the compiled one if it is missing
@@ -54,13 +54,18 @@ build-ext: setup ## build the compiled stream path (vllm_nvext/_speedups.c) in p
 
 # The main group (vLLM 0.32 servers, the 0.33 serving layer, the real Dynamo), then the parser server.
 test-e2e: setup setup-vllm033 setup-dynamo ## the main e2e group on real servers, then the parser and connector group
-	$(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector and not e2e_proxy" $(PYTEST_ARGS)
 	$(VENV)/bin/python -m pytest tests/e2e -m "e2e_parser or e2e_connector" $(PYTEST_ARGS)
 
 # vLLM 0.30 and 0.31 on their real engines, in a pytest run of their own (their servers never run
 # beside the main e2e group's), one version at a time.
 test-e2e-versions: setup setup-vllm030 setup-vllm031 ## the e2e tests on vLLM 0.30 and 0.31's real engines
 	$(VENV)/bin/python -m pytest tests/e2e -m e2e_versions $(PYTEST_ARGS)
+
+# The translation tests and the proxy's own through `vllm-nvext proxy` in front of one stock vLLM 0.32
+# server (~2.5 GB, a few minutes), in a pytest run of its own.
+test-e2e-proxy: setup ## the translation tests and the proxy's own through vllm-nvext proxy in front of stock vLLM 0.32
+	$(VENV)/bin/python -m pytest tests/e2e -m e2e_proxy $(PYTEST_ARGS)
 
 # vllm-router's reference venv, outside the repo (~130 MB; ~1 min on a new machine, reused after).
 setup-router: ## the vllm-router 0.1.17 reference venv, outside the repository (~130 MB, reused)
@@ -82,7 +87,7 @@ lint: setup ## ruff check, ruff format --check, mypy --strict on the package and
 # reference venvs (tests marked `reference`: vLLM 0.33, Dynamo) nor the groups run on their own.
 .PHONY: test-fast format-check typecheck
 test-fast: setup ## what a contributor runs first: unit tests and the e2e tests on .venv's vLLM alone
-	$(VENV)/bin/python -m pytest -m "not reference and not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "not reference and not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector and not e2e_proxy" $(PYTEST_ARGS)
 
 # Rewrite the code as make lint wants it: imports sorted, then ruff's formatting.
 format: setup ## sort imports and format the code in place (ruff), as make lint checks them

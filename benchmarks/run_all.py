@@ -2,7 +2,8 @@
 
     python -m benchmarks.run_all                    # all of them (make bench), a few minutes on 2 cores
     python -m benchmarks.run_all --quick            # smaller sizes, fewer rounds
-    python -m benchmarks.run_all --only events      # serving, events, send, layouts, metrics, asgi, memory, server
+    python -m benchmarks.run_all --only events      # serving, events, send, layouts, metrics, asgi, memory, proxy,
+                                                    # server
     python -m benchmarks.run_all --skip server      # everything but the real-server benchmark
 
 A missed target is reported, never turned into a failing exit status: these are measurements.
@@ -21,6 +22,7 @@ from . import (
     bench_layouts,
     bench_memory,
     bench_metrics,
+    bench_proxy,
     bench_server,
     bench_serving,
     bench_stream_send,
@@ -39,6 +41,8 @@ BENCHMARKS: dict[str, tuple[Callable[..., list[Target]], list[str]]] = {
     "metrics": (bench_metrics.run, [bench_metrics.TARGET_COUNTING]),
     "asgi": (bench_asgi.run, [bench_asgi.TARGET_LINEAR]),
     "memory": (bench_memory.run, [bench_memory.TARGET_MEMORY]),
+    # The extra hop of `vllm-nvext proxy` vs direct, in front of a stand-in upstream.
+    "proxy": (bench_proxy.run, list(bench_proxy.TARGETS)),
     "server": (bench_server.run, [bench_server.TARGET_SERVER]),
 }
 # The order benchmarks/README.md lists its targets in.
@@ -51,6 +55,7 @@ TARGET_ORDER = [
     bench_server.TARGET_SERVER,
     bench_asgi.TARGET_LINEAR,
     bench_memory.TARGET_MEMORY,
+    *bench_proxy.TARGETS,
 ]
 
 

@@ -13,7 +13,7 @@ import hashlib
 import importlib.util
 import os
 import secrets
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -154,17 +154,29 @@ def guarded_prefixes() -> tuple[str, ...]:
     return GUARDED_PREFIX
 
 
+# Where a key for vLLM's check comes from when the middleware runs outside vLLM's process
+# (`vllm-nvext proxy --api-key`): the scope carries the keys, the check is the same.
+API_KEYS = "vllm_nvext.api_keys"
+
+
+def api_keys(scope: MutableMapping[str, Any]) -> list[str]:
+    """The keys vLLM checks: the scope's `API_KEYS` (the proxy), else `app.state.args.api_key` or `VLLM_API_KEY`."""
+    if API_KEYS in scope:
+        return [t for t in scope[API_KEYS] if t]
+    args = getattr(getattr(scope.get("app"), "state", None), "args", None)
+    return [t for t in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if t]
+
+
 def auth_refuses(scope: MutableMapping[str, Any]) -> bool:
     """Would vLLM's `--api-key` check refuse this request? (Only matters when mounted outside it.)
 
     A replica of vLLM's `AuthenticationMiddleware`: `OPTIONS` and the paths outside its guarded
     prefixes (after the root path) pass; otherwise a `Bearer` token, compared in constant time with
-    the keys from `app.state.args.api_key` or `VLLM_API_KEY`, must match.
+    the keys (`api_keys`), must match.
     """
     if scope.get("method") == "OPTIONS":
         return False
-    args = getattr(getattr(scope.get("app"), "state", None), "args", None)
-    tokens = [t for t in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if t]
+    tokens = api_keys(scope)
     if not tokens:
         return False
     path: str = scope.get("path", "")
@@ -180,8 +192,15 @@ def auth_refuses(scope: MutableMapping[str, Any]) -> bool:
     return True
 
 
+# The upstream's arguments as `vllm-nvext proxy` was told them (its own flags), when the middleware
+# runs outside vLLM's process: read where `app.state.args` would be.
+SERVER_ARGS = "vllm_nvext.server_args"
+
+
 def server_args(scope: MutableMapping[str, Any]) -> Any:
-    """`vllm serve`'s parsed arguments (`app.state.args`); None outside a vLLM server."""
+    """`vllm serve`'s parsed arguments (`app.state.args`, or the proxy's `SERVER_ARGS`); None outside a vLLM server."""
+    if SERVER_ARGS in scope:
+        return scope[SERVER_ARGS]
     return getattr(getattr(scope.get("app"), "state", None), "args", None)
 
 
@@ -229,3 +248,15 @@ def _names_files_after_ids(config: Any, depth: int) -> bool:
     if name != "MultiConnector" or not isinstance(children, list) or depth > 4:
         return False
     return any(isinstance(child, dict) and _names_files_after_ids(child, depth + 1) for child in children)
+
+
+RUST_FRONTEND_ENV = "VLLM_USE_RUST_FRONTEND"
+
+
+def rust_frontend_on(environ: Mapping[str, str] | None = None) -> str | None:
+    """VLLM_USE_RUST_FRONTEND's value when it turns vLLM's Rust frontend on (vLLM reads it as an int)."""
+    value = (os.environ if environ is None else environ).get(RUST_FRONTEND_ENV, "").strip()
+    try:
+        return value if int(value) else None
+    except ValueError:
+        return value if value.lower() in ("true", "yes", "on") else None

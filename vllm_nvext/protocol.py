@@ -65,9 +65,18 @@ class RequestError(Exception):
         self.status = status
 
 
+# The envelope's `type` by status: vLLM's names, and the proxy's own for an unreachable or late upstream.
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    413: "RequestEntityTooLarge",
+    502: "BadGatewayError",
+    504: "GatewayTimeoutError",
+}
+
+
 def error_body(message: str, param: str | None, status: int) -> bytes:
     """vLLM's error envelope (docs/protocol.md §9), the message passed through vLLM's `sanitize_message`."""
-    kind = {400: "BadRequestError", 413: "RequestEntityTooLarge"}.get(status, "BadRequestError")
+    kind = _ERROR_TYPES.get(status, "BadRequestError")
     return _json.dumps({"error": {"message": sanitize_message(message), "type": kind, "param": param, "code": status}})
 
 

@@ -145,6 +145,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if config.option.collectonly:
         return
     used = {name for item in items for name in getattr(item, "fixturenames", ())}
+    # `translated` asks for its server by its param (never all of them).
+    used |= {
+        f"{_param(item, 'translated')}_server"
+        for item in items
+        if "vllm_version" not in getattr(item, "fixturenames", ()) and _param(item, "translated") in TRANSLATED
+    }
     for name in _kinds:
         if f"{name}_server" in used:
             _boot(name)
@@ -235,8 +241,9 @@ def tiny_vllm(name: str, *args: str, env: dict[str, str] | None = None, vllm: st
 
 # --- the servers ----------------------------------------------------------------------------------
 
-# Stock vLLM: the baseline every translated answer is compared with.
-raw_server = register("raw", tiny_vllm("raw"))
+# Stock vLLM: the baseline every translated answer is compared with (its clients send API_KEY; the
+# key changes no answer, and `vllm-nvext proxy` in front of it has an upstream that checks keys).
+raw_server = register("raw", tiny_vllm("raw", "--api-key", API_KEY))
 # `--middleware`: outermost, sees unauthenticated requests first.
 mw_server = register("mw", tiny_vllm("mw", "--middleware", MIDDLEWARE, "--api-key", API_KEY))
 # The endpoint plugin: mounted inside vLLM's auth.
@@ -403,6 +410,24 @@ PARSERS = ("--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-c
 parser_server = register("parser", tiny_vllm("parser", "--middleware", MIDDLEWARE, *PARSERS))
 
 
+# --- out of process: `vllm-nvext proxy` (tests/e2e/test_proxy.py) ----------------------------------
+# In front of the stock `raw` server, with its --api-key: the `proxy` param of `translated` runs the
+# translation tests through it. Marker `e2e_proxy`: a pytest run of its own (`make test-e2e-proxy`),
+# one vLLM server (raw) and the proxy.
+
+
+def _proxy(name: str, *args: str, upstream: Callable[[], str]) -> Callable[[], Server]:
+    def factory() -> Server:
+        from vllm_nvext.tools.server import ProxyServer
+
+        return ProxyServer(upstream=upstream(), args=("--api-key", API_KEY, *args), name=name, port=listen_port())
+
+    return factory
+
+
+proxy_server = register("proxy", _proxy("proxy", upstream=lambda: _ready("raw").url))
+
+
 # --- scale-out: vllm-router and prefill/decode (tests/e2e/scaleout.py) ------------------------------
 # Their own pytest runs (`make test-e2e-scaleout`, marker e2e_scaleout), never beside the other
 # servers: the router tests use mw + plugin behind two routers, the PD tests a prefill + a decode.
@@ -484,7 +509,7 @@ pd_router_server = register(
 
 @pytest.fixture(scope="session")
 def raw(raw_server: Server) -> Iterator[httpx.Client]:
-    with http_client(raw_server.url, auth=False) as client:
+    with http_client(raw_server.url) as client:
         yield client
 
 
@@ -506,7 +531,18 @@ def scale(scale_server: Server) -> Iterator[httpx.Client]:
         yield client
 
 
-@pytest.fixture(scope="session", params=["mw", "plugin"])
-def translated(request: pytest.FixtureRequest, mw: httpx.Client, plugin: httpx.Client) -> httpx.Client:
-    """Each server with vllm-nvext mounted: once via --middleware, once via the plugin."""
-    return mw if request.param == "mw" else plugin
+@pytest.fixture(scope="session")
+def proxy(proxy_server: Server) -> Iterator[httpx.Client]:
+    with http_client(proxy_server.url) as client:
+        yield client
+
+
+# The mounts every translation test runs on; `proxy` (out of process) in a pytest run of its own.
+TRANSLATED = ("mw", "plugin", "proxy")
+
+
+@pytest.fixture(scope="session", params=["mw", "plugin", pytest.param("proxy", marks=[pytest.mark.e2e_proxy])])
+def translated(request: pytest.FixtureRequest) -> httpx.Client:
+    """Each server with vllm-nvext: mounted via --middleware, via the plugin, and the proxy in front of stock vLLM."""
+    client: httpx.Client = request.getfixturevalue(request.param)
+    return client

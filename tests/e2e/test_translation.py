@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from functools import cache
 
-import httpx
 import pytest
 
 from tests.helpers import (
@@ -19,6 +18,7 @@ from tests.helpers import (
     MODES,
     assert_nvext_chunks,
     assert_stream_consistent,
+    http_client,
     ids_of,
     post,
     stream_digest,
@@ -50,7 +50,7 @@ def request_body(path: str, stream: bool, dialect: str | None) -> dict:
 
 @cache
 def _raw(url: str, path: str, stream: bool, ids: bool):
-    with httpx.Client(base_url=url, timeout=120) as client:
+    with http_client(url) as client:
         return post(client, path, request_body(path, stream, "vllm" if ids else None))
 
 

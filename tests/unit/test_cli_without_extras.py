@@ -14,7 +14,9 @@ import pytest
 
 from vllm_nvext.tools import cli
 
-HIDDEN = ("vllm", "torch", "transformers", "tokenizers", "safetensors", "httpx", "httpcore", "openai", "starlette")
+HIDDEN = (
+    "vllm", "torch", "transformers", "tokenizers", "safetensors", "httpx", "httpcore", "openai", "starlette", "uvicorn",
+)  # fmt: skip
 
 # Replaces the path finder with one that does not find the hidden packages: `import vllm` then
 # raises ModuleNotFoundError and `importlib.util.find_spec("vllm")` answers None.
@@ -64,8 +66,12 @@ def run_without_extras(*argv: str) -> subprocess.CompletedProcess[str]:
             ["parity", "--url", "http://127.0.0.1:9"],
             "needs httpx, which is not installed: pip install 'vllm-nvext[client]'",
         ),  # fmt: skip
+        (
+            ["proxy", "--upstream", "http://127.0.0.1:9"],
+            "needs httpx and uvicorn (httpx, uvicorn not installed): pip install 'vllm-nvext[proxy]'",
+        ),  # fmt: skip
     ],
-    ids=["serve", "serve-model", "tiny-model", "parity"],
+    ids=["serve", "serve-model", "tiny-model", "parity", "proxy"],
 )
 def test_each_command_names_what_it_needs_in_one_line(tmp_path, argv, says):
     argv = [str(tmp_path / a) if a == "DIR" else a for a in argv]

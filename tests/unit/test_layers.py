@@ -29,6 +29,8 @@ LAYERS: dict[str, frozenset[str]] = {
     # /v1/responses' events, `messages_api` serves /v1/messages in the plugin), the endpoint plugin.
     "asgi": frozenset({"", "middleware", "_asgi_request", "_asgi_response", "_speedups", "responses_api",
                        "messages_api", "plugin"}),
+    # Out of process: the middleware in front of a server over HTTP (`vllm-nvext proxy`).
+    "proxy": frozenset({"proxy"}),
     # For users, beside the server.
     "beside": frozenset({"client", "hidden_states"}),
     # Engine-side KV connectors: loaded by vLLM's engine process, never by the server.
@@ -41,12 +43,13 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "pure": frozenset({"pure", "vllm"}),
     "vllm": frozenset(),
     "asgi": frozenset({"asgi", "pure", "vllm"}),
+    "proxy": frozenset({"proxy", "asgi", "pure", "vllm"}),
     "beside": frozenset({"beside", "pure"}),
     "connectors": frozenset({"connectors", "beside"}),
-    "tools": frozenset({"tools", "pure", "vllm", "beside"}),
+    "tools": frozenset({"tools", "pure", "vllm", "beside", "proxy"}),
 }
 # Only these layers see the ASGI scope (a name `scope`: a parameter or a variable).
-READS_SCOPE = frozenset({"asgi", "vllm"})
+READS_SCOPE = frozenset({"asgi", "vllm", "proxy"})
 
 
 def layer_of(module: str) -> str | None:

@@ -111,3 +111,41 @@ def test_serve_arguments_are_found_where_vllm_033_moved_them(vllm_at, tmp_path):
     vllm_at(tmp_path / "vllm")
     assert _vllm_compat.has_middleware_arg() and _vllm_compat.has_per_request_metrics()
     assert not _vllm_compat.has_endpoint_plugins()
+
+
+# --- the replica of vLLM's `--api-key` check ----------------------------------------------------------
+
+
+def _scope(path: str, *headers: tuple[bytes, bytes], method: str = "POST", **extra: object) -> dict[str, object]:
+    return {"type": "http", "method": method, "path": path, "headers": list(headers), **extra}
+
+
+@pytest.mark.parametrize(
+    ("scope", "refused"),
+    [
+        (_scope("/v1/completions"), True),
+        (_scope("/v1/completions", (b"authorization", b"Bearer k")), False),
+        (_scope("/v1/completions", (b"authorization", b"bearer k")), False),
+        (_scope("/v1/completions", (b"authorization", b"Bearer other")), True),
+        (_scope("/v1/completions", (b"authorization", b"Basic k")), True),
+        (_scope("/v1/completions", (b"authorization", b"Bearer other"), (b"authorization", b"Bearer k")), True),
+        (_scope("/invocations"), False),  # vLLM guards only its prefixes
+        (_scope("/health", method="GET"), False),
+        (_scope("/v1/completions", method="OPTIONS"), False),
+        (_scope("/api/v1/completions", root_path="/api"), True),
+        (_scope("/api/invocations", root_path="/api"), False),
+    ],
+)
+def test_auth_refuses_as_vllms_check_does(scope, refused):
+    assert _vllm_compat.auth_refuses({**scope, _vllm_compat.API_KEYS: ("k",)}) is refused
+
+
+def test_the_keys_come_from_the_scope_then_vllms_args_then_the_environment(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "env")
+    app = type("App", (), {"state": type("State", (), {"args": type("Args", (), {"api_key": ["arg"]})})})
+    assert _vllm_compat.api_keys({_vllm_compat.API_KEYS: ("proxy", ""), "app": app}) == ["proxy"]
+    assert _vllm_compat.api_keys({"app": app}) == ["arg"]
+    assert _vllm_compat.api_keys({}) == ["env"]
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert _vllm_compat.api_keys({}) == []
+    assert _vllm_compat.auth_refuses(_scope("/v1/completions")) is False, "no key: nothing is refused"

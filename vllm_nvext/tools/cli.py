@@ -1,4 +1,4 @@
-"""The `vllm-nvext` command: `serve`, `tiny-model`, `parity`."""
+"""The `vllm-nvext` command: `serve`, `proxy`, `tiny-model`, `parity`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from ..config import ENV_MODE, Mode
+from .. import _vllm_compat
+from ..config import ENV_MODE, ConfigError, Mode, Settings
 from ..protocol import COMPLETION_TOKEN_IDS, PATHS, Endpoint
 from . import parity
 from .server import MIDDLEWARE, TINY_ARGS, VllmServer
@@ -24,6 +25,8 @@ VLLM_HOWTO = (
     "`pip install vllm` on a CUDA machine)"
 )
 TINY_MODEL_HOWTO = "pip install 'vllm-nvext[tiny-model]' (vLLM brings both)"
+PROXY_HOWTO = "pip install 'vllm-nvext[proxy]' (vLLM brings both)"
+DEFAULT_PROXY_PORT = 8080
 
 
 def missing_modules(*modules: str) -> list[str]:
@@ -72,6 +75,16 @@ def _banner(base: str, model_name: str, mode: str) -> str:
 
 def cmd_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
     tiny = args.model is None
+    rust = _vllm_compat.rust_frontend_on()
+    if rust is not None:
+        # vLLM's Rust frontend refuses --middleware with no word of vllm-nvext: say why, and what works.
+        print(
+            f"vllm-nvext serve: error: VLLM_USE_RUST_FRONTEND={rust} serves HTTP with vLLM's Rust frontend, "
+            "which cannot mount vllm-nvext; unset it, or serve vLLM with it and run "
+            "`vllm-nvext proxy --upstream http://HOST:PORT` in front (docs/scaling-out.md, Out of process)",
+            file=sys.stderr,
+        )
+        return EXIT_MISSING
     if _needs("serve", ["vllm"], "vLLM", VLLM_HOWTO):
         return EXIT_MISSING
     if tiny and _needs(
@@ -118,6 +131,34 @@ def cmd_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
     return server.proc.wait()
 
 
+def cmd_proxy(args: argparse.Namespace) -> int:
+    if _needs("proxy", ["httpx", "uvicorn"], "httpx and uvicorn", PROXY_HOWTO):
+        return EXIT_MISSING
+    from .. import proxy
+
+    try:
+        settings = Settings.create(mode=args.mode)
+        config = proxy.ProxyConfig(
+            upstream=args.upstream,
+            api_keys=tuple(args.api_key or [os.environ.get("VLLM_API_KEY", "")]),
+            timeout=args.timeout or None,
+            reasoning_parser=args.reasoning_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            kv_transfer_config=json.loads(args.kv_transfer_config) if args.kv_transfer_config else None,
+        )
+    except (ConfigError, ValueError) as exc:  # a bad --kv-transfer-config is a JSONDecodeError, a ValueError
+        print(f"vllm-nvext proxy: error: {exc}", file=sys.stderr)
+        return EXIT_MISSING
+    print(
+        f"vllm-nvext: proxy on http://{args.host}:{args.port} in front of {config.upstream} "
+        f"(mode {settings.mode.value}, {args.workers} worker{'s' if args.workers > 1 else ''})",
+        flush=True,
+    )
+    proxy.serve(config, settings, host=args.host, port=args.port, workers=args.workers)
+    return 0
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     if _needs("tiny-model", ["torch", "transformers"], "torch and transformers", TINY_MODEL_HOWTO):
         return EXIT_MISSING
@@ -126,6 +167,13 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     path = tiny_model.write(args.dir)
     print(path)
     return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +191,39 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--startup-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
 
+    prox = sub.add_parser(
+        "proxy",
+        help="translate in a proxy in front of any vLLM OpenAI server (Rust frontend, router, stock image)",
+        description="Serve vllm-nvext's translation out of process: every request goes to --upstream, "
+        "the token endpoints translated as the mounted middleware translates them.",
+    )
+    prox.add_argument("--upstream", required=True, help="the vLLM server (or router) URL, e.g. http://127.0.0.1:8000")
+    prox.add_argument("--host", default="127.0.0.1")
+    prox.add_argument("--port", type=int, default=DEFAULT_PROXY_PORT)
+    prox.add_argument("--mode", default=None, choices=[m.value for m in Mode], help="default: $VLLM_NVEXT_MODE or auto")
+    prox.add_argument("--workers", type=_positive, default=1, help="proxy processes (default 1)")
+    prox.add_argument(
+        "--api-key",
+        action="append",
+        help="the upstream's --api-key (repeat for several; default $VLLM_API_KEY): requests it would refuse "
+        "are never answered by the proxy, only forwarded",
+    )
+    prox.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for each read from the upstream before a 504 (0: no limit; default 600)",
+    )
+
+    upstream_flags = prox.add_argument_group(
+        "the upstream's own vllm serve flags",
+        "repeat those the middleware reads from vLLM's arguments when mounted (docs/scaling-out.md)",
+    )
+    upstream_flags.add_argument("--reasoning-parser", default=None)
+    upstream_flags.add_argument("--enable-auto-tool-choice", action="store_true")
+    upstream_flags.add_argument("--tool-call-parser", default=None)
+    upstream_flags.add_argument("--kv-transfer-config", default=None, help="its JSON")
+
     tiny = sub.add_parser("tiny-model", help="write the deterministic tiny model into DIR")
     tiny.add_argument("dir")
 
@@ -159,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return cmd_serve(args, extra)
+    if args.command == "proxy":
+        return cmd_proxy(args)
     if args.command == "tiny-model":
         return cmd_tiny_model(args)
     return parity.run(args)

@@ -150,3 +150,52 @@ class VllmServer(ServerProcess):
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class ProxyServer(ServerProcess):
+    """A `vllm-nvext proxy` subprocess in front of `upstream`; ready once the upstream's /health answers through it."""
+
+    LABEL = "vllm-nvext proxy"
+    READY_POLL_S = 0.2
+
+    upstream: str
+    args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    name: str = "proxy"
+    port: int = 0
+    log_path: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "vllm_nvext.tools.cli", "proxy", "--upstream", self.upstream,
+            "--host", "127.0.0.1", "--port", str(self.port), *self.args,
+        ]  # fmt: skip
+
+    def start(self) -> ProxyServer:
+        if not self.port:
+            self.port = free_port()
+        if self.log_path is None:
+            fd, path = tempfile.mkstemp(prefix=f"vllm-nvext-{self.name}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(path)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command(),
+                env={**os.environ, **self.env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    def __enter__(self) -> ProxyServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

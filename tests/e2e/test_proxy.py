@@ -1,0 +1,171 @@
+"""`vllm-nvext proxy` in front of stock vLLM 0.32 (the `raw` server, with `--api-key`).
+
+The translation tests run through it as the `proxy` param of `translated`; these are what only a
+proxy can get wrong: streams passed as they come, the upstream's own auth answers, a client that
+goes away aborting the engine's request, an upstream that is down, and every other route byte for
+byte. Marker `e2e_proxy`: `make test-e2e-proxy`, a pytest run of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import listen_port
+from tests.helpers import (
+    API_KEY,
+    CHAT,
+    COMPLETIONS,
+    DIALECTS,
+    greedy,
+    http_client,
+    post,
+    stream_digest,
+)
+from vllm_nvext.tools.server import ProxyServer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.e2e_proxy]
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS], ids=["chat", "completions"])
+def test_a_stream_that_opts_into_nothing_is_stock_vllms(proxy, raw, path):
+    body = greedy(path, stream=True, stream_options={"include_usage": True})
+    assert stream_digest(post(proxy, path, body)) == stream_digest(post(raw, path, body))
+
+
+def test_a_translated_stream_arrives_as_a_stream(proxy):
+    """Events framed as vLLM frames them, no length: the response is streamed (that each event leaves
+    before the next exists is proven in tests/unit/test_proxy.py; the tiny model is too fast to see it)."""
+    body = {**greedy(COMPLETIONS, stream=True, max_tokens=900, ignore_eos=True), **DIALECTS["nvext"]}
+    with proxy.stream("POST", COMPLETIONS, json=body) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        assert "content-length" not in resp.headers
+        first = next(line for line in resp.iter_lines() if line.startswith("data: {"))
+        assert json.loads(first[6:])["nvext"]["completion_token_ids"], "a translated event"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"return_token_ids": True},
+        {"nvext": {"extra_fields": ["completion_token_ids"]}},
+        {"nvext": {"extra_fields": "garbage"}},  # would be the proxy's 400: the upstream's 401 comes first
+        {"nvext": "garbage"},
+    ],
+)
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong"])
+def test_without_the_key_the_client_gets_the_upstreams_own_401(proxy_server, raw_server, body, authorization):
+    headers = {"Authorization": authorization} if authorization else {}
+    request = {**greedy(CHAT), **body}
+    got = httpx.post(proxy_server.url + CHAT, json=request, headers=headers, timeout=60)
+    stock = httpx.post(raw_server.url + CHAT, json=request, headers=headers, timeout=60)
+    assert stock.status_code == 401
+    assert (got.status_code, got.content) == (stock.status_code, stock.content)
+
+
+def test_with_the_key_the_request_is_translated(proxy):
+    got = post(proxy, CHAT, {**greedy(CHAT), **DIALECTS["nvext"]})
+    assert got["nvext"]["completion_token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "/v1/models", None),
+        ("GET", "/health", None),
+        ("GET", "/version", None),
+        ("POST", "/tokenize", {"model": "tiny", "prompt": "Hello there"}),
+        ("POST", "/detokenize", {"model": "tiny", "tokens": [1, 2, 3]}),
+        ("GET", "/no/such/route", None),
+        ("DELETE", "/v1/models", None),
+        ("POST", "/v1/embeddings", {"model": "tiny", "input": "x"}),
+    ],
+)
+def test_every_other_route_is_forwarded_byte_for_byte(proxy, raw, method, path, body):
+    got = proxy.request(method, path, json=body)
+    stock = raw.request(method, path, json=body)
+    assert got.status_code == stock.status_code, (got.text, stock.text)
+    assert got.headers.get("content-type") == stock.headers.get("content-type"), (got.headers, stock.headers)
+    if (method, path) == ("GET", "/v1/models"):
+
+        def stable(models):  # each model's `created` and permission ids differ per answer
+            return [{k: v for k, v in m.items() if k not in ("created", "permission")} for m in models["data"]]
+
+        assert stable(got.json()) == stable(stock.json())
+    else:
+        assert got.content == stock.content, (got.content, stock.content)
+
+
+def test_metrics_are_vllms_then_the_proxys_own(proxy, proxy_server):
+    post(proxy, CHAT, {**greedy(CHAT), **DIALECTS["nvext"]})
+    text = httpx.get(proxy_server.url + "/metrics", timeout=30).text
+    assert "vllm:num_requests_running" in text, "the upstream's own metrics"
+    counted = re.findall(r'^vllm_nvext:requests_total\{[^}]*dialect="nvext"[^}]*\} ([0-9.e+]+)$', text, re.M)
+    assert counted and sum(float(v) for v in counted) >= 1, "the proxy's counters, after vLLM's"
+    families = re.findall(r"^# TYPE (\S+)", text, re.M)
+    assert len(families) == len(set(families)), "no family twice (one Prometheus could not read)"
+
+
+def _running(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.M))
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "nvext"])
+def test_clients_that_go_away_mid_stream_leave_nothing_running(proxy, proxy_server, raw_server, dialect):
+    """Streams cut after their first event: the engine ends up idle, the proxy serves on, logs no error.
+
+    That the upstream request is closed when the client goes (so vLLM aborts it) is proven in
+    tests/unit/test_proxy.py: the tiny model often finishes 900 tokens before a cut reaches it.
+    """
+    body = {**greedy(COMPLETIONS, stream=True, max_tokens=900, ignore_eos=True), **DIALECTS[dialect]}
+    payload = json.dumps(body).encode()
+    for _ in range(4):
+        with socket.create_connection(("127.0.0.1", int(proxy_server.url.rsplit(":", 1)[1])), timeout=60) as sock:
+            sock.sendall(
+                f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+            received = b""
+            while b"data: {" not in received:  # the first event
+                chunk = sock.recv(4096)
+                assert chunk, "the proxy answered the stream"
+                received += chunk
+    deadline = time.monotonic() + 120
+    while _running(raw_server.url) > 0:
+        assert time.monotonic() < deadline, "the engine still runs requests whose clients went away"
+        time.sleep(0.2)
+    assert post(proxy, COMPLETIONS, {**greedy(COMPLETIONS), **DIALECTS[dialect]})["choices"]
+    log = proxy_server.log_text()
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
+
+
+def test_an_upstream_that_is_down_is_a_502_in_vllms_envelope(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"  # bound, never listening: refused
+        with ProxyServer(upstream=dead, name="proxy-down", port=listen_port()) as down:
+            resp = _when_listening(
+                down.url, lambda client: client.post(CHAT, json={**greedy(CHAT), **DIALECTS["nvext"]})
+            )
+    body = resp.json()
+    assert resp.status_code == 502 and body["error"]["code"] == 502 and body["error"]["type"] == "BadGatewayError"
+    assert "127.0.0.1" not in resp.text and str(dead.rsplit(":", 1)[1]) not in resp.text, "no address"
+
+
+def _when_listening(url: str, request, timeout: float = 60.0) -> httpx.Response:
+    """The proxy's answer once it listens (its /health is the dead upstream's: a 502, not a readiness signal)."""
+    deadline = time.monotonic() + timeout
+    with http_client(url, timeout=30) as client:
+        while True:
+            try:
+                return request(client)
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline, "the proxy never listened"
+                time.sleep(0.2)

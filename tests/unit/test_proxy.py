@@ -1,0 +1,684 @@
+"""`vllm-nvext proxy`'s plumbing: forwarding, streaming both ways, disconnects, upstream failures, auth.
+
+The upstream is in process: an ASGI app behind `httpx.ASGITransport`, or an `httpx.MockTransport`
+whose response stream the test drives (to see each chunk leave before the next exists, and the
+upstream stream closed when the client goes). The real-server matrix is tests/e2e/test_proxy.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.unit import asgi
+from tests.unit.asgi import Upstream
+from vllm_nvext import Settings, _vllm_compat, metrics
+from vllm_nvext.proxy import (
+    ENV_CONFIG,
+    Forwarder,
+    NvextProxy,
+    ProxyConfig,
+    app_from_env,
+    own_metrics,
+    request_headers,
+    response_headers,
+)
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+UPSTREAM = "http://upstream.test:8000"
+NVEXT_IDS = {"nvext": {"extra_fields": ["completion_token_ids"]}}
+JSON = (b"content-type", b"application/json")
+
+
+async def call(app: Any, path: str, body: bytes, **kwargs: Any) -> asgi.Result:
+    """One request through the proxy from a client that stays until the answer is complete."""
+    return await asgi.call(app, path, body, **kwargs)
+
+
+def proxy_over(app: Any, *, keys: tuple[str, ...] = (), settings: Settings | None = None) -> NvextProxy:
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+    return NvextProxy(ProxyConfig(UPSTREAM, api_keys=keys), settings or Settings(), client=client)
+
+
+class Body(httpx.AsyncByteStream):
+    """A response body as a transport streams it (httpx reads a `content=` body at once)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield self.data
+
+
+def reply(status: int, content: bytes = b"", headers: Any = None, json_body: Any = None) -> httpx.Response:
+    if json_body is not None:
+        content, headers = json.dumps(json_body).encode(), {"content-type": "application/json"}
+    return httpx.Response(status, headers=headers, stream=Body(content))
+
+
+def mock_proxy(handler: Any) -> NvextProxy:
+    return NvextProxy(
+        ProxyConfig(UPSTREAM), Settings(), client=httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    )
+
+
+# --- forwarding ---------------------------------------------------------------------------------
+
+
+async def test_an_unknown_route_is_forwarded_byte_for_byte_with_its_method_query_and_headers():
+    seen: list[httpx.Request] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        await request.aread()
+        headers = [("content-type", "application/x-odd"), ("x-upstream", "1"), ("connection", "close, x-drop")]
+        return reply(418, b"\x00odd body\xff", headers)
+
+    app = mock_proxy(handler)
+    headers = (
+        (b"content-type", b"application/x-odd"),
+        (b"authorization", b"Bearer secret"),
+        (b"host", b"proxy.test"),
+        (b"connection", b"keep-alive, x-hop"),
+        (b"x-hop", b"1"),
+        (b"keep-alive", b"timeout=5"),
+        (b"x-custom", b"kept"),
+    )
+    scope_path = "/some/route%20x"
+    result = await call(app, scope_path, b"raw \x01 bytes", method="PUT", headers=headers)
+    assert result.status == 418 and result.body == b"\x00odd body\xff", "the upstream's answer, unchanged"
+    assert result.header(b"x-upstream") == b"1"
+    assert result.header(b"connection") is None and result.header(b"x-drop") is None, "hop-by-hop dropped"
+    request = seen[0]
+    assert request.method == "PUT" and str(request.url) == UPSTREAM + "/some/route%20x"
+    assert request.content == b"raw \x01 bytes"
+    assert request.headers["authorization"] == "Bearer secret", "credentials pass through"
+    assert request.headers["x-custom"] == "kept"
+    assert request.headers["host"] == "upstream.test:8000", "the upstream's host, not the client's"
+    for hop in ("x-hop", "keep-alive", "connection"):
+        assert hop not in request.headers, f"{hop} is the client's connection's, not the upstream's"
+
+
+async def test_the_query_string_reaches_the_upstream():
+    urls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        urls.append(str(request.url))
+        return reply(200, b"ok")
+
+    app = mock_proxy(handler)
+    scope = _scope("/v1/models", method="GET", query=b"a=1&b=%20")
+    sent = await _drive(app, scope, [{"type": "http.request", "body": b"", "more_body": False}])
+    assert sent[0]["status"] == 200 and urls == [UPSTREAM + "/v1/models?a=1&b=%20"]
+
+
+async def test_a_body_in_several_messages_is_streamed_up_whole():
+    upstream = Upstream(body=b'{"ok": true}')
+    app = proxy_over(upstream)
+    body = json.dumps({"model": "tiny", "prompt": "x" * 5000}).encode()
+    result = await call(app, "/v1/completions", body, request_cuts=(7, 100, 4096))
+    assert result.status == 200 and result.body == b'{"ok": true}'
+    assert upstream.received == body
+    assert dict(upstream.received_headers)[b"content-length"] == str(len(body)).encode()
+
+
+async def test_a_body_the_middleware_never_reads_is_streamed_up_as_it_comes():
+    received: list[bytes] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        async for part in request.stream:  # type: ignore[union-attr]
+            received.append(part)
+        return reply(200, b"stored")
+
+    app = mock_proxy(handler)
+    body = b"line one\nline two\n" * 100
+    headers = [(b"content-type", b"text/plain")]
+    result = await call(app, "/v1/files", body, request_cuts=(0, 5, 900), headers=headers)
+    assert result.status == 200 and result.body == b"stored"
+    assert b"".join(received) == body, f"the body whole, in its parts: {[len(r) for r in received]}"
+
+
+async def test_translation_through_the_proxy_is_the_middlewares():
+    recorded = (FIXTURES / "completions_unary_ids.json").read_bytes()
+    upstream = Upstream(body=recorded)
+    app = proxy_over(upstream)
+    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 3, **NVEXT_IDS}).encode()
+    result = await call(app, "/v1/completions", body)
+    assert result.status == 200
+    sent = json.loads(upstream.received or b"")
+    assert sent["return_token_ids"] is True and "nvext" not in sent, "the upstream gets vLLM's dialect"
+    answer = json.loads(result.body)
+    ids = json.loads(recorded)["choices"][0]["token_ids"]
+    assert answer["nvext"]["completion_token_ids"] == ids and answer["choices"][0].get("token_ids") is None
+    assert int(result.header(b"content-length") or 0) == len(result.body)
+
+
+async def test_a_bad_nvext_field_is_the_middlewares_400_naming_it():
+    upstream = Upstream()
+    app = proxy_over(upstream)
+    result = await call(app, "/v1/chat/completions", json.dumps({"model": "tiny", "nvext": 3}).encode())
+    assert result.status == 400 and json.loads(result.body)["error"]["param"] == "nvext"
+    assert upstream.calls == 0
+
+
+# --- streaming down -----------------------------------------------------------------------------
+
+
+class Stream(httpx.AsyncByteStream):
+    """An upstream response body the test releases chunk by chunk; records whether it was closed."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+        self.release = [asyncio.Event() for _ in chunks]
+        self.closed = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk, gate in zip(self.chunks, self.release, strict=True):
+            await gate.wait()
+            yield chunk
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_each_upstream_chunk_reaches_the_client_before_the_next_exists():
+    events = [b'data: {"a": 1}\n\n', b'data: {"b": 2}\n\n', b"data: [DONE]\n\n"]
+    stream = Stream(list(events))
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
+
+    app = mock_proxy(handler)
+    gates = list(stream.release)  # one per event
+    stream.chunks.insert(1, b"")  # an empty read (httpx drops it) is never sent on as an event
+    stream.release.insert(1, gates[1])
+    got: list[bytes] = []
+    stream.release[0].set()
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message["body"]:
+            got.append(message["body"])
+            if len(got) < len(gates):
+                gates[len(got)].set()  # the next event exists only once this one was sent
+
+    receive = _receiver([{"type": "http.request", "body": b"", "more_body": False}])
+    await asyncio.wait_for(app(_scope("/v1/other", method="GET"), receive, send), 30)
+    assert got == events, "each event forwarded as it came, none held back"
+
+
+async def test_a_client_that_goes_away_mid_stream_closes_the_upstream_stream():
+    stream = Stream([b"data: 1\n\n", b"data: 2\n\n"])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
+
+    app = mock_proxy(handler)
+    stream.release[0].set()
+    gone = asyncio.Event()
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message.get("body"):
+            gone.set()  # the client disconnects once it has the first event
+
+    # A stray message after the body (an empty `http.request`) is not a disconnect.
+    messages = [{"type": "http.request", "body": b"", "more_body": False}, {"type": "http.request", "body": b""}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    await asyncio.wait_for(app(_scope("/v1/other", method="GET"), receive, send), 30)
+    assert stream.closed, "the upstream request is closed, so vLLM aborts it"
+    assert [m.get("body") for m in sent if m["type"] == "http.response.body"] == [b"data: 1\n\n"]
+
+
+async def test_a_client_that_goes_away_while_its_body_comes_ends_the_exchange():
+    calls: list[httpx.Request] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return httpx.Response(200)
+
+    app = mock_proxy(handler)
+    receive = _receiver(
+        [
+            {"type": "http.request", "body": b"{", "more_body": True},
+            {"type": "http.request", "body": b"", "more_body": True},
+            {"type": "http.disconnect"},
+        ],
+        then={"type": "http.disconnect"},
+    )
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = _scope("/v2/upload", headers=[(b"content-type", b"text/plain")])
+    await asyncio.wait_for(app(scope, receive, send), 30)
+    assert sent == [], "nothing is answered to a client that left"
+
+
+async def test_a_client_gone_before_its_body_gets_nothing():
+    app = mock_proxy(lambda request: httpx.Response(200))
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(_scope("/x", method="GET"), _receiver([{"type": "http.disconnect"}]), send)
+    assert sent == []
+
+
+async def test_an_upstream_failing_mid_response_cuts_the_clients_connection():
+    class Broken(httpx.AsyncByteStream):
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            yield b"data: 1\n\n"
+            raise httpx.ReadError("reset")
+
+    app = mock_proxy(lambda request: httpx.Response(200, stream=Broken()))
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    receive = _receiver([{"type": "http.request", "body": b"", "more_body": False}])
+    with pytest.raises(httpx.ReadError):  # the server then closes the connection: no clean end
+        await app(_scope("/x", method="GET"), receive, send)
+    assert all(m.get("more_body", True) for m in sent if m["type"] == "http.response.body"), "never a clean end"
+
+
+# --- upstream down ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (httpx.ConnectError("[Errno 111] Connection refused to 10.1.2.3"), 502),
+        (httpx.RemoteProtocolError("Server disconnected"), 502),
+        (httpx.ReadTimeout("timed out on /secret/path"), 504),
+        (httpx.ConnectTimeout("timed out"), 504),
+    ],
+)
+async def test_an_upstream_down_or_late_is_a_502_or_504_in_vllms_envelope_without_details(error, status):
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise error
+
+    result = await call(mock_proxy(handler), "/v1/completions", json.dumps({"prompt": "x", **NVEXT_IDS}).encode())
+    assert result.status == status
+    body = json.loads(result.body)
+    assert set(body) == {"error"} and body["error"]["code"] == status and body["error"]["param"] is None
+    assert "upstream" in body["error"]["message"]
+    for leak in ("10.1.2.3", "111", "secret", "reset", "disconnected", "timed out"):
+        assert leak not in result.body.decode(), "no exception text, address or path"
+    assert int(result.header(b"content-length") or 0) == len(result.body)
+
+
+async def test_a_real_refused_connection_is_a_502():
+    app = NvextProxy(ProxyConfig("http://127.0.0.1:1", connect_timeout=5), Settings())
+    try:
+        result = await call(app, "/health", b"", method="GET")
+    finally:
+        await app.forwarder.aclose()
+    assert result.status == 502 and json.loads(result.body)["error"]["type"] == "BadGatewayError"
+
+
+# --- auth: never answer what the upstream refuses -----------------------------------------------
+
+
+async def _keyed_upstream(scope: Any, receive: Any, send: Any) -> None:
+    """vLLM with `--api-key k`: 401 for a guarded path without the key."""
+    while (await receive()).get("more_body"):
+        pass
+    if _vllm_compat.auth_refuses({**scope, _vllm_compat.API_KEYS: ("k",)}):
+        status, body = 401, b'{"error":"Unauthorized"}'
+    else:
+        status, body = 200, b"{}"
+    await send({"type": "http.response.start", "status": status, "headers": [JSON]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.mark.parametrize("authorization", [None, b"Bearer wrong", b"Basic k"])
+async def test_a_request_the_upstream_refuses_for_auth_gets_the_upstreams_401_never_a_400(authorization):
+    app = proxy_over(_keyed_upstream, keys=("k",))
+    headers = [JSON] + ([(b"authorization", authorization)] if authorization else [])
+    bad = json.dumps({"model": "tiny", "nvext": {"extra_fields": "garbage"}}).encode()
+    result = await call(app, "/v1/chat/completions", bad, headers=headers)
+    assert result.status == 401 and result.body == b'{"error":"Unauthorized"}'
+
+
+async def test_with_the_key_the_proxy_answers_its_own_400():
+    app = proxy_over(_keyed_upstream, keys=("k",))
+    bad = json.dumps({"model": "tiny", "nvext": {"extra_fields": "garbage"}}).encode()
+    result = await call(app, "/v1/chat/completions", bad, headers=[JSON, (b"authorization", b"Bearer k")])
+    assert result.status == 400 and json.loads(result.body)["error"]["param"] == "nvext.extra_fields"
+
+
+async def test_echo_prompt_ids_are_decoded_by_the_upstreams_own_detokenize_over_http():
+    detokenized: list[tuple[str, dict[str, Any], str | None]] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(await request.aread())
+        if request.url.path == "/detokenize":
+            detokenized.append((request.method, body, request.headers.get("authorization")))
+            return reply(200, json_body={"prompt": "Hi"})
+        answer = {"choices": [{"index": 0, "text": "gen", "token_ids": [1, 2], "prompt_token_ids": body["prompt"]}]}
+        return reply(200, json_body=answer)
+
+    body = {"model": "tiny", "prompt": [72, 105], "echo": True, **NVEXT_IDS}
+    headers = [JSON, (b"authorization", b"Bearer k")]
+    result = await call(mock_proxy(handler), "/v1/completions", json.dumps(body).encode(), headers=headers)
+    assert result.status == 200 and json.loads(result.body)["choices"][0]["text"] == "Higen"
+    assert detokenized == [("POST", {"model": "tiny", "tokens": [72, 105]}, "Bearer k")]
+
+
+# --- /metrics -------------------------------------------------------------------------------------
+
+
+async def test_metrics_are_the_upstreams_then_the_proxys_own_counters():
+    paths: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        if request.url.path == "/metrics":
+            assert request.headers["accept"] == "text/plain"
+            return reply(200, b"# TYPE vllm:up gauge\nvllm:up 1")
+        return reply(200, json_body={"choices": [{"index": 0, "text": "x", "token_ids": [5]}]})
+
+    app = mock_proxy(handler)
+    await call(app, "/v1/completions", json.dumps({"model": "tiny", "prompt": "a", **NVEXT_IDS}).encode())
+    result = await call(app, "/metrics", b"", method="GET")
+    text = result.body.decode()
+    assert result.status == 200 and text.startswith("# TYPE vllm:up gauge\nvllm:up 1\n")
+    assert "vllm_nvext:requests_total{" in text and 'dialect="nvext"' in text
+    assert "python_gc" not in text, "only the proxy's own families, never a second copy of the runtime's"
+    assert int(result.header(b"content-length") or 0) == len(result.body)
+
+
+@pytest.mark.parametrize("answer", ["down", "404"])
+async def test_metrics_without_the_upstreams_are_the_proxys_own(answer):
+    def handler(request: httpx.Request) -> httpx.Response:
+        if answer == "down":
+            raise httpx.ConnectError("refused")
+        return reply(404)
+
+    metrics.count_refusal("nvext", 400)
+    result = await call(mock_proxy(handler), "/metrics", b"", method="GET")
+    assert result.status == 200 and result.body.startswith(b"# HELP vllm_nvext:")
+
+
+def test_own_metrics_sum_the_worker_processes_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    assert own_metrics() == b"", "no worker has counted yet"
+
+
+def test_own_metrics_without_prometheus_client_is_empty(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    assert own_metrics() == b""
+
+
+# --- lifecycle and configuration --------------------------------------------------------------------
+
+
+async def test_lifespan_starts_and_closes_the_pool():
+    client = httpx.AsyncClient()
+    app = NvextProxy(ProxyConfig(UPSTREAM), Settings(), client=client)
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    receive = _receiver([{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}])
+    await app({"type": "lifespan"}, receive, send)
+    assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert client.is_closed
+
+
+async def test_a_websocket_is_closed_not_proxied():
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    app = NvextProxy(ProxyConfig(UPSTREAM), Settings())
+    await app({"type": "websocket", "path": "/v1/realtime", "headers": []}, _receiver([]), send)
+    assert sent == [{"type": "websocket.close", "code": 1011}]
+    await app({"type": "other"}, _receiver([]), send)
+    assert len(sent) == 1, "a scope type ASGI may add later gets nothing"
+    await app.forwarder.aclose()  # never opened: nothing to close
+
+
+async def test_the_pool_is_made_on_first_use_with_the_configured_timeouts():
+    forwarder = Forwarder(ProxyConfig(UPSTREAM, timeout=None, connect_timeout=3))
+    client = forwarder.client
+    assert forwarder.client is client and client.timeout.read is None and client.timeout.connect == 3
+    await forwarder.aclose()
+
+
+@pytest.mark.parametrize("url", ["upstream:8000", "ftp://x", "http://"])
+def test_an_upstream_that_is_not_an_http_url_is_refused(url):
+    with pytest.raises(ValueError, match="upstream"):
+        ProxyConfig(url)
+
+
+def test_the_config_travels_to_the_workers_through_the_environment(monkeypatch):
+    config = ProxyConfig("http://h:1/", api_keys=("a", "", "b"), timeout=None)
+    assert config.upstream == "http://h:1" and config.api_keys == ("a", "b")
+    monkeypatch.setenv(ENV_CONFIG, config.to_json())
+    monkeypatch.setenv("VLLM_NVEXT_MODE", "nvext")
+    app = app_from_env()
+    assert app.forwarder.config == config and app.middleware.settings.mode.value == "nvext"
+
+
+def test_header_filters_drop_hop_by_hop_and_connection_named_headers():
+    sent = [(b"te", b"trailers"), (b"x-a", b"1"), (b"upgrade", b"h2c"), (b"expect", b"100-continue")]
+    assert request_headers(sent) == [(b"x-a", b"1")]
+    got = response_headers([(b"Transfer-Encoding", b"chunked"), (b"Content-Type", b"text/plain")])
+    assert got == [(b"content-type", b"text/plain")], "names lowercased, as ASGI wants them"
+
+
+# --- helpers ----------------------------------------------------------------------------------------
+
+
+def _scope(
+    path: str, *, method: str = "POST", query: bytes = b"", headers: list[tuple[bytes, bytes]] | None = None
+) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": query,
+        "headers": list(headers or []),
+    }
+
+
+def _receiver(messages: list[dict[str, Any]], then: dict[str, Any] | None = None) -> Any:
+    pending = list(messages)
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop(0)
+        if then is not None:
+            return then
+        await asyncio.Event().wait()  # no disconnect ever comes
+        raise AssertionError
+
+    return receive
+
+
+async def _drive(app: Any, scope: dict[str, Any], messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, _receiver(messages), send)
+    return sent
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """`proxy.serve` recorded instead of run; the environment it writes is restored after the test."""
+    from vllm_nvext import proxy
+
+    calls: list[tuple[ProxyConfig, Settings, dict[str, Any]]] = []
+    monkeypatch.setattr(proxy, "serve", lambda config, settings, **kw: calls.append((config, settings, kw)))
+    for name in ("VLLM_API_KEY", "VLLM_NVEXT_MODE", "VLLM_NVEXT_MAX_BODY_BYTES"):
+        monkeypatch.delenv(name, raising=False)
+    return calls
+
+
+def test_proxy_command_serves_the_upstream_with_its_keys_mode_and_workers(served, capsys):
+    from vllm_nvext.tools import cli
+
+    argv = ["proxy", "--upstream", "http://10.0.0.5:8000/", "--port", "9001", "--mode", "nvext", "--workers", "3"]
+    assert cli.main([*argv, "--api-key", "a", "--api-key", "b", "--timeout", "0"]) == 0
+    config, settings, kw = served[0]
+    assert config == ProxyConfig("http://10.0.0.5:8000", api_keys=("a", "b"), timeout=None)
+    assert settings.mode.value == "nvext" and kw == {"host": "127.0.0.1", "port": 9001, "workers": 3}
+    assert "proxy on http://127.0.0.1:9001 in front of http://10.0.0.5:8000 (mode nvext, 3 workers)" in (
+        capsys.readouterr().out
+    )
+
+
+def test_proxy_command_takes_the_key_and_settings_from_the_environment(served, monkeypatch):
+    from vllm_nvext.tools import cli
+
+    monkeypatch.setenv("VLLM_API_KEY", "env-key")
+    monkeypatch.setenv("VLLM_NVEXT_MODE", "both")
+    monkeypatch.setenv("VLLM_NVEXT_MAX_BODY_BYTES", "1000")
+    assert cli.main(["proxy", "--upstream", "http://h:1"]) == 0
+    config, settings, kw = served[0]
+    assert config.api_keys == ("env-key",) and config.timeout == 600.0 and kw["workers"] == 1
+    assert settings.mode.value == "both" and settings.max_body_bytes == 1000
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "says"),
+    [
+        (["--upstream", "localhost:8000"], {}, "upstream: expected an http:// or https:// URL"),
+        (["--upstream", "http://h:1"], {"VLLM_NVEXT_MAX_BODY_BYTES": "-1"}, "VLLM_NVEXT_MAX_BODY_BYTES"),
+    ],
+)
+def test_proxy_command_refuses_a_bad_setting_in_one_line(served, monkeypatch, capsys, argv, env, says):
+    from vllm_nvext.tools import cli
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["proxy", *argv]) == 2 and served == []
+    err = capsys.readouterr().err
+    assert err.startswith("vllm-nvext proxy: error: ") and says in err and err.count("\n") == 1
+
+
+def test_proxy_command_refuses_zero_workers(served, capsys):
+    from vllm_nvext.tools import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["proxy", "--upstream", "http://h:1", "--workers", "0"])
+    assert "expected a positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_serve_hands_uvicorn_the_settings_through_the_environment(monkeypatch, tmp_path, workers):
+    import uvicorn
+
+    from vllm_nvext import proxy
+
+    runs: list[tuple[str, dict[str, Any]]] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append((app, kw)))
+    for name in (ENV_CONFIG, "VLLM_NVEXT_MODE", "VLLM_NVEXT_ALLOW_MODE_HEADER", "VLLM_NVEXT_MAX_BODY_BYTES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setattr("tempfile.mkdtemp", lambda prefix: str(tmp_path))
+    config = ProxyConfig("http://h:1", api_keys=("k",))
+    proxy.serve(
+        config,
+        Settings(mode="nvext", allow_mode_header=False, max_body_bytes=7),
+        host="0.0.0.0",
+        port=1,
+        workers=workers,
+    )
+    app, kw = runs[0]
+    assert app == "vllm_nvext.proxy:app_from_env" and kw["factory"] and kw["workers"] == workers
+    assert kw["server_header"] is False and kw["date_header"] is False, "the upstream's own pass through"
+    built = app_from_env()
+    assert built.forwarder.config == config
+    assert built.middleware.settings == Settings(mode="nvext", allow_mode_header=False, max_body_bytes=7)
+    import os
+
+    assert (os.environ.get("PROMETHEUS_MULTIPROC_DIR") == str(tmp_path)) == (workers > 1), "summed over workers"
+
+
+def test_the_proxy_server_process_answers_and_stops():
+    """`tools.server.ProxyServer` (the e2e kind): the real command, in front of an upstream that is down."""
+    import time
+
+    from vllm_nvext.tools.server import ProxyServer, free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    with ProxyServer(upstream=dead, name="unit") as server:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                resp = httpx.get(server.url + "/health", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, server.log_tail()
+                time.sleep(0.1)
+        assert resp.status_code == 502 and resp.json()["error"]["type"] == "BadGatewayError"
+    assert server.proc is not None and server.proc.poll() is not None, "stopped with its process group"
+
+
+def test_the_upstreams_parser_and_connector_flags_reach_the_middleware(served):
+    """What the middleware reads from vLLM's arguments when mounted, it reads from the proxy's flags."""
+    from vllm_nvext.tools import cli
+
+    transfer = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer"}
+    argv = ["proxy", "--upstream", "http://h:1", "--reasoning-parser", "qwen3", "--enable-auto-tool-choice"]
+    assert cli.main([*argv, "--tool-call-parser", "hermes", "--kv-transfer-config", json.dumps(transfer)]) == 0
+    config = served[0][0]
+    seen: list[dict[str, Any]] = []
+    app = NvextProxy(config, Settings())
+
+    async def middleware(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope)
+
+    app.middleware = middleware  # type: ignore[assignment]
+    asyncio.run(app({"type": "http", "headers": []}, _receiver([]), _receiver([])))
+    args = _vllm_compat.server_args(seen[0])
+    assert _vllm_compat.hides_reasoning_ids(args), "ids withheld under include_reasoning: false stay null"
+    assert _vllm_compat.builds_paths_from_request_ids(args)
+    assert _vllm_compat.api_keys(seen[0]) == []
+
+
+def test_without_flags_the_upstream_has_no_parser(served):
+    from vllm_nvext.tools import cli
+
+    assert cli.main(["proxy", "--upstream", "http://h:1"]) == 0
+    args = NvextProxy(served[0][0], Settings()).server_args
+    assert not _vllm_compat.hides_reasoning_ids(args) and not _vllm_compat.builds_paths_from_request_ids(args)
+
+
+def test_a_kv_transfer_config_that_is_not_json_is_refused(served, capsys):
+    from vllm_nvext.tools import cli
+
+    assert cli.main(["proxy", "--upstream", "http://h:1", "--kv-transfer-config", "{oops"]) == 2
+    assert capsys.readouterr().err.startswith("vllm-nvext proxy: error: ")
