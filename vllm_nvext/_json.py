@@ -100,7 +100,8 @@ def _value_end(text: str, i: int) -> int:
         match = _SCALAR.match(text, i)
         assert match is not None
         return match.end()
-    close = text.find("]" if first == "[" else "}", i + 1)
+    # a string or bracket right inside is a nested value (a list of messages): no search for the close
+    close = -1 if text[i + 1] in '"[{' else text.find("]" if first == "[" else "}", i + 1)
     if close > 0 and not any(text.find(c, i + 1, close) >= 0 for c in '"[{'):
         # flat: numbers and literals only (a list of ids), found at C speed; the bounded finds copy
         # nothing and stop at the first string or bracket of a nested value (a list of messages)
