@@ -100,9 +100,12 @@ def _value_end(text: str, i: int) -> int:
         match = _SCALAR.match(text, i)
         assert match is not None
         return match.end()
-    close = text.find("]" if first == "[" else "}", i + 1)
-    if close > 0 and not any(c in text[i + 1 : close] for c in '"[{'):
-        return close + 1  # flat: numbers and literals only (a list of ids), found at C speed
+    # a string or bracket right inside is a nested value (a list of messages): no search for the close
+    close = -1 if text[i + 1] in '"[{' else text.find("]" if first == "[" else "}", i + 1)
+    if close > 0 and not any(text.find(c, i + 1, close) >= 0 for c in '"[{'):
+        # flat: numbers and literals only (a list of ids), found at C speed; the bounded finds copy
+        # nothing and stop at the first string or bracket of a nested value (a list of messages)
+        return close + 1
     try:
         return int(_SCAN_ONCE(text, i)[1])  # nested: json's own C scanner finds its end
     except (RecursionError, StopIteration, ValueError):
@@ -174,6 +177,11 @@ def splice_object(text: str, start: int, drop: frozenset[str], add: list[tuple[s
     return f"{text[:start]}{{{','.join(parts)}}}{text[end:]}"
 
 
+# The encoder `json.dumps(value, ensure_ascii=True, allow_nan=False, separators=(",", ":"))` builds
+# on every call, built once (json.dumps is `JSONEncoder(...).encode(value)` for these arguments).
+_ENCODE_TEXT: Callable[[Any], str] = json.JSONEncoder(ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode
+
+
 def dumps_text(value: Any) -> str:
     """JSON text for a value the middleware writes; ASCII, so `json.loads` reads it back exactly."""
-    return json.dumps(value, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    return _ENCODE_TEXT(value)

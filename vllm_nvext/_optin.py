@@ -28,9 +28,12 @@ _LONGEST_KEY_TOKEN = 2 + 6 * len("return_token_ids")
 
 
 def _mentions_key(data: bytes) -> bool:
-    if not any(marker in data for marker in _KEY_MARKERS):
-        return False  # the common case: two or three C scans
-    if b'"nvext"' in data or b'"return_token_ids"' in data:
+    nvext = data.find(b"nvext")
+    if nvext > 0 and data[nvext - 1 : nvext + 6] == b'"nvext"':
+        return True  # the nvext dialect's plain key (a match of _KEY_TOKEN): one C scan, stopped at the key
+    if nvext < 0 and b"return_token_ids" not in data and b"\\u" not in data:
+        return False  # the common case: three C scans (no marker of _KEY_MARKERS)
+    if (nvext >= 0 and b'"nvext"' in data) or b'"return_token_ids"' in data:
         return True  # the plain spelling is a match of _KEY_TOKEN: one C scan instead of the pattern's
     return _KEY_TOKEN.search(data) is not None
 

@@ -493,3 +493,17 @@ async def test_body_over_the_cap_that_opts_in_early_is_a_413_without_vllm():
     body = json.dumps({"nvext": NVEXT_IDS, **BASE[COMPLETIONS], "user": "x" * 3000}).encode()
     result = await call(app, PATHS[COMPLETIONS], body, request_cuts=(500, 1500))
     assert result.status == 413 and upstream.calls == 0
+
+
+@SLOW
+@given(value=JSON_VALUES)
+def test_dumps_text_writes_what_json_dumps_writes(value):
+    # dumps_text builds its encoder once; json.dumps builds the same one on every call
+    try:
+        want = json.dumps(value, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    except ValueError as exc:  # an infinity: refused alike, with the same words
+        with pytest.raises(ValueError) as got:
+            nvjson.dumps_text(value)
+        assert str(got.value) == str(exc)
+        return
+    assert nvjson.dumps_text(value) == want
