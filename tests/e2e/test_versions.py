@@ -277,6 +277,24 @@ def test_the_rules_copied_from_vllm_are_each_versions_own(version):
 
 
 @on("0.30", "0.31", "0.33")
+def test_every_translated_route_answers_the_key_check_as_this_releases_own(vllm_version):
+    """`--middleware` (outermost, applying vLLM's rule itself) answers the key check on every translated
+    route as the plugin mount does, where this release's own check runs first: no key, a wrong key, the
+    key, OPTIONS (docs/protocol.md §10)."""
+    from tests.e2e.test_auth_routes import AUTH, _answer
+    from vllm_nvext.protocol import ENDPOINT_PATHS
+
+    mw, plugin = version_server(vllm_version, "mw").url, version_server(vllm_version, "plugin").url
+    for path in ENDPOINT_PATHS:
+        for method in ("POST", "OPTIONS"):
+            for name, headers in AUTH.items():
+                stock = _answer(plugin, path, method, headers)
+                assert _answer(mw, path, method, headers) == stock, (path, method, name, stock)
+                if method == "POST" and name != "right key" and path.startswith("/v1/"):
+                    assert stock == (401, "Unauthorized"), (path, name)  # vLLM guards /v1 on every release
+
+
+@on("0.30", "0.31", "0.33")
 def test_agent_routes_answer_chats_ids(raw, translated, request):
     """/v1/responses in both mounts, /v1/messages through the plugin (docs/protocol.md §11), on this release."""
     from tests.e2e.test_agent_routes import GREEDY, MESSAGES_BODY, NVEXT_IDS, RESPONSES_BODY
