@@ -406,7 +406,8 @@ def vllm_version(request: pytest.FixtureRequest) -> Iterator[str]:
 def _dynamo_reference() -> Server:
     from tests.e2e.dynamo_reference import DynamoReference
 
-    return DynamoReference(model=tiny_model_dir(), port=listen_port())
+    # Its /v1/messages (Anthropic) route is off unless the frontend is asked for it (experimental in 1.6.1).
+    return DynamoReference(model=tiny_model_dir(), port=listen_port(), frontend_args=("--enable-anthropic-api",))
 
 
 dynamo_server = register("dynamo", _dynamo_reference, reference="setup-dynamo")
