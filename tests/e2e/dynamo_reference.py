@@ -57,6 +57,7 @@ class DynamoReference:
     model: str
     served_name: str = "tiny"
     worker_args: Sequence[str] = ()
+    frontend_args: Sequence[str] = ()
     name: str = "dynamo"
     port: int = 0
     log_dir: Path | None = None
@@ -99,7 +100,7 @@ class DynamoReference:
             ],
             "frontend": [
                 python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(self.port),
-                *planes, "--router-mode", "round-robin",
+                *planes, "--router-mode", "round-robin", *self.frontend_args,
             ],
         }  # fmt: skip
 

@@ -7,11 +7,14 @@ that asks for ids is refused, any other is stock vLLM's answer.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
 import pytest
 
+from scripts.vllm033_harness import text_ids
+from tests.e2e.conftest import TOOL_CALL_TEXT, tiny_model_dir
 from tests.helpers import API_KEY, CHAT, MODEL_NAME, post
 
 pytestmark = pytest.mark.e2e
@@ -184,3 +187,76 @@ def test_reasoning_tokens_are_in_the_responses_ids(parser_server, stream):
         "prompt_token_ids": chat["prompt_token_ids"],
     }
     assert len(answer["nvext"]["completion_token_ids"]) == answer["usage"]["output_tokens"]
+
+
+# --- every sampled token: a tool call on the 0.33 serving layer (its scripted engine samples it) ---
+# Marker e2e_parser: in the parser group's pytest run, never beside the main group (its server adds ~1.9 GB).
+
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOL_MAX = 100  # the scripted tool call is shorter: it ends with finish `stop`
+WEATHER_ARGUMENTS = {"city": "Paris"}
+
+
+@pytest.fixture(scope="module")
+def tool_chat(tool033_server) -> tuple[list[int], list[int]]:
+    """(completion ids, prompt ids) of the tool-call conversation on chat, on the same server."""
+    body = {
+        **MESSAGES_BODY,
+        "max_tokens": TOOL_MAX,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}}],
+        "return_token_ids": True,
+    }
+    with httpx.Client(base_url=tool033_server.url, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        answer = post(client, CHAT, body)
+    choice = answer["choices"][0]
+    assert [call["function"]["name"] for call in choice["message"]["tool_calls"]] == ["get_weather"]
+    # the scripted engine sampled exactly the tool call's ids, and chat reports all of them
+    assert choice["token_ids"] == text_ids(tiny_model_dir(), TOOL_CALL_TEXT)
+    return choice["token_ids"], answer["prompt_token_ids"]
+
+
+@pytest.mark.e2e_parser
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_function_call_tokens_are_in_the_ids(tool033_server, tool_chat, stream):
+    body = {
+        **RESPONSES_BODY,
+        "max_output_tokens": TOOL_MAX,
+        "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA}],
+    }
+    sdk = _sdk(tool033_server.url)
+    if stream:
+        with sdk.responses.stream(**body, extra_body=NVEXT_IDS) as events:
+            for _ in events:
+                pass
+            answer = events.get_final_response().to_dict()
+    else:
+        answer = sdk.responses.create(**body, extra_body=NVEXT_IDS).to_dict()
+    calls = [item for item in answer["output"] if item["type"] == "function_call"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", WEATHER_ARGUMENTS)]
+    completion, prompt = tool_chat
+    assert answer["nvext"] == {"completion_token_ids": completion, "prompt_token_ids": prompt}
+    assert len(completion) == answer["usage"]["output_tokens"]
+
+
+@pytest.mark.e2e_parser
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_tool_use_tokens_are_in_the_ids_through_the_plugin(tool033_server, tool_chat, stream):
+    body = {
+        **MESSAGES_BODY,
+        "max_tokens": TOOL_MAX,
+        "tools": [{"name": "get_weather", "input_schema": WEATHER_SCHEMA}],
+    }
+    client = _anthropic(tool033_server.url)
+    completion, prompt = tool_chat
+    if stream:
+        with client.messages.stream(**body, extra_body=NVEXT_IDS) as events:
+            deltas = [event.to_dict() for event in events if event.type == "message_delta"]
+            message = events.get_final_message().to_dict()
+        assert [d["nvext"] for d in deltas] == [{"completion_token_ids": completion, "prompt_token_ids": prompt}]
+    else:
+        message = client.messages.create(**body, extra_body=NVEXT_IDS).to_dict()
+        assert message["nvext"] == {"completion_token_ids": completion, "prompt_token_ids": prompt}
+    uses = [block for block in message["content"] if block["type"] == "tool_use"]
+    assert [(u["name"], u["input"]) for u in uses] == [("get_weather", WEATHER_ARGUMENTS)]
+    assert message["stop_reason"] == "tool_use"
+    assert len(completion) == message["usage"]["output_tokens"]

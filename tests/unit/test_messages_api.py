@@ -19,7 +19,7 @@ import pytest
 from tests.unit import asgi
 from tests.unit.asgi import Upstream
 from vllm_nvext import Mode, NvextMiddleware, Settings
-from vllm_nvext.messages_api import PLUGIN_STATE, CapturedIds, place_ids_in_event
+from vllm_nvext.messages_api import PLUGIN_STATE, CapturedIds, _handler_copy, place_ids_in_event
 
 serving = pytest.importorskip("vllm.entrypoints.anthropic.serving")
 chat_protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
@@ -152,6 +152,52 @@ async def test_stream_ids_on_message_delta_and_prompt_ids_on_message_start():
     delta = next(e for e in events if e["type"] == "message_delta")
     assert start["message"]["prompt_token_ids"] == prompt and delta["token_ids"] == completion
     assert delta["nvext"]["completion_token_ids"] == completion
+
+
+class _RawStreamHandler:
+    """vLLM 0.33's shape: its chat serving reads the raw chat chunks (objects) through `self` and
+    turns them into Anthropic events itself, so no chat event string is ever written."""
+
+    def to_chat_completion_request(self, request: Any) -> Any:
+        return SimpleNamespace(stream=True, return_token_ids=False)
+
+    async def create_chat_completion(self, request: Any, raw_request: Any = None) -> Any:
+        async def converted() -> AsyncIterator[str]:
+            async for chunk in self.chat_completion_stream_generator_raw():
+                yield f"event: anthropic\ndata: {len(chunk.choices)}\n\n"
+
+        return converted()
+
+    async def chat_completion_stream_generator_raw(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        for block in CHAT_STREAM.read_bytes().decode().split("\n\n")[:-1]:
+            if block != "data: [DONE]":
+                yield chat_protocol.ChatCompletionStreamResponse.model_validate_json(block[6:])
+
+
+async def test_stream_ids_where_vllm_converts_the_raw_chat_chunks_itself():
+    handler = _RawStreamHandler()
+    ids = CapturedIds()
+    proxy = _handler_copy(handler, ids)
+    request = proxy.to_chat_completion_request(REQUEST)
+    assert request.return_token_ids is True
+    events = [event async for event in await proxy.create_chat_completion(request)]
+    assert events and all(e.startswith("event: anthropic") for e in events)
+    assert (ids.completion, ids.prompt) == _stream_ids()
+    # the shared handler is untouched: a request without ids reads no chunk
+    assert not vars(handler)
+    again = CapturedIds()
+    [event async for event in await _handler_copy(handler, again).create_chat_completion(request)]
+    assert (again.completion, again.prompt) == _stream_ids()
+
+
+def test_captured_ids_from_raw_chunks_skip_errors_and_keep_withheld_ids_null():
+    ids = CapturedIds()
+    ids.add_chunk_object(SimpleNamespace(error="no choices"))  # vLLM's ErrorResponse has none
+    chunk = chat_protocol.ChatCompletionStreamResponse.model_validate(
+        {"model": "tiny", "choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": None}]}
+    )
+    ids.add_chunk_object(chunk)
+    assert ids.completion is None and ids.prompt is None
 
 
 async def test_invalid_bodies_get_vllms_own_answer_and_a_vllm_without_the_handler_a_400():

@@ -197,16 +197,30 @@ DIFFERENCES: tuple[Difference, ...] = (
     ),
     Difference(
         id="routes",
+        what="`nvext` is answered on vLLM's `/v1/chat/completions/batch` and `/invocations` too",
+        contract="vllm-nvext",
+        reason="Dynamo 1.6.1 has no batch or SageMaker route (404) (docs/protocol.md §10)",
+        when={"other_route": True},
+    ),
+    Difference(
+        id="agent-routes",
         what=(
-            "`nvext` is answered on vLLM's `/v1/chat/completions/batch` and `/invocations` too; on "
-            "`/v1/responses` `completion_token_ids` is answered, other selectors refused; on `/v1/messages` "
-            "it is answered through the plugin mount (the `--middleware` mount alone refuses it, 400)"
+            'On `/v1/responses`, `nvext.extra_fields: ["completion_token_ids"]` is answered (a root '
+            "`nvext` with the ids and `prompt_token_ids`, in a stream on the `response` of the last event) "
+            "and `return_token_ids: true` as vLLM's `input_messages` / `output_messages` with `tokens`; "
+            "selectors other than the two id selectors are refused (400). On `/v1/messages` both are "
+            "answered through the plugin mount (the `--middleware` mount alone refuses them, 400)"
         ),
         contract="vllm-nvext",
         reason=(
-            "Dynamo 1.6.1 has no batch or SageMaker route (404); on Responses it refuses "
-            "`completion_token_ids` (501) and answers a few other selectors, its Anthropic answers carry no "
-            "`nvext`; vLLM's Anthropic route hides its ids from an ASGI layer (docs/protocol.md §10, §11)"
+            "Measured on Dynamo 1.6.1 (tests/e2e/test_dynamo_conformance.py): on `/v1/responses` it refuses "
+            '`completion_token_ids` with 501 `Not Implemented` ("not supported by the Responses API"), '
+            "unary and streamed, answers `return_token_ids: true` with 200 and no ids, and answers "
+            "`prompt_token_ids`, `timing` and `worker_id` in a unary root `nvext`; its `/v1/messages` "
+            "(frontend `--enable-anthropic-api`, experimental) answers 200 with no `nvext` and no ids "
+            "whatever is asked, unary and streamed. A request that asks for nothing gets no `nvext` from "
+            "either server. Agent harnesses train on these routes, which need every sampled id "
+            "(docs/protocol.md §11)"
         ),
         when={"other_route": True},
     ),
