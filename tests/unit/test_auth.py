@@ -143,3 +143,22 @@ def test_a_request_vllm_refuses_reaches_it_untouched_and_a_keyless_invocations_i
         return
     assert result.status == 401 and upstream.calls == 1 and upstream.received == raw, "vLLM got the client's bytes"
     assert upstream.received_scope is not None and upstream.received_scope["path"] == path
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/responses", {"model": "tiny", "input": "x", "nvext": {"extra_fields": "garbage"}}),
+        ("/v1/responses", {"model": "tiny", "input": "x", "return_token_ids": True}),
+        ("/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": [], "nvext": {"extra_fields": "garbage"}}),
+        ("/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": [], "return_token_ids": True}),
+    ],
+)
+def test_a_keyless_agent_route_request_reaches_vllm_untouched(path, body):
+    """/v1/responses and /v1/messages are under /v1: outermost, a keyless request gets vLLM's 401, not our 400."""
+    raw = json.dumps(body).encode()
+    upstream = Upstream(body=b'{"error": "Unauthorized"}', status=401)
+    scope_app = SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(api_key=[KEY])))
+    headers = ((b"content-type", b"application/json"),)
+    result = asyncio.run(call(NvextMiddleware(upstream), path, raw, headers=headers, app_state=scope_app))
+    assert result.status == 401 and upstream.calls == 1 and upstream.received == raw, "vLLM got the client's bytes"
