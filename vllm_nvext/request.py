@@ -166,6 +166,18 @@ def plan_request(body: bytes, endpoint: Endpoint, mode: Mode, *, dp_rank_header:
     return None if request is None else plan(request, mode, dp_rank_header=dp_rank_header)
 
 
+def placements(mode: Mode, return_token_ids: bool, nvext_ids: bool, ids_requested: bool) -> tuple[bool, bool]:
+    """(vLLM placement, nvext placement) of the ids, by mode (docs/protocol.md §6): `auto` answers each
+    dialect in its own placement, `vllm` / `nvext` put every request's ids in one, `both` in both."""
+    if mode is Mode.AUTO:
+        return return_token_ids, nvext_ids
+    if mode is Mode.VLLM:
+        return ids_requested, False
+    if mode is Mode.NVEXT:
+        return False, ids_requested
+    return ids_requested, ids_requested
+
+
 def plan(
     request: Request, mode: Mode, *, dp_rank_header: bytes | None = None, hides_reasoning_ids: bool = False
 ) -> Plan:
@@ -182,15 +194,7 @@ def plan(
         normalized.add(COMPLETION_TOKEN_IDS)
     ids_requested = bool(normalized & ID_SELECTORS)
 
-    if mode is Mode.AUTO:
-        vllm_ids = return_token_ids
-        nvext_placement = bool(nvext_ids)
-    elif mode is Mode.VLLM:
-        vllm_ids, nvext_placement = ids_requested, False
-    elif mode is Mode.NVEXT:
-        vllm_ids, nvext_placement = False, ids_requested
-    else:
-        vllm_ids = nvext_placement = ids_requested
+    vllm_ids, nvext_placement = placements(mode, return_token_ids, bool(nvext_ids), ids_requested)
     nvext_trio = nvext_placement and COMPLETION_TOKEN_IDS in normalized
     nvext_prompt_ids = nvext_placement and not nvext_trio and PROMPT_TOKEN_IDS in normalized
     selectors = frozenset(normalized & NVEXT_ONLY_SELECTORS)

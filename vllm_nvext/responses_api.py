@@ -22,7 +22,7 @@ from ._asgi_request import Message, Send
 from .config import Mode
 from .nvext_schema import json_type, validate_nvext
 from .protocol import COMPLETION_TOKEN_IDS, ID_SELECTORS, NVEXT_ONLY_SELECTORS, PROMPT_TOKEN_IDS, Endpoint, RequestError
-from .request import Request, _apply_nvext_fields, _Rewrite
+from .request import Request, _apply_nvext_fields, _Rewrite, placements
 from .sse import EventFramer
 
 logger = logging.getLogger("vllm_nvext")
@@ -159,14 +159,7 @@ def _opt_in(body: bytes, mode: Mode, route: str) -> _OptIn | None:
             raise RequestError(f"`nvext.{name}` is not supported on {route}", f"nvext.{name}")
     normalized = requested | ({COMPLETION_TOKEN_IDS} if return_token_ids else set())
     ids_requested = bool(normalized & ID_SELECTORS)
-    if mode is Mode.AUTO:
-        vllm_ids, nvext_placement = return_token_ids, bool(requested & ID_SELECTORS)
-    elif mode is Mode.VLLM:
-        vllm_ids, nvext_placement = ids_requested, False
-    elif mode is Mode.NVEXT:
-        vllm_ids, nvext_placement = False, ids_requested
-    else:
-        vllm_ids = nvext_placement = ids_requested
+    vllm_ids, nvext_placement = placements(mode, return_token_ids, bool(requested & ID_SELECTORS), ids_requested)
     nvext_trio = nvext_placement and COMPLETION_TOKEN_IDS in normalized
     return _OptIn(data, nvext, return_token_ids, vllm_ids, nvext_trio, nvext_placement and not nvext_trio)
 
