@@ -16,7 +16,6 @@ import json
 import os
 import re
 import subprocess
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,14 +67,7 @@ class Router(ServerProcess):
         ]  # fmt: skip
 
     def start(self) -> Router:
-        command = self.command()
-        fd, path = tempfile.mkstemp(prefix=f"vllm-nvext-{self.name}-", suffix=".log")
-        os.close(fd)
-        self.log_path = Path(path)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                command, env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        self.spawn(self.command(), {**os.environ, **self.env})
         return self
 
 

@@ -69,6 +69,15 @@ class ServerProcess:
             time.sleep(self.READY_POLL_S)
         raise TimeoutError(f"{self.LABEL} {self.name!r} not ready after {timeout:.0f}s:\n{self.log_tail()}")
 
+    def spawn(self, command: list[str], env: Mapping[str, str]) -> None:
+        """Start `command` in a process group of its own, its output to `log_path` (a new temp file if unset)."""
+        if self.log_path is None:
+            fd, path = tempfile.mkstemp(prefix=f"vllm-nvext-{self.name}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(path)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
     def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
             return ""
@@ -135,14 +144,7 @@ class VllmServer(ServerProcess):
         if self.log_to_terminal:
             self.proc = subprocess.Popen(self.command(), env=env, start_new_session=True)
             return self
-        if self.log_path is None:
-            fd, path = tempfile.mkstemp(prefix=f"vllm-nvext-{self.name}-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(path)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        self.spawn(self.command(), env)
         return self
 
     def __enter__(self) -> VllmServer:
@@ -180,18 +182,7 @@ class ProxyServer(ServerProcess):
     def start(self) -> ProxyServer:
         if not self.port:
             self.port = free_port()
-        if self.log_path is None:
-            fd, path = tempfile.mkstemp(prefix=f"vllm-nvext-{self.name}-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(path)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.command(),
-                env={**os.environ, **self.env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self.spawn(self.command(), {**os.environ, **self.env})
         return self
 
     def __enter__(self) -> ProxyServer:
