@@ -24,7 +24,7 @@ from vllm_nvext import Mode
 from vllm_nvext import stream as stream_module
 from vllm_nvext.nvext_values import Clock
 from vllm_nvext.protocol import RequestError
-from vllm_nvext.request import plan_request
+from vllm_nvext.request import Plan, plan_request
 from vllm_nvext.stream import DecodingStreamReshaper, StreamReshaper
 
 # n=2 and echo streams refuse every nvext selector; wall-clock `timing` differs between runs.
@@ -179,19 +179,20 @@ def _relayout(event: dict[str, Any], layout: dict[str, Any], draw: st.DrawFn) ->
     return _insert(relaid, None, layout["root"])
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data())
-def test_byte_level_path_gives_the_general_paths_bytes(data):
+def draw_relaid_stream(data: Any) -> tuple[str, Plan, list[bytes]] | None:
+    """From hypothesis' `st.data()`: a recorded stream (its first 40 events: long streams add nothing
+    new beyond), a mode and selectors drawn, its events laid out another way; None when the plan
+    refuses the selectors."""
     name = data.draw(st.sampled_from(STREAMS), label="recording")
     rec = recordings()[name]
     mode = data.draw(st.sampled_from(MODES), label="mode")
     selectors = data.draw(st.lists(st.sampled_from(SELECTORS), min_size=1, max_size=3, unique=True), label="selectors")
     plan = _plan(rec, mode, selectors)
     if plan is None:
-        return
+        return None
     layout = data.draw(layouts(), label="layout")
     events = []
-    for raw in _events(rec.body)[:40]:  # the first 40 events: long streams add nothing new beyond
+    for raw in _events(rec.body)[:40]:
         if not raw.startswith(b"data: {"):
             events.append(raw)
             continue
@@ -201,5 +202,15 @@ def test_byte_level_path_gives_the_general_paths_bytes(data):
         except TypeError:  # ids beyond 64 bits: encoded as the general path would (exactly)
             payload = json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode()
         events.append(b"data: " + payload + b"\n\n")
+    return f"{name} {mode.value} {selectors} {layout}", plan, events
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_byte_level_path_gives_the_general_paths_bytes(data):
+    case = draw_relaid_stream(data)
+    if case is None:
+        return
+    label, plan, events = case
     got, want, _ = _both_paths(plan, events)
-    assert got == want, f"{name} {mode.value} {selectors} {layout}" + _first_difference(got, want)
+    assert got == want, label + _first_difference(got, want)

@@ -10,27 +10,21 @@ not built; CI sets VLLM_NVEXT_REQUIRE_EXTENSION=1 so that a missing build fails 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import MutableMapping
 from typing import Any
 
-import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.recorded import recordings
 from tests.unit.test_stream_layouts import (
-    MODES,
     RECORDED_CASES,
-    SELECTORS,
-    STREAMS,
     _events,
     _first_difference,
     _plan,
-    _relayout,
-    layouts,
+    draw_relaid_stream,
 )
 from vllm_nvext import NvextMiddleware, Settings, metrics
 from vllm_nvext import _asgi_response as asgi_response
@@ -158,28 +152,13 @@ def test_the_send_serves_memoryview_bodies_and_message_shapes_it_does_not_know_t
 )
 @given(data=st.data())
 def test_the_send_gives_the_general_paths_bytes_on_any_layout(impl, data):
-    name = data.draw(st.sampled_from(STREAMS), label="recording")
-    rec = recordings()[name]
-    mode = data.draw(st.sampled_from(MODES), label="mode")
-    selectors = data.draw(st.lists(st.sampled_from(SELECTORS), min_size=1, max_size=3, unique=True), label="selectors")
-    plan = _plan(rec, mode, selectors)
-    if plan is None:
+    case = draw_relaid_stream(data)
+    if case is None:
         return
-    layout = data.draw(layouts(), label="layout")
-    events = []
-    for raw in _events(rec.body)[:40]:
-        if not raw.startswith(b"data: {"):
-            events.append(raw)
-            continue
-        event = _relayout(orjson.loads(raw[6:]), layout, data.draw)
-        try:
-            payload = orjson.dumps(event)
-        except TypeError:  # ids beyond 64 bits: encoded as the general path would (exactly)
-            payload = json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode()
-        events.append(b"data: " + payload + b"\n\n")
+    label, plan, events = case
     got, _ = _through_send(plan, events, impl)
     want = _general(plan, events)
-    assert got == want, f"{impl} {name} {mode.value} {selectors} {layout}" + _first_difference(got, want)
+    assert got == want, f"{impl} {label}" + _first_difference(got, want)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
