@@ -94,6 +94,19 @@ def strip_volatile(obj: Any) -> Any:
     return {k: v for k, v in obj.items() if k not in VOLATILE}
 
 
+# The agent routes' fields that differ per request (/v1/responses and /v1/messages objects, at any depth).
+AGENT_VOLATILE = frozenset({"id", "created_at", "created", "completed_at"})
+
+
+def without_agent_volatile(obj: Any) -> Any:
+    """`obj` without AGENT_VOLATILE keys at any depth: what two answers to one request share."""
+    if isinstance(obj, list):
+        return [without_agent_volatile(o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: without_agent_volatile(v) for k, v in obj.items() if k not in AGENT_VOLATILE}
+    return obj
+
+
 def without_nvext(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in e.items() if k != "nvext"} for e in events]
 

@@ -15,7 +15,7 @@ import pytest
 
 from scripts.vllm033_harness import text_ids
 from tests.e2e.conftest import TOOL_CALL_TEXT, tiny_model_dir
-from tests.helpers import API_KEY, CHAT, MODEL_NAME, post
+from tests.helpers import API_KEY, CHAT, MODEL_NAME, post, without_agent_volatile
 
 pytestmark = pytest.mark.e2e
 
@@ -30,15 +30,6 @@ MESSAGES_BODY: dict[str, Any] = {
 # The Anthropic SDK's methods take no `temperature` here: it travels in extra_body.
 GREEDY = {"temperature": 0}
 NVEXT_IDS = {"nvext": {"extra_fields": ["completion_token_ids"]}}
-VOLATILE = {"id", "created_at", "created", "completed_at"}
-
-
-def _stable(obj: Any) -> Any:
-    if isinstance(obj, list):
-        return [_stable(o) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _stable(v) for k, v in obj.items() if k not in VOLATILE}
-    return obj
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +59,7 @@ def test_responses_create_nvext_ids_equal_chat_and_the_rest_is_stock(server_url,
     assert answer["nvext"] == {"completion_token_ids": completion, "prompt_token_ids": prompt}
     assert answer["input_messages"] is None and answer["output_messages"] is None
     stock = post(raw, "/v1/responses", RESPONSES_BODY)
-    assert _stable({k: v for k, v in answer.items() if k != "nvext"}) == _stable(stock)
+    assert without_agent_volatile({k: v for k, v in answer.items() if k != "nvext"}) == without_agent_volatile(stock)
 
 
 def test_responses_create_vllm_dialect_is_vllms_response_messages(server_url, chat_ids):
@@ -96,7 +87,7 @@ def test_responses_opt_out_is_stock(server_url, raw):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     got = httpx.post(server_url + "/v1/responses", json=RESPONSES_BODY, headers=headers, timeout=120)
     assert got.status_code == 200
-    assert _stable(got.json()) == _stable(post(raw, "/v1/responses", RESPONSES_BODY))
+    assert without_agent_volatile(got.json()) == without_agent_volatile(post(raw, "/v1/responses", RESPONSES_BODY))
 
 
 def test_responses_refuses_what_it_cannot_answer_naming_the_field(server_url):
@@ -131,7 +122,7 @@ def test_messages_create_through_the_plugin_has_chat_ids_in_both_dialects(plugin
     message = client.messages.create(**MESSAGES_BODY, extra_body={**GREEDY, **NVEXT_IDS}).to_dict()
     assert message["nvext"] == {"completion_token_ids": completion, "prompt_token_ids": prompt}
     stock = post(raw, "/v1/messages", {**MESSAGES_BODY, **GREEDY})
-    assert _stable({k: v for k, v in message.items() if k != "nvext"}) == _stable(stock)
+    assert without_agent_volatile({k: v for k, v in message.items() if k != "nvext"}) == without_agent_volatile(stock)
     vllm = client.messages.create(**MESSAGES_BODY, extra_body={**GREEDY, "return_token_ids": True}).to_dict()
     assert vllm["token_ids"] == completion and vllm["prompt_token_ids"] == prompt and "nvext" not in vllm
 
@@ -156,7 +147,7 @@ def test_messages_opt_out_is_stock(server_url, raw):
     client = _anthropic(server_url)
     message = client.messages.create(**MESSAGES_BODY, extra_body=GREEDY).to_dict()
     stock = post(raw, "/v1/messages", {**MESSAGES_BODY, **GREEDY})
-    assert _stable(message) == _stable(stock)
+    assert without_agent_volatile(message) == without_agent_volatile(stock)
     with client.messages.stream(**MESSAGES_BODY, extra_body=GREEDY) as stream:
         streamed = stream.get_final_message()
     assert [block.to_dict() for block in streamed.content] == stock["content"]

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import without_agent_volatile
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings
 from vllm_nvext import _json as nvjson
@@ -32,7 +33,6 @@ AGENT = Path(__file__).resolve().parents[1] / "fixtures" / "agent-apis"
 RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"
 NVEXT_IDS = {"extra_fields": ["completion_token_ids"]}
-VOLATILE = {"id", "created_at", "created", "completed_at"}
 
 
 @cache
@@ -48,14 +48,6 @@ def _rec(name: str) -> tuple[dict[str, Any], bytes, str]:
 def _chat_ids() -> tuple[list[int], list[int]]:
     chat = json.loads(_rec("chat_unary_ids_same_conversation")[1])
     return chat["choices"][0]["token_ids"], chat["prompt_token_ids"]
-
-
-def _stable(obj: Any) -> Any:
-    if isinstance(obj, list):
-        return [_stable(o) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _stable(v) for k, v in obj.items() if k not in VOLATILE}
-    return obj
 
 
 def _app(name: str, **settings: Any) -> tuple[NvextMiddleware, Upstream]:
@@ -101,7 +93,7 @@ async def test_unary_nvext_placement_has_chat_ids_and_hides_what_the_middleware_
     assert got["nvext"] == {"completion_token_ids": completion, "prompt_token_ids": prompt}
     assert got["input_messages"] is None and got["output_messages"] is None
     plain = json.loads(_rec("responses_unary_plain")[1])
-    assert _stable({k: v for k, v in got.items() if k != "nvext"}) == _stable(plain)
+    assert without_agent_volatile({k: v for k, v in got.items() if k != "nvext"}) == without_agent_volatile(plain)
     assert result.header(b"content-length") == str(len(result.body)).encode()
 
 
