@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from functools import partial
 from typing import Any
 
@@ -73,7 +74,11 @@ class NvextMiddleware:
         self.stream_path = stream_path(self.settings.pure_python)  # "c" or "python" (_asgi_response.STREAM_SENDS)
         self._stream_send = STREAM_SENDS[self.stream_path]
         metrics.set_stream_path(self.stream_path)
-        logger.info("vllm-nvext: the %s stream path runs (VLLM_NVEXT_PURE_PYTHON=1 forces Python)", self.stream_path)
+        announce = "vllm-nvext: the %s stream path runs (VLLM_NVEXT_PURE_PYTHON=1 forces Python)"
+        logger.info(announce, self.stream_path)
+        if "vllm.logger" in sys.modules:
+            # Inside vLLM's server, whose logging prints only its own `vllm` loggers: say it there too.
+            logging.getLogger("vllm.nvext").info(announce, self.stream_path)
         # The plugin mount serves /v1/messages with ids itself (messages_api.py).
         self.serve_messages = serve_messages
 

@@ -197,6 +197,24 @@ def test_the_startup_log_and_the_info_metric_say_which_path_runs(caplog):
     with caplog.at_level("INFO", logger="vllm_nvext"):
         NvextMiddleware(lambda *a: None, pure_python=True)
     assert "the python stream path runs" in caplog.text
+    # Inside vLLM's server the line goes to vLLM's own log too (vLLM prints only its `vllm` loggers).
+    import logging
+
+    import vllm.logger  # noqa: F401  (what `vllm serve` has loaded before it builds the middleware)
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    vllm_log = logging.getLogger("vllm")
+    level = vllm_log.level
+    vllm_log.addHandler(handler)
+    vllm_log.setLevel(logging.INFO)  # vLLM's default (VLLM_LOGGING_LEVEL)
+    try:
+        NvextMiddleware(lambda *a: None, pure_python=True)
+    finally:
+        vllm_log.removeHandler(handler)
+        vllm_log.setLevel(level)
+    assert any("the python stream path runs" in m for m in seen), "vLLM's log names the stream path"
     assert REGISTRY.get_sample_value("vllm_nvext:stream_path_info", {"impl": "python"}) == 1
     if "c" in STREAM_SENDS:
         NvextMiddleware(lambda *a: None)
