@@ -169,7 +169,7 @@ class ReshapingSend:
             if more and stream.armed:
                 splice = stream.splice
                 assert splice is not None
-                on_ids = stream.delta_ids if stream.needs_ids else None
+                on_ids = stream.on_ids
                 tally = self._tally
                 countdown, add = (_UNTIMED, None) if tally is None else (self._left, tally.add)
                 self._arm(splice.prefix, splice.head, splice.tail, splice.mid, splice.strip, splice.trio, on_ids,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .. import _json
 from ..plan import Plan
 from ..protocol import (
     DETAILED_FINISH_REASON,
@@ -256,8 +257,8 @@ class ChunkReshaper:
     """Per-stream state for reshaping decoded `chat.completion.chunk` / streamed `text_completion` chunks.
 
     Each choice of an n > 1 stream is answered on its own finish chunk, as Dynamo does.
-    `stream.StreamReshaper` drives it; its byte-level shortcut for mid-stream deltas updates
-    `ids` (choice 0's ids, engine_data only) and `ttft_ms` itself, exactly as `reshape` would,
+    `stream.StreamReshaper` drives it; its byte-level shortcut for mid-stream deltas reports each
+    delta's ids to `delta_ids` (or `withhold_ids`), which records them exactly as `reshape` would,
     and is not taken while `decode_every_chunk` is set.
     """
 
@@ -283,9 +284,27 @@ class ChunkReshaper:
         """engine_data with logprobs, or with several choices to keep apart, reads every chunk."""
         return self.engine and (self.logprobs is not None or not self.plan.single_choice)
 
+    @property
+    def needs_delta_ids(self) -> bool:
+        """The byte-level path must report a delta's ids to `delta_ids` (engine_data, or no first token yet)."""
+        return self.engine or self.ttft_ms is None
+
+    def delta_ids(self, event: bytes, start: int, end: int) -> None:
+        """What `reshape` records from the only choice's listed ids, found by the byte-level path at
+        event[start:end]: the first-token time, the engine ids."""
+        if end - start > 2:
+            if self.ttft_ms is None:
+                self.ttft_ms = self.clock.elapsed_ms()
+            if self.engine:
+                self.ids.extend(_json.loads(event[start:end]))
+
     def withhold_ids(self) -> None:
         """The byte-level path saw `token_ids: null` on the only choice (see `_reported_ids`)."""
         self._choices[0].withheld = True
+
+    def drop_pending(self) -> None:
+        """The finish chunk waiting for the usage chunk goes out as it stands (no usage chunk came)."""
+        self.pending = None
 
     def _choice(self, index: int) -> _Choice:
         state = self._choices.get(index)
