@@ -219,7 +219,7 @@ def test_echoed_prompt_is_put_back_per_choice():
 def test_chat_batch_follows_the_several_choices_rules():
     two = {"model": "tiny", "messages": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]}
     plan = _plan({**two, "return_token_ids": True}, Endpoint.CHAT_BATCH)
-    assert plan.vllm_ids and not plan.single_choice and not plan.nvext_trio
+    assert plan.vllm_placement and not plan.single_choice and not plan.nvext_trio
     with pytest.raises(RequestError) as trio:
         _plan({**two, "nvext": {"extra_fields": ["completion_token_ids"]}}, Endpoint.CHAT_BATCH)
     assert trio.value.param == "messages"

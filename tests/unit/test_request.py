@@ -35,7 +35,7 @@ def test_escaped_key_spelling_still_triggers_a_parse():
     body = b'{"\\u0072eturn_token_ids": true}'
     assert might_opt_in(body)
     plan = plan_request(body, COMPLETIONS, Mode.NVEXT)
-    assert plan is not None and plan.nvext_trio and not plan.vllm_ids
+    assert plan is not None and plan.nvext_trio and not plan.vllm_placement
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'"nvext"', b'{"nvext": {}} x', b'{"nvext": {}'])
@@ -46,7 +46,7 @@ def test_unparseable_or_non_object_bodies_pass_through(body):
 def test_vllm_dialect_in_auto_mode_needs_no_response_work():
     plan = plan_request(_body(return_token_ids=True), CHAT, Mode.AUTO)
     assert plan is not None
-    assert plan.vllm_ids and not plan.nvext_trio and not plan.reshapes_response
+    assert plan.vllm_placement and not plan.nvext_trio and not plan.reshapes_response
     assert plan.body is None  # vLLM gets the client's bytes
 
 
@@ -54,7 +54,7 @@ def test_nvext_dialect_becomes_return_token_ids_without_nvext():
     plan = plan_request(_body(nvext={"extra_fields": ["completion_token_ids"]}), CHAT, Mode.AUTO)
     up = _upstream(plan)
     assert up["return_token_ids"] is True and "nvext" not in up
-    assert plan.nvext_trio and not plan.vllm_ids and plan.strip_vllm_ids
+    assert plan.nvext_trio and not plan.vllm_placement and plan.strip_vllm_ids
 
 
 def test_alias_folds_idempotently_into_extra_fields():
@@ -63,7 +63,7 @@ def test_alias_folds_idempotently_into_extra_fields():
         CHAT,
         Mode.AUTO,
     )
-    assert both is not None and both.vllm_ids and both.nvext_trio and not both.strip_vllm_ids
+    assert both is not None and both.vllm_placement and both.nvext_trio and not both.strip_vllm_ids
     assert _upstream(both)["return_token_ids"] is True
 
 
@@ -84,7 +84,7 @@ def test_alias_folds_idempotently_into_extra_fields():
 def test_mode_decides_placement(mode, fields, vllm_ids, trio):
     plan = plan_request(_body(**fields), CHAT, mode)
     assert plan is not None
-    assert (plan.vllm_ids, plan.nvext_trio) == (vllm_ids, trio)
+    assert (plan.vllm_placement, plan.nvext_trio) == (vllm_ids, trio)
     assert plan.strip_vllm_ids == (not vllm_ids)
 
 
@@ -163,7 +163,7 @@ def test_a_completions_batch_is_served_when_nothing_describes_one_prompt(fields)
 def test_prompt_token_ids_in_vllm_placement_allows_a_batch():
     body = _body(prompt=["a", "b"], nvext={"extra_fields": ["prompt_token_ids"]})
     plan = plan_request(body, COMPLETIONS, Mode.VLLM)
-    assert plan is not None and plan.vllm_ids and not plan.nvext_prompt_ids
+    assert plan is not None and plan.vllm_placement and not plan.nvext_prompt_ids
 
 
 def test_dynamo_message_for_completion_token_ids_with_n():
@@ -174,7 +174,7 @@ def test_dynamo_message_for_completion_token_ids_with_n():
 
 def test_n_greater_than_one_in_vllm_placement_is_allowed():
     plan = plan_request(_body(n=2, return_token_ids=True), CHAT, Mode.VLLM)
-    assert plan is not None and plan.vllm_ids
+    assert plan is not None and plan.vllm_placement
 
 
 def test_single_prompt_as_token_list_is_one_choice():

@@ -163,7 +163,7 @@ def test_finish_chunk_waits_for_the_usage_chunk_and_carries_what_vllm_reports_th
     rec = recordings()[name]
     body = _with_usage_reports(rec.body)
     plan = _stream_plan(rec, ["timing", "engine_data"])
-    assert plan.await_usage
+    assert plan.finish_waits_for_usage
     stream = StreamReshaper(plan, Clock())
     events = [b + b"\n\n" for b in body.split(b"\n\n")[:-1]]
     sent = [stream.feed(e) for e in events] + [stream.flush()]
@@ -219,4 +219,4 @@ def test_several_choices_never_wait():
     plan = plan_request(
         json.dumps({**request, "nvext": {"extra_fields": ["timing"]}}).encode(), rec.endpoint, Mode.NVEXT
     )
-    assert plan is not None and not plan.await_usage
+    assert plan is not None and not plan.finish_waits_for_usage

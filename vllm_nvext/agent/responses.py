@@ -68,7 +68,7 @@ class ResponsesPlan:
     """What to send vLLM for one /v1/responses request that opts in, and how to reshape the answer."""
 
     # The client gets vLLM's own placement: `input_messages` / `output_messages` with `tokens`.
-    vllm_ids: bool
+    vllm_placement: bool
     # Root `nvext` with completion_token_ids, prompt_token_ids (and kv_transfer_params when vLLM reports one).
     nvext_trio: bool
     # Root `nvext` with prompt_token_ids alone.
@@ -76,7 +76,7 @@ class ResponsesPlan:
     # The middleware turned `enable_response_messages` on: vLLM's copies go back to null.
     strip_messages: bool
     # The client sent a root `kv_transfer_params`: vLLM's stays at the root in every mode.
-    root_kv: bool
+    kv_stays_at_root: bool
     stream: bool
     # The rewritten upstream body; None keeps the client's bytes.
     body: bytes | None
@@ -120,13 +120,13 @@ class _OptIn:
     data: dict[str, Any]
     nvext: dict[str, Any]
     return_token_ids: bool
-    vllm_ids: bool
+    vllm_placement: bool
     nvext_trio: bool
     nvext_prompt_ids: bool
 
     @property
     def ids(self) -> bool:
-        return self.vllm_ids or self.nvext_trio or self.nvext_prompt_ids
+        return self.vllm_placement or self.nvext_trio or self.nvext_prompt_ids
 
     @property
     def dialect(self) -> str:
@@ -188,11 +188,11 @@ def plan_responses(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = No
     if opt.ids and not client_enabled:
         rewrite.set("enable_response_messages", "true")
     return ResponsesPlan(
-        vllm_ids=opt.vllm_ids,
+        vllm_placement=opt.vllm_placement,
         nvext_trio=opt.nvext_trio,
         nvext_prompt_ids=opt.nvext_prompt_ids,
-        strip_messages=(opt.nvext_trio or opt.nvext_prompt_ids) and not opt.vllm_ids and not client_enabled,
-        root_kv=data.get("kv_transfer_params") is not None,
+        strip_messages=(opt.nvext_trio or opt.nvext_prompt_ids) and not opt.vllm_placement and not client_enabled,
+        kv_stays_at_root=data.get("kv_transfer_params") is not None,
         stream=_flag(data, "stream"),
         body=rewrite.apply(body),
         headers=headers,
@@ -236,7 +236,7 @@ def plan_messages(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = Non
     param = "nvext.extra_fields" if asked else "return_token_ids"
     rewrite, headers = opt.rewrite(body, dp_rank_header)
     return MessagesPlan(
-        placements=(opt.vllm_ids, opt.nvext_trio, opt.nvext_prompt_ids),
+        placements=(opt.vllm_placement, opt.nvext_trio, opt.nvext_prompt_ids),
         param=param,
         stream=_flag(opt.data, "stream"),
         body=rewrite.apply(body),
@@ -289,7 +289,7 @@ def reshape_response(response: dict[str, Any], plan: ResponsesPlan) -> bool:
             kv = response.get("kv_transfer_params")
             if kv is not None:
                 nvext["kv_transfer_params"] = kv
-                if not plan.vllm_ids and not plan.root_kv:
+                if not plan.vllm_placement and not plan.kv_stays_at_root:
                     response["kv_transfer_params"] = None
         nvext[PROMPT_TOKEN_IDS] = prompt
         response["nvext"] = nvext

@@ -152,24 +152,24 @@ def plan(
     echo = endpoint is Endpoint.COMPLETIONS and fields.echo is True
     return Plan(
         endpoint=endpoint,
-        vllm_ids=vllm_ids,
+        vllm_placement=vllm_ids,
         nvext_trio=nvext_trio,
         nvext_prompt_ids=nvext_prompt_ids,
-        selectors=selectors,
+        nvext_only_selectors=selectors,
         strip_vllm_ids=needs_ids and not vllm_ids,
         # vLLM sends prompt ids by itself only on completions streams with echo.
-        echo=echo and fields.stream is True,
+        vllm_sends_prompt_ids=echo and fields.stream is True,
         # vLLM leaves the echoed prompt out of `text` whenever `return_token_ids` is on.
         echo_prompts=_echo_prompts(request) if echo and needs_ids and not return_token_ids else (),
-        logprobs=_logprobs_requested(fields, endpoint),
+        logprobs_requested=_logprobs_requested(fields, endpoint),
         body=rewrite.apply(request.body),
         headers=headers,
         dialect=("both" if "nvext" in data else "vllm") if return_token_ids else "nvext",
         stream=fields.stream is True,
         single_choice=n * prompts == 1,
         n=n,
-        await_usage=fields.stream is True and n * prompts == 1 and bool(selectors & {TIMING, ENGINE_DATA}),
-        root_kv=fields.kv_transfer_params is not None,
+        finish_waits_for_usage=fields.stream is True and n * prompts == 1 and bool(selectors & {TIMING, ENGINE_DATA}),
+        kv_stays_at_root=fields.kv_transfer_params is not None,
         error_params=tuple(rewrite.sources.items()),
         ids_withheld=hides_reasoning_ids
         and endpoint is Endpoint.CHAT

@@ -167,7 +167,7 @@ class StreamReshaper:
         self._head = b""  # the bytes from finish_reason to the ids, and after them, of the last delta matched
         self._tail = b""
         self._held = False  # the framer holds a partial event (the `buffered` property, as a plain slot)
-        # A finish chunk waiting for the usage chunk (plan.await_usage): the bytes before its JSON,
+        # A finish chunk waiting for the usage chunk (plan.finish_waits_for_usage): the bytes before its JSON,
         # the decoded chunk, the bytes after. It goes out with the next event, whatever that is.
         self._waiting: tuple[bytes, Any, bytes] | None = None
         # For the metrics: messages and events that went through the framer (every other message

@@ -38,9 +38,9 @@ MIN_CUT_BYTES = 64 * 1024
 
 def _cuttable(plan: Plan) -> list[tuple[bytes, bytes]]:
     keys = []
-    if not (ENGINE_DATA in plan.selectors and plan.logprobs):
+    if not (ENGINE_DATA in plan.nvext_only_selectors and plan.logprobs_requested):
         keys.append(_LOGPROBS)
-    if PROMPT_LOGPROBS not in plan.selectors and ENGINE_DATA not in plan.selectors:
+    if PROMPT_LOGPROBS not in plan.nvext_only_selectors and ENGINE_DATA not in plan.nvext_only_selectors:
         keys.append(_PROMPT_LOGPROBS)
     return keys
 
