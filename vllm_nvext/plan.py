@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .protocol import Endpoint
+from .protocol import Dialect, Endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +36,8 @@ class Plan:
     body: bytes | None
     # Extra request headers for vLLM (e.g. the data-parallel rank).
     headers: tuple[tuple[bytes, bytes], ...] = ()
-    # What the client asked in (`vllm`, `nvext` or `both`) and whether it streams: for the metrics.
-    dialect: str = "vllm"
+    # What the client asked in and whether it streams: for the metrics.
+    dialect: Dialect = Dialect.VLLM
     stream: bool = False
     # One prompt and n == 1: every chunk is about choice 0.
     single_choice: bool = True

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from vllm_nvext.config import Mode
 from vllm_nvext.inbound.optin import might_opt_in
-from vllm_nvext.inbound.request import plan_request, read_request
-from vllm_nvext.protocol import Endpoint, RequestError
+from vllm_nvext.inbound.request import placements, plan_request, read_request
+from vllm_nvext.protocol import Dialect, Endpoint, Placement, RequestError
 
 CHAT, COMPLETIONS = Endpoint.CHAT, Endpoint.COMPLETIONS
 
@@ -306,3 +306,34 @@ def test_the_opt_in_scan_reads_the_plain_key_spelling_as_the_pattern_does(pieces
     data = b"".join(pieces)
     pattern = any(m in data for m in optin._KEY_MARKERS) and optin._KEY_TOKEN.search(data) is not None
     assert optin._mentions_key(data) == pattern, f"{data!r}: the opt-in test and the key pattern disagree"
+
+
+@pytest.mark.parametrize(
+    ("mode", "return_token_ids", "nvext_ids", "expected"),
+    [
+        (Mode.AUTO, True, False, {Placement.VLLM}),
+        (Mode.AUTO, False, True, {Placement.NVEXT}),
+        (Mode.AUTO, True, True, {Placement.VLLM, Placement.NVEXT}),
+        (Mode.AUTO, False, False, set()),
+        (Mode.VLLM, False, True, {Placement.VLLM}),
+        (Mode.NVEXT, True, False, {Placement.NVEXT}),
+        (Mode.BOTH, True, False, {Placement.VLLM, Placement.NVEXT}),
+    ],
+)
+def test_each_mode_places_the_ids_where_docs_protocol_section_6_says(mode, return_token_ids, nvext_ids, expected):
+    assert placements(mode, return_token_ids, nvext_ids, return_token_ids or nvext_ids) == expected
+    assert placements(mode, return_token_ids, nvext_ids, False) == (expected if mode is Mode.AUTO else set())
+
+
+@pytest.mark.parametrize(
+    ("extra", "dialect"),
+    [
+        ({"return_token_ids": True}, "vllm"),
+        ({"nvext": {"extra_fields": ["completion_token_ids"]}}, "nvext"),
+        ({"return_token_ids": True, "nvext": {"extra_fields": ["timing"]}}, "both"),
+    ],
+)
+def test_the_dialect_asked_is_the_metrics_label_value(extra, dialect):
+    body = json.dumps({"model": "m", "prompt": "hi", **extra}).encode()
+    plan = plan_request(body, Endpoint.COMPLETIONS, Mode.AUTO)
+    assert plan is not None and plan.dialect is Dialect(dialect) and plan.dialect.value == dialect

@@ -15,7 +15,7 @@ import enum
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import _json
 from ..asgi import Message, Send
@@ -27,7 +27,9 @@ from ..protocol import (
     ID_SELECTORS,
     NVEXT_ONLY_SELECTORS,
     PROMPT_TOKEN_IDS,
+    Dialect,
     Endpoint,
+    Placement,
     RequestError,
 )
 from ..sse import EventFramer
@@ -81,7 +83,7 @@ class ResponsesPlan:
     # The rewritten upstream body; None keeps the client's bytes.
     body: bytes | None
     headers: tuple[tuple[bytes, bytes], ...] = ()
-    dialect: str = "vllm"
+    dialect: Dialect = Dialect.VLLM
 
     @property
     def reshapes(self) -> bool:
@@ -129,8 +131,8 @@ class _OptIn:
         return self.vllm_placement or self.nvext_trio or self.nvext_prompt_ids
 
     @property
-    def dialect(self) -> str:
-        return ("both" if "nvext" in self.data else "vllm") if self.return_token_ids else "nvext"
+    def dialect(self) -> Dialect:
+        return (Dialect.BOTH if "nvext" in self.data else Dialect.VLLM) if self.return_token_ids else Dialect.NVEXT
 
     def rewrite(self, body: bytes, dp_rank_header: bytes | None) -> tuple[_Rewrite, tuple[tuple[bytes, bytes], ...]]:
         """vLLM reads neither `nvext` nor `return_token_ids` here: both go; nvext request fields become vLLM's."""
@@ -166,9 +168,12 @@ def _opt_in(body: bytes, mode: Mode, route: str) -> _OptIn | None:
             raise RequestError(f"`nvext.{name}` is not supported on {route}", f"nvext.{name}")
     normalized = requested | ({COMPLETION_TOKEN_IDS} if return_token_ids else set())
     ids_requested = bool(normalized & ID_SELECTORS)
-    vllm_ids, nvext_placement = placements(mode, return_token_ids, bool(requested & ID_SELECTORS), ids_requested)
+    where = placements(mode, return_token_ids, bool(requested & ID_SELECTORS), ids_requested)
+    nvext_placement = Placement.NVEXT in where
     nvext_trio = nvext_placement and COMPLETION_TOKEN_IDS in normalized
-    return _OptIn(data, nvext, return_token_ids, vllm_ids, nvext_trio, nvext_placement and not nvext_trio)
+    return _OptIn(
+        data, nvext, return_token_ids, Placement.VLLM in where, nvext_trio, nvext_placement and not nvext_trio
+    )
 
 
 def plan_responses(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None) -> ResponsesPlan | None:
@@ -200,18 +205,26 @@ def plan_responses(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = No
     )
 
 
+class IdPlacements(NamedTuple):
+    """What a /v1/messages answer carries (docs/protocol.md §11.2)."""
+
+    vllm: bool  # vLLM's placement: root `prompt_token_ids`, `token_ids`
+    nvext_trio: bool  # under `nvext`: completion_token_ids, prompt_token_ids, kv_transfer_params
+    nvext_prompt_ids: bool  # `nvext.prompt_token_ids` alone
+
+
 @dataclass(frozen=True, slots=True)
 class MessagesPlan:
     """One /v1/messages request that opts in (docs/protocol.md §11.2)."""
 
-    # (vLLM placement, nvext trio, nvext prompt ids alone): none of them means no ids were asked.
-    placements: tuple[bool, bool, bool]
+    # None of them set means no ids were asked.
+    placements: IdPlacements
     # The param the client asked for ids with (named by a refusal).
     param: str
     stream: bool
     body: bytes | None
     headers: tuple[tuple[bytes, bytes], ...] = ()
-    dialect: str = "vllm"
+    dialect: Dialect = Dialect.VLLM
 
     @property
     def ids(self) -> bool:
@@ -236,7 +249,7 @@ def plan_messages(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = Non
     param = "nvext.extra_fields" if asked else "return_token_ids"
     rewrite, headers = opt.rewrite(body, dp_rank_header)
     return MessagesPlan(
-        placements=(opt.vllm_placement, opt.nvext_trio, opt.nvext_prompt_ids),
+        placements=IdPlacements(opt.vllm_placement, opt.nvext_trio, opt.nvext_prompt_ids),
         param=param,
         stream=_flag(opt.data, "stream"),
         body=rewrite.apply(body),

@@ -23,7 +23,9 @@ from ..protocol import (
     PROMPT_TOKEN_IDS,
     SINGLE_PROMPT_SELECTORS,
     TIMING,
+    Dialect,
     Endpoint,
+    Placement,
     RequestError,
 )
 from .fields import invocation_route, read_fields
@@ -108,16 +110,17 @@ def plan_request(body: bytes, endpoint: Endpoint, mode: Mode, *, dp_rank_header:
     return None if request is None else plan(request, mode, dp_rank_header=dp_rank_header)
 
 
-def placements(mode: Mode, return_token_ids: bool, nvext_ids: bool, ids_requested: bool) -> tuple[bool, bool]:
-    """(vLLM placement, nvext placement) of the ids, by mode (docs/protocol.md §6): `auto` answers each
-    dialect in its own placement, `vllm` / `nvext` put every request's ids in one, `both` in both."""
+_VLLM, _NVEXT, _BOTH = frozenset({Placement.VLLM}), frozenset({Placement.NVEXT}), frozenset(Placement)
+
+
+def placements(mode: Mode, return_token_ids: bool, nvext_ids: bool, ids_requested: bool) -> frozenset[Placement]:
+    """Where the ids go, by mode (docs/protocol.md §6): `auto` answers each dialect in its own
+    placement, `vllm` / `nvext` put every request's ids in one, `both` in both; empty: nowhere."""
     if mode is Mode.AUTO:
-        return return_token_ids, nvext_ids
-    if mode is Mode.VLLM:
-        return ids_requested, False
-    if mode is Mode.NVEXT:
-        return False, ids_requested
-    return ids_requested, ids_requested
+        return (_BOTH if nvext_ids else _VLLM) if return_token_ids else (_NVEXT if nvext_ids else frozenset())
+    if not ids_requested:
+        return frozenset()
+    return _VLLM if mode is Mode.VLLM else _NVEXT if mode is Mode.NVEXT else _BOTH
 
 
 def plan(
@@ -131,9 +134,8 @@ def plan(
     requested = set(request.nvext.get("extra_fields") or [])
     # docs/protocol.md §3.4: `return_token_ids: true` is an alias of the completion_token_ids selector.
     normalized = (requested | {COMPLETION_TOKEN_IDS}) if return_token_ids else requested
-    vllm_ids, nvext_placement = placements(
-        mode, return_token_ids, bool(requested & ID_SELECTORS), bool(normalized & ID_SELECTORS)
-    )
+    where = placements(mode, return_token_ids, bool(requested & ID_SELECTORS), bool(normalized & ID_SELECTORS))
+    vllm_ids, nvext_placement = Placement.VLLM in where, Placement.NVEXT in where
     nvext_trio = nvext_placement and COMPLETION_TOKEN_IDS in normalized
     nvext_prompt_ids = nvext_placement and not nvext_trio and PROMPT_TOKEN_IDS in normalized
     selectors = frozenset(normalized & NVEXT_ONLY_SELECTORS)
@@ -164,7 +166,7 @@ def plan(
         logprobs_requested=_logprobs_requested(fields, endpoint),
         body=rewrite.apply(request.body),
         headers=headers,
-        dialect=("both" if "nvext" in data else "vllm") if return_token_ids else "nvext",
+        dialect=(Dialect.BOTH if "nvext" in data else Dialect.VLLM) if return_token_ids else Dialect.NVEXT,
         stream=fields.stream is True,
         single_choice=n * prompts == 1,
         n=n,
