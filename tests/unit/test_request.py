@@ -337,3 +337,13 @@ def test_the_dialect_asked_is_the_metrics_label_value(extra, dialect):
     body = json.dumps({"model": "m", "prompt": "hi", **extra}).encode()
     plan = plan_request(body, Endpoint.COMPLETIONS, Mode.AUTO)
     assert plan is not None and plan.dialect is Dialect(dialect) and plan.dialect.value == dialect
+
+
+def test_the_decision_fields_come_back_as_vllm_coerces_them():
+    from vllm_nvext.inbound.fields import DecisionFields, read_fields
+
+    data = {"prompt": [72.0, 105.0], "n": "2", "echo": 1, "stream": "true", "logprobs": "3", "bogus": 1}
+    fields = read_fields(data, Endpoint.COMPLETIONS)
+    assert fields == DecisionFields(prompt=[72, 105], n=2, echo=True, stream=True, logprobs=3)
+    chat = read_fields({"messages": [], "include_reasoning": "false", "logprobs": 1}, Endpoint.CHAT)
+    assert chat == DecisionFields(logprobs=True, include_reasoning=False), "chat has no prompt: its default stays"

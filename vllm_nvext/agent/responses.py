@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 from .. import _json
 from ..asgi import Message, Send
 from ..config import Mode
+from ..inbound.fields import DecisionFields
 from ..inbound.nvext_schema import json_type, validate_nvext
 from ..inbound.request import Request, _apply_nvext_fields, _Rewrite, placements
 from ..protocol import (
@@ -140,7 +141,7 @@ class _OptIn:
         for key in ("nvext", "return_token_ids"):
             if key in self.data:
                 rewrite.drop(key)
-        request = Request(Endpoint.CHAT, body, self.data, None, self.nvext)
+        request = Request(Endpoint.CHAT, body, self.data, DecisionFields(), self.nvext)
         return rewrite, _apply_nvext_fields(rewrite, request, dp_rank_header)
 
 

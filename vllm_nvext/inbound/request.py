@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from .. import _json, _vllm_compat
 from ..config import Mode
@@ -28,7 +28,7 @@ from ..protocol import (
     Placement,
     RequestError,
 )
-from .fields import invocation_route, read_fields
+from .fields import DecisionFields, invocation_route, read_fields
 from .nvext_schema import json_type, validate_nvext
 from .optin import might_opt_in
 
@@ -49,7 +49,7 @@ class Request:
     endpoint: Endpoint
     body: bytes
     data: dict[str, Any]
-    fields: Any  # the decision fields, as vLLM coerces them
+    fields: DecisionFields
     nvext: dict[str, Any]
 
 
@@ -173,9 +173,7 @@ def plan(
         finish_waits_for_usage=fields.stream is True and n * prompts == 1 and bool(selectors & {TIMING, ENGINE_DATA}),
         kv_stays_at_root=fields.kv_transfer_params is not None,
         error_params=tuple(rewrite.sources.items()),
-        ids_withheld=hides_reasoning_ids
-        and endpoint is Endpoint.CHAT
-        and getattr(fields, "include_reasoning", True) is False,
+        ids_withheld=hides_reasoning_ids and endpoint is Endpoint.CHAT and fields.include_reasoning is False,
     )
 
 
@@ -362,11 +360,12 @@ def _echo_prompts(request: Request) -> tuple[str | tuple[int, ...], ...]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         return (tuple(prompt),)
     if isinstance(prompt, list):
-        return tuple(p if isinstance(p, str) else tuple(p) for p in prompt)
+        batch = cast("list[str] | list[list[int]]", prompt)  # a list of ids was the case above
+        return tuple(p if isinstance(p, str) else tuple(p) for p in batch)
     return ()
 
 
-def _num_prompts(fields: Any) -> int:
+def _num_prompts(fields: DecisionFields) -> int:
     """How many prompts vLLM serves for a completions request (a batch is several)."""
     prompt, embeds = fields.prompt, fields.prompt_embeds
     count = 0
@@ -381,7 +380,7 @@ def _num_prompts(fields: Any) -> int:
     return max(count, 1)
 
 
-def _logprobs_requested(fields: Any, endpoint: Endpoint) -> bool:
+def _logprobs_requested(fields: DecisionFields, endpoint: Endpoint) -> bool:
     lp = fields.logprobs
     if endpoint is not Endpoint.COMPLETIONS:
         return lp is True
