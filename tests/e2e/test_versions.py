@@ -32,8 +32,8 @@ import httpx
 import pytest
 
 from tests.e2e import test_request_fidelity, test_translation
-from tests.e2e.conftest import version_server
 from tests.helpers import API_KEY, http_client, post, rows, run_parity, sse_events
+from tests.support.servers import version_server
 
 pytestmark = pytest.mark.e2e
 
