@@ -1,6 +1,12 @@
-"""The e2e fixtures: each kind's `<name>_server` (tests/support/servers.py registers them), the HTTP
-clients on them, `translated` (every mount of vllm-nvext) and `vllm_version` (the version under
-test), and the hooks that start only the servers the selected tests use."""
+"""The e2e fixtures, on the servers of tests/support/servers.py (which registers every kind and
+starts and stops them; each kind's `<name>_server` fixture is imported here).
+
+`vllm_version` is the vLLM a test runs on: .venv's (0.32), unless the marker `vllm_versions` on
+its module or on the test lists others (e.g. tests/e2e/test_translation.py); then the test runs
+once on each, `raw`, `raw_answer` and `translated` reaching that version's servers. A version
+other than .venv's starts its servers when its first test runs and stops them before the next
+version's (the tests of each version run together): 0.30 and 0.31 never run side by side.
+"""
 
 from __future__ import annotations
 
@@ -11,55 +17,44 @@ import httpx
 import pytest
 
 from tests.helpers import http_client
+from tests.support import servers
+from tests.support.refs import CURRENT, SEPARATE
 from tests.support.servers import *  # noqa: F403  (every kind's `<name>_server` fixture)
-from tests.support.servers import VERSION_KINDS, VERSION_ROLES, Server, _boot, _kinds, _lock, stop_all
+from tests.support.servers import VERSION_KINDS, VERSION_ROLES, Server
+
+# The mounts of vllm-nvext `translated` runs a test on, per version; the proxy (in front of stock
+# 0.32) in a pytest run of its own (marker e2e_proxy).
+MOUNTS = {CURRENT: ("mw", "plugin", "proxy")}
+OTHER_MOUNTS = ("mw", "plugin")
 
 
-def pytest_itemcollected(item: pytest.Item) -> None:
-    names = getattr(item, "fixturenames", ())  # every fixture the test uses, through others too
-    if "vllm_version" in names or any(f"{n}_server" in names for n, kind in _kinds.items() if kind.reference):
-        item.add_marker(pytest.mark.reference)
+def _case(version: str | None, mount: str | None) -> Any:
+    """One param of `vllm_version` and/or `translated`, with the markers of its group."""
+    marks = [pytest.mark.e2e_proxy] if mount == "proxy" else []
+    if version is not None and version != CURRENT:
+        marks += [pytest.mark.reference, *([pytest.mark.e2e_versions] if version in SEPARATE else [])]
+    values = [v for v in (version, mount) if v is not None]
+    ids = ([f"vllm-{version}"] if version is not None else []) + ([mount] if mount is not None else [])
+    return pytest.param(*values, id="-".join(ids), marks=marks)
 
 
-@pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselection: only the servers the selected tests use
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.option.collectonly:
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """`vllm_version` once per version the marker `vllm_versions` lists, each with its mounts for
+    `translated`; a test without the marker runs on .venv's vLLM (and `translated` on its mounts)."""
+    names = metafunc.fixturenames
+    marker = metafunc.definition.get_closest_marker("vllm_versions")
+    versions: tuple[str | None, ...] = marker.args if marker is not None and "vllm_version" in names else ()
+    # A module with a `translated` of its own (tests/e2e/test_vllm033.py) keeps it, and its params.
+    translated = "translated" in names and not hasattr(metafunc.module, "translated")
+    argnames = [name for name, used in (("vllm_version", bool(versions)), ("translated", translated)) if used]
+    if not argnames:
         return
-    used = {name for item in items for name in getattr(item, "fixturenames", ())}
-    # `translated` asks for its server by its param (never all of them).
-    used |= {
-        f"{_param(item, 'translated')}_server"
-        for item in items
-        if "vllm_version" not in getattr(item, "fixturenames", ()) and _param(item, "translated") in TRANSLATED
-    }
-    for name in _kinds:
-        if f"{name}_server" in used:
-            _boot(name)
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    stop_all()
-
-
-def _version_roles(item: pytest.Item, version: str) -> set[str]:
-    if _param(item, "vllm_version") != version:
-        return set()
-    names = getattr(item, "fixturenames", ())
-    roles = {role for name, role in VERSION_ROLES.items() if name in names}
-    if "translated" in names:
-        roles.add(_param(item, "translated"))
-    return roles
-
-
-class _OneVersionAtATime:
-    @pytest.hookimpl(trylast=True)  # after pytest's own reordering, which may split a version's tests
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        """The tests of each version together, versions in first-seen order, in the same places."""
-        versioned = {i: v for i, item in enumerate(items) if (v := _param(item, "vllm_version")) is not None}
-        order = list(dict.fromkeys(versioned.values()))
-        moved = [items[i] for i in sorted(versioned, key=lambda i: order.index(versioned[i]))]
-        for slot, item in zip(versioned, moved, strict=True):
-            items[slot] = item
+    cases = [
+        _case(version, mount)
+        for version in versions or (None,)
+        for mount in ((MOUNTS.get(version or CURRENT, OTHER_MOUNTS)) if translated else (None,))
+    ]
+    metafunc.parametrize(argnames, cases, indirect=True, scope="session")
 
 
 def _param(item: pytest.Item, name: str) -> Any:
@@ -67,43 +62,89 @@ def _param(item: pytest.Item, name: str) -> Any:
     return None if callspec is None else callspec.params.get(name)
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.pluginmanager.register(_OneVersionAtATime(), "vllm-nvext-one-version-at-a-time")
+def _version(item: pytest.Item) -> str:
+    return _param(item, "vllm_version") or CURRENT
+
+
+def _roles(item: pytest.Item) -> set[str]:
+    """The roles of its version's servers this test reaches through `raw`, `raw_answer`, `translated`..."""
+    names = getattr(item, "fixturenames", ())
+    if "vllm_version" not in names:  # a module's own `raw` (tests/e2e/test_vllm033.py) reaches no version's
+        return set()
+    roles = {role for name, role in VERSION_ROLES.items() if name in names}
+    if "translated" in names and _param(item, "translated") in VERSION_KINDS[_version(item)]:
+        roles.add(_param(item, "translated"))
+    return roles
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    if servers.fixture_names(reference=True) & set(getattr(item, "fixturenames", ())):
+        item.add_marker(pytest.mark.reference)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own ordering and `-m`/`-k` deselection
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _one_version_at_a_time(items)
+    if config.option.collectonly:
+        return
+    # Only the servers the selected tests use: each kind's fixture, and the session's version's roles.
+    used = {name for item in items for name in getattr(item, "fixturenames", ())} & servers.fixture_names()
+    used |= {
+        f"{VERSION_KINDS[CURRENT][role]}_server" for item in items if _version(item) == CURRENT for role in _roles(item)
+    }
+    for name in sorted(used):
+        servers.boot(name.removesuffix("_server"))
+
+
+def _one_version_at_a_time(items: list[pytest.Item]) -> None:
+    """The tests of each version other than .venv's together, versions in first-seen order, in the
+    same places (pytest's own ordering by param may split them)."""
+    versioned = {i: v for i, item in enumerate(items) if (v := _version(item)) != CURRENT}
+    order = list(dict.fromkeys(versioned.values()))
+    moved = [items[i] for i in sorted(versioned, key=lambda i: order.index(versioned[i]))]
+    for slot, item in zip(versioned, moved, strict=True):
+        items[slot] = item
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    servers.stop_all()
 
 
 @pytest.fixture(scope="session")
 def vllm_version(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The vLLM version under test (parametrised indirectly by tests/e2e/test_versions.py).
+    """The vLLM version under test (its param; .venv's without one).
 
-    Starts together the servers of this version that the selected tests use, and stops them when
-    pytest moves on to the next version (it groups a session-scoped parameter's tests).
+    Another version's servers that the selected tests use start together here, and every server of
+    that version stops when pytest moves on to the next version; .venv's are the session's.
     """
-    version: str = request.param
-    names = sorted(
-        {VERSION_KINDS[version][role] for item in request.session.items for role in _version_roles(item, version)}
+    version: str = getattr(request, "param", CURRENT)
+    if version == CURRENT:
+        yield version
+        return
+    servers.start_version(
+        version, {role for item in request.session.items if _version(item) == version for role in _roles(item)}
     )
-    for name in names:
-        _boot(name)
-    yield version
-    kinds = [_kinds[name] for name in names]
-    for kind in kinds:
-        if kind.thread is not None:
-            kind.thread.join()
-        if kind.server is not None:
-            kind.server.terminate()
-    for kind in kinds:
-        if kind.server is not None:
-            kind.server.stop()
-        with _lock:  # asked for again (an unusual test order): started afresh
-            kind.server, kind.thread, kind.error = None, None, None
+    try:
+        yield version
+    finally:
+        servers.stop_version(version)
 
 
 # --- clients ------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
-def raw(raw_server: Server) -> Iterator[httpx.Client]:
-    with http_client(raw_server.url) as client:
+def raw(vllm_version: str) -> Iterator[httpx.Client]:
+    """Stock vLLM of the version under test (.venv's checks the API key: the proxy's upstream)."""
+    with http_client(servers.version_server(vllm_version, "raw").url, auth=vllm_version == CURRENT) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def translated(request: pytest.FixtureRequest, vllm_version: str) -> Iterator[httpx.Client]:
+    """vllm-nvext on the version under test, per its param: mounted via --middleware (`mw`), via the
+    endpoint plugin (`plugin`), and on .venv's vLLM the proxy in front of stock vLLM (`proxy`)."""
+    with http_client(servers.version_server(vllm_version, request.param).url) as client:
         yield client
 
 
@@ -129,14 +170,3 @@ def scale(scale_server: Server) -> Iterator[httpx.Client]:
 def proxy(proxy_server: Server) -> Iterator[httpx.Client]:
     with http_client(proxy_server.url) as client:
         yield client
-
-
-# The mounts every translation test runs on; `proxy` (out of process) in a pytest run of its own.
-TRANSLATED = ("mw", "plugin", "proxy")
-
-
-@pytest.fixture(scope="session", params=["mw", "plugin", pytest.param("proxy", marks=[pytest.mark.e2e_proxy])])
-def translated(request: pytest.FixtureRequest) -> httpx.Client:
-    """Each server with vllm-nvext: mounted via --middleware, via the plugin, and the proxy in front of stock vLLM."""
-    client: httpx.Client = request.getfixturevalue(request.param)
-    return client

