@@ -5,7 +5,9 @@ starts and stops them; each kind's `<name>_server` fixture is imported here).
 its module or on the test lists others (e.g. tests/e2e/test_translation.py); then the test runs
 once on each, `raw`, `raw_answer` and `translated` reaching that version's servers. A version
 other than .venv's starts its servers when its first test runs and stops them before the next
-version's (the tests of each version run together): 0.30 and 0.31 never run side by side.
+version's (the tests of each version run together): 0.30 and 0.31 never run side by side. Their
+tests (marked `e2e_versions`) run only when `-m` names that group (`make test-e2e-versions`), never
+beside .venv's servers: `pytest tests/e2e/test_translation.py` runs .venv's and 0.33's.
 """
 
 from __future__ import annotations
@@ -84,6 +86,12 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 @pytest.hookimpl(trylast=True)  # after pytest's own ordering and `-m`/`-k` deselection
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "e2e_versions" not in (config.option.markexpr or ""):
+        # 0.30 and 0.31's servers never run beside .venv's: only a run that names their group has them.
+        apart = [item for item in items if item.get_closest_marker("e2e_versions") is not None]
+        if apart:
+            config.hook.pytest_deselected(items=apart)
+            items[:] = [item for item in items if item.get_closest_marker("e2e_versions") is None]
     _one_version_at_a_time(items)
     if config.option.collectonly:
         return
