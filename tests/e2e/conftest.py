@@ -54,7 +54,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     cases = [
         _case(version, mount)
         for version in versions or (None,)
-        for mount in ((MOUNTS.get(version or CURRENT, OTHER_MOUNTS)) if translated else (None,))
+        for mount in (MOUNTS.get(version or CURRENT, OTHER_MOUNTS) if translated else (None,))
     ]
     metafunc.parametrize(argnames, cases, indirect=True, scope="session")
 
