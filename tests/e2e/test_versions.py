@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import API_KEY, post, rows, run_parity, sse_events
+from tests.helpers import API_KEY, CHAT, post, rows, run_parity, sse_events
 from tests.support.refs import RELEASES, SEPARATE, venv_python
 from tests.support.servers import version_server
 
@@ -214,7 +214,7 @@ def test_agent_routes_answer_chats_ids(raw, translated, request):
     from tests.e2e.test_agent_routes import GREEDY, MESSAGES_BODY, NVEXT_IDS, RESPONSES_BODY
     from vllm_nvext.agent.responses import TERMINAL_EVENTS
 
-    chat = post(raw, "/v1/chat/completions", {**MESSAGES_BODY, **GREEDY, "return_token_ids": True})
+    chat = post(raw, CHAT, {**MESSAGES_BODY, **GREEDY, "return_token_ids": True})
     want = {"completion_token_ids": chat["choices"][0]["token_ids"], "prompt_token_ids": chat["prompt_token_ids"]}
     unary = post(translated, "/v1/responses", {**RESPONSES_BODY, **NVEXT_IDS})
     assert unary["nvext"] == want and unary["output_messages"] is None

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
+from tests.helpers import COMPLETIONS
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import NvextMiddleware, _vllm_compat
 from vllm_nvext.protocol import ENDPOINT_PATHS
@@ -89,8 +90,8 @@ def test_the_key_comes_from_vllm_api_key_when_the_server_has_no_api_key(monkeypa
         assert _vllm_compat.auth_refuses(scope) == _vllm_refuses(scope, [KEY]), (path, name)
     # --api-key wins over VLLM_API_KEY, as in vLLM.
     with_args = SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(api_key=["sk-cli"])))
-    assert _vllm_compat.auth_refuses(_scope("/v1/completions", "POST", f"Bearer {KEY}", "", with_args))
-    assert not _vllm_compat.auth_refuses(_scope("/v1/completions", "POST", "Bearer sk-cli", "", with_args))
+    assert _vllm_compat.auth_refuses(_scope(COMPLETIONS, "POST", f"Bearer {KEY}", "", with_args))
+    assert not _vllm_compat.auth_refuses(_scope(COMPLETIONS, "POST", "Bearer sk-cli", "", with_args))
 
 
 def test_the_guarded_prefixes_are_read_from_the_installed_vllm(vllm_at, tmp_path):

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.helpers import CHAT, COMPLETIONS
 from tests.unit import asgi
 from tests.unit.asgi import Upstream
 from vllm_nvext import Settings, _vllm_compat, metrics
@@ -122,7 +123,7 @@ async def test_a_body_in_several_messages_is_streamed_up_whole():
     upstream = Upstream(body=b'{"ok": true}')
     app = proxy_over(upstream)
     body = json.dumps({"model": "tiny", "prompt": "x" * 5000}).encode()
-    result = await call(app, "/v1/completions", body, request_cuts=(7, 100, 4096))
+    result = await call(app, COMPLETIONS, body, request_cuts=(7, 100, 4096))
     assert result.status == 200 and result.body == b'{"ok": true}'
     assert upstream.received == body
     assert dict(upstream.received_headers)[b"content-length"] == str(len(body)).encode()
@@ -149,7 +150,7 @@ async def test_translation_through_the_proxy_is_the_middlewares():
     upstream = Upstream(body=recorded)
     app = proxy_over(upstream)
     body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 3, **NVEXT_IDS}).encode()
-    result = await call(app, "/v1/completions", body)
+    result = await call(app, COMPLETIONS, body)
     assert result.status == 200
     sent = json.loads(upstream.received or b"")
     assert sent["return_token_ids"] is True and "nvext" not in sent, "the upstream gets vLLM's dialect"
@@ -162,7 +163,7 @@ async def test_translation_through_the_proxy_is_the_middlewares():
 async def test_a_bad_nvext_field_is_the_middlewares_400_naming_it():
     upstream = Upstream()
     app = proxy_over(upstream)
-    result = await call(app, "/v1/chat/completions", json.dumps({"model": "tiny", "nvext": 3}).encode())
+    result = await call(app, CHAT, json.dumps({"model": "tiny", "nvext": 3}).encode())
     assert result.status == 400 and json.loads(result.body)["error"]["param"] == "nvext"
     assert upstream.calls == 0
 
@@ -313,7 +314,7 @@ async def test_an_upstream_down_or_late_is_a_502_or_504_in_vllms_envelope_withou
     def handler(request: httpx.Request) -> httpx.Response:
         raise error
 
-    result = await call(mock_proxy(handler), "/v1/completions", json.dumps({"prompt": "x", **NVEXT_IDS}).encode())
+    result = await call(mock_proxy(handler), COMPLETIONS, json.dumps({"prompt": "x", **NVEXT_IDS}).encode())
     assert result.status == status
     body = json.loads(result.body)
     assert set(body) == {"error"} and body["error"]["code"] == status and body["error"]["param"] is None
@@ -352,14 +353,14 @@ async def test_a_request_the_upstream_refuses_for_auth_gets_the_upstreams_401_ne
     app = proxy_over(_keyed_upstream, keys=("k",))
     headers = [JSON] + ([(b"authorization", authorization)] if authorization else [])
     bad = json.dumps({"model": "tiny", "nvext": {"extra_fields": "garbage"}}).encode()
-    result = await call(app, "/v1/chat/completions", bad, headers=headers)
+    result = await call(app, CHAT, bad, headers=headers)
     assert result.status == 401 and result.body == b'{"error":"Unauthorized"}'
 
 
 async def test_with_the_key_the_proxy_answers_its_own_400():
     app = proxy_over(_keyed_upstream, keys=("k",))
     bad = json.dumps({"model": "tiny", "nvext": {"extra_fields": "garbage"}}).encode()
-    result = await call(app, "/v1/chat/completions", bad, headers=[JSON, (b"authorization", b"Bearer k")])
+    result = await call(app, CHAT, bad, headers=[JSON, (b"authorization", b"Bearer k")])
     assert result.status == 400 and json.loads(result.body)["error"]["param"] == "nvext.extra_fields"
 
 
@@ -376,7 +377,7 @@ async def test_echo_prompt_ids_are_decoded_by_the_upstreams_own_detokenize_over_
 
     body = {"model": "tiny", "prompt": [72, 105], "echo": True, **NVEXT_IDS}
     headers = [JSON, (b"authorization", b"Bearer k")]
-    result = await call(mock_proxy(handler), "/v1/completions", json.dumps(body).encode(), headers=headers)
+    result = await call(mock_proxy(handler), COMPLETIONS, json.dumps(body).encode(), headers=headers)
     assert result.status == 200 and json.loads(result.body)["choices"][0]["text"] == "Higen"
     assert detokenized == [("POST", {"model": "tiny", "tokens": [72, 105]}, "Bearer k")]
 
@@ -395,7 +396,7 @@ async def test_metrics_are_the_upstreams_then_the_proxys_own_counters():
         return reply(200, json_body={"choices": [{"index": 0, "text": "x", "token_ids": [5]}]})
 
     app = mock_proxy(handler)
-    await call(app, "/v1/completions", json.dumps({"model": "tiny", "prompt": "a", **NVEXT_IDS}).encode())
+    await call(app, COMPLETIONS, json.dumps({"model": "tiny", "prompt": "a", **NVEXT_IDS}).encode())
     result = await call(app, "/metrics", b"", method="GET")
     text = result.body.decode()
     assert result.status == 200 and text.startswith("# TYPE vllm:up gauge\nvllm:up 1\n")

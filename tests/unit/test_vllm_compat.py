@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import COMPLETIONS
 from vllm_nvext import _vllm_compat
 
 # capability -> the file that decides it, relative to the vllm package.
@@ -97,15 +98,15 @@ def _scope(path: str, *headers: tuple[bytes, bytes], method: str = "POST", **ext
 @pytest.mark.parametrize(
     ("scope", "refused"),
     [
-        (_scope("/v1/completions"), True),
-        (_scope("/v1/completions", (b"authorization", b"Bearer k")), False),
-        (_scope("/v1/completions", (b"authorization", b"bearer k")), False),
-        (_scope("/v1/completions", (b"authorization", b"Bearer other")), True),
-        (_scope("/v1/completions", (b"authorization", b"Basic k")), True),
-        (_scope("/v1/completions", (b"authorization", b"Bearer other"), (b"authorization", b"Bearer k")), True),
+        (_scope(COMPLETIONS), True),
+        (_scope(COMPLETIONS, (b"authorization", b"Bearer k")), False),
+        (_scope(COMPLETIONS, (b"authorization", b"bearer k")), False),
+        (_scope(COMPLETIONS, (b"authorization", b"Bearer other")), True),
+        (_scope(COMPLETIONS, (b"authorization", b"Basic k")), True),
+        (_scope(COMPLETIONS, (b"authorization", b"Bearer other"), (b"authorization", b"Bearer k")), True),
         (_scope("/invocations"), False),  # vLLM guards only its prefixes
         (_scope("/health", method="GET"), False),
-        (_scope("/v1/completions", method="OPTIONS"), False),
+        (_scope(COMPLETIONS, method="OPTIONS"), False),
         (_scope("/api/v1/completions", root_path="/api"), True),
         (_scope("/api/invocations", root_path="/api"), False),
     ],
@@ -122,4 +123,4 @@ def test_the_keys_come_from_the_scope_then_vllms_args_then_the_environment(monke
     assert _vllm_compat.api_keys({}) == ["env"]
     monkeypatch.delenv("VLLM_API_KEY")
     assert _vllm_compat.api_keys({}) == []
-    assert _vllm_compat.auth_refuses(_scope("/v1/completions")) is False, "no key: nothing is refused"
+    assert _vllm_compat.auth_refuses(_scope(COMPLETIONS)) is False, "no key: nothing is refused"
