@@ -606,8 +606,10 @@ def test_serve_hands_uvicorn_the_settings_through_the_environment(monkeypatch, t
     runs: list[tuple[str, dict[str, Any]]] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append((app, kw)))
     for name in (ENV_CONFIG, "VLLM_NVEXT_MODE", "VLLM_NVEXT_ALLOW_MODE_HEADER", "VLLM_NVEXT_MAX_BODY_BYTES"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so what serve() writes is undone after the test
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
     monkeypatch.setattr("tempfile.mkdtemp", lambda prefix: str(tmp_path))
     config = ProxyConfig("http://h:1", api_keys=("k",))
     proxy.serve(
