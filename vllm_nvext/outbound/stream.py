@@ -1,7 +1,7 @@
 """Pure stream side, bytes in and bytes out: one vLLM SSE response reshaped as a Plan says.
 
 `StreamReshaper` owns the SSE framer and every hot-path shortcut. The general path frames the
-bytes into events, decodes each `data:` payload, lets `response.ChunkReshaper` reshape the
+bytes into events, decodes each `data:` payload, lets `chunks.ChunkReshaper` reshape the
 chunk and encodes it again; each shortcut below names the test that proves it gives the same
 bytes as that path. `Splice`, the cheapest, is also what the `send` handed to vLLM serves
 deltas with (`send.python_stream_send`, `_speedups.c`). Nothing here knows ASGI.
