@@ -33,7 +33,11 @@ from typing import Any
 
 import httpx
 
+from vllm_nvext.protocol import PATHS, Endpoint
+
 from ._common import Target, fmt, fmt_ratio, load_case, median, percentile, print_table, run_loop
+
+CHAT = PATHS[Endpoint.CHAT]
 
 CASE = "chat_stream_ids_long"
 # vLLM 0.33's API server CPU per streamed token (docs/performance.md, bench_serving's long stream).
@@ -126,7 +130,7 @@ async def _one(client: httpx.AsyncClient, url: str, route: str, events: int, gap
     body = {**BODY, **DIALECT[route]}
     latencies: list[float] = []
     sent = time.perf_counter()
-    async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as resp:
+    async with client.stream("POST", url + CHAT, json=body, headers=headers) as resp:
         ttfb = time.perf_counter() - sent
         buffer = b""
         async for chunk in resp.aiter_raw():
@@ -240,7 +244,7 @@ def run(quick: bool = False) -> list[Target]:
             ["the proxy's figure includes its translation (the middleware's reshaping) and both HTTP hops"],
         )
         clients = {}
-        url = urls["direct"] + "/v1/chat/completions"
+        url = urls["direct"] + CHAT
         streams, long_events = (4, 2000) if quick else (10, 5000)
         for name, reader in (("httpx", _read_httpx), ("aiohttp", _read_aiohttp)):
             run_loop(reader(url, 1, 100))  # warm-up
