@@ -13,7 +13,7 @@ import asyncio
 import logging
 import sys
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from . import _client_params, _json, _vllm_compat, metrics
 from ._asgi_request import ASGIApp, Message, PassThrough, Receive, Replay, Scope, Send, read_as_json, set_header
@@ -24,7 +24,7 @@ from .messages_api import plugin_serves_messages
 from .messages_api import serve as serve_messages
 from .nvext_values import Clock
 from .protocol import ENDPOINT_PATHS, Endpoint, RequestError, error_body
-from .request import Plan, read_request
+from .request import Plan, SpliceRoot, read_request
 from .request import plan as plan_request_for
 from .responses_api import (
     AGENT_PATHS,
@@ -41,6 +41,23 @@ logger = logging.getLogger("vllm_nvext")
 _MODE_HEADER = MODE_HEADER.encode()
 # Set on the scope by the first instance, so a second mount (plugin and --middleware) is inert.
 _HANDLED = "vllm_nvext.handled"
+
+
+def _compiled_splice_root() -> SpliceRoot | None:
+    """`_speedups.splice_root`, the request side's compiled root splice; None when the extension is not built."""
+    try:
+        from ._speedups import splice_root
+    except ImportError:
+        return None
+    return cast(SpliceRoot, splice_root)
+
+
+SPLICE_ROOT = _compiled_splice_root()
+
+
+def _splice_root(settings: Settings) -> SpliceRoot | None:
+    """The compiled root splice for a request's body, unless the pure-Python path is asked for."""
+    return None if settings.pure_python else SPLICE_ROOT
 
 
 class NvextMiddleware:
@@ -214,7 +231,9 @@ class _Exchange:
                 return
             mode = self._mode(modes)
             hides = _vllm_compat.hides_reasoning_ids(_vllm_compat.server_args(scope))
-            plan = plan_request_for(request, mode, dp_rank_header=dp_rank, hides_reasoning_ids=hides)
+            splice = _splice_root(self.settings)
+            plan = plan_request_for(request, mode, dp_rank_header=dp_rank, hides_reasoning_ids=hides,
+                                    splice_root=splice)  # fmt: skip
         except RequestError as exc:
             await self._refuse(exc)
             return
