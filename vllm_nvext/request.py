@@ -136,7 +136,12 @@ def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> R
     if endpoint is Endpoint.CHAT_BATCH and not _conversations(data.get("messages")):
         return None  # vLLM's own validation error: `messages` is not a list of conversations
     if "nvext" not in data:
-        if read_fields(data, endpoint, ("return_token_ids",)).return_token_ids is not True:
+        # Shortcut: a literal `true` reads as true (vLLM's field is a bool), so only another value is
+        # read alone first: tests/unit/test_request_fidelity.py::test_decision_matches_vllms_own_parse.
+        if (
+            data.get("return_token_ids") is not True
+            and read_fields(data, endpoint, ("return_token_ids",)).return_token_ids is not True
+        ):
             return None  # opts into nothing
         fields = read_fields(data, endpoint)
     else:
