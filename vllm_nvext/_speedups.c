@@ -1,4 +1,4 @@
-/* The compiled twin of `_asgi_response.python_stream_send`: the `send` handed to vLLM for a
+/* The compiled twin of `send.python_stream_send`: the `send` handed to vLLM for a
  * reshaped response. Until armed it hands every message to `general` (the ReshapingSend);
  * armed with a stream's `stream.Splice` it serves the mid-stream deltas the splice serves, with
  * the same checks (`Splice.locate`) and the same bytes (`Splice.render`), and returns
@@ -318,7 +318,7 @@ static PyType_Spec StreamSend_spec = {
 
 /* ------------------------------------------------------------------ the request side: splice_root
  *
- * The compiled twin of `_json.splice_object` over a whole body (request._Rewrite.apply): the root
+ * The compiled twin of `_json.splice_object` over a whole body (inbound.request._Rewrite.apply): the root
  * members named in `drop` go (every duplicate), `extra` (the added members, already encoded and
  * joined by commas) is appended, and every other byte stays as the client wrote it. The values are
  * skipped, never decoded: a string to its closing quote, an array or object to its matching bracket

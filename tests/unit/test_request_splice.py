@@ -1,6 +1,6 @@
 """The body vLLM gets is the same whether the compiled root splice or the Python path rewrites it.
 
-`request._Rewrite.apply` hands a body to `_speedups.splice_root` (the root members to drop are
+`inbound.request._Rewrite.apply` hands a body to `_speedups.splice_root` (the root members to drop are
 left out, the added ones appended, every other byte kept, values skipped without decoding); the
 Python path (`_json.splice_object` over the decoded text) is the oracle and the fallback for what
 the compiled one hands back (None: a body that is not plain UTF-8, a key spelled with an escape).
@@ -22,10 +22,10 @@ from tests.recorded import recordings
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import NvextMiddleware
 from vllm_nvext import middleware as middleware_module
-from vllm_nvext import request as request_module
 from vllm_nvext.config import Mode
+from vllm_nvext.inbound import request as request_module
+from vllm_nvext.inbound.request import _Rewrite, read_request
 from vllm_nvext.protocol import PATHS, Endpoint, RequestError
-from vllm_nvext.request import _Rewrite, read_request
 
 SLOW = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # The root members the request side drops or sets, and others.
