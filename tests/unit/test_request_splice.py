@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from tests.recorded import recordings
 from tests.unit.asgi import Upstream, call
-from vllm_nvext import NvextMiddleware
+from vllm_nvext import NvextMiddleware, Settings
 from vllm_nvext import middleware as middleware_module
 from vllm_nvext.config import Mode
 from vllm_nvext.inbound import request as request_module
@@ -146,9 +146,9 @@ async def test_the_pure_python_setting_keeps_the_request_side_in_python(splice_r
 
     monkeypatch.setattr(middleware_module, "SPLICE_ROOT", recording_splice)
     upstream = Upstream(body=b'{"ok":true}')
-    app = NvextMiddleware(upstream, pure_python=pure_python)
+    app = NvextMiddleware(upstream, settings=Settings.from_env({}), pure_python=pure_python)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "nvext": {"extra_fields": ["timing"]}}
-    await call(app, PATHS[Endpoint.CHAT], json.dumps(body).encode())
-    assert upstream.received is not None
+    result = await call(app, PATHS[Endpoint.CHAT], json.dumps(body).encode())
+    assert result.status == 200 and upstream.received is not None, result.body
     assert json.loads(upstream.received) == {"model": "tiny", "messages": body["messages"], "return_token_ids": True}
     assert bool(seen) is not pure_python, "the pure-Python setting reaches the request side"
