@@ -63,8 +63,16 @@ def loads_as_vllm(data: bytes) -> Any:
     return json.loads(data)
 
 
+# First bytes of the encodings `json.detect_encoding` tells from UTF-8: a BOM (EF, FE, FF) or a NUL.
+_NOT_UTF8_FIRST = (0, 0xEF, 0xFE, 0xFF)
+
+
 def needs_decoding(data: bytes) -> bool:
     """True when the body is not plain UTF-8 text (a BOM, UTF-16 or UTF-32)."""
+    if len(data) >= 2 and data[1] and data[0] not in _NOT_UTF8_FIRST:
+        # Shortcut: no BOM starts so and no NUL is among the first two bytes, so json.detect_encoding
+        # says UTF-8: tests/unit/test_json.py::test_needs_decoding_is_json_detect_encoding.
+        return False
     return json.detect_encoding(data[:4]) != "utf-8"
 
 

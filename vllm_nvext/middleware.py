@@ -13,7 +13,7 @@ import asyncio
 import logging
 import sys
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from . import _json, _vllm_compat, metrics
 from .agent.messages import plugin_serves_messages
@@ -45,14 +45,31 @@ from .asgi import (
 from .config import MODE_HEADER, Mode, Settings
 from .inbound import client_params
 from .inbound.optin import OptInScan
+from .inbound.request import SpliceRoot, read_request
 from .inbound.request import plan as plan_request_for
-from .inbound.request import read_request
 from .outbound.nvext_values import Clock
 from .plan import Plan
 from .protocol import ENDPOINT_PATHS, Dialect, Endpoint, RequestError, error_body
 from .send import STREAM_SENDS, ReshapingSend, StreamSendFactory, stream_path
 
 logger = logging.getLogger("vllm_nvext")
+
+
+def _compiled_splice_root() -> SpliceRoot | None:
+    """`_speedups.splice_root`, the request side's compiled root splice; None when the extension is not built."""
+    try:
+        from ._speedups import splice_root
+    except ImportError:
+        return None
+    return cast(SpliceRoot, splice_root)
+
+
+SPLICE_ROOT = _compiled_splice_root()
+
+
+def _splice_root(settings: Settings) -> SpliceRoot | None:
+    """The compiled root splice for a request's body, unless the pure-Python path is asked for."""
+    return None if settings.pure_python else SPLICE_ROOT
 
 
 class NvextMiddleware:
@@ -183,7 +200,9 @@ class _Exchange:
                 return
             mode = self._mode(headers.modes)
             hides = _vllm_compat.hides_reasoning_ids(_vllm_compat.server_args(self.scope))
-            plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank, hides_reasoning_ids=hides)
+            splice = _splice_root(self.settings)
+            plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank, hides_reasoning_ids=hides,
+                                    splice_root=splice)  # fmt: skip
         except RequestError as exc:
             await self._refuse(exc)
             return

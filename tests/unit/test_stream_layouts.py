@@ -121,6 +121,33 @@ def test_a_root_key_before_choices_on_a_delta_is_treated_as_the_general_path_tre
         assert b'"prompt_token_ids":' + orjson.dumps(value) not in got, "vLLM's prompt ids reached the client"
 
 
+USAGE_TAILS = [
+    b'"usage":{"prompt_tokens":3,"total_tokens":5,"completion_tokens":2}}',
+    b'"usage":null,"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}',
+    b'"error":{"message":"`temperature` bad","type":"BadRequestError","param":"temperature","code":400}}',
+    b'"usage":{"prompt_tokens":3}',  # not JSON
+]
+
+
+@pytest.mark.parametrize("vllm", VLLM_VERSIONS)
+@pytest.mark.parametrize("nvext", [{}, {"greed_sampling": True}])
+@pytest.mark.parametrize("tail", USAGE_TAILS)
+def test_a_chunk_with_empty_choices_is_sent_as_the_general_path_sends_it(vllm, nvext, tail):
+    # the usage chunk goes out as vLLM wrote it; a later `choices`, or an error the plan renames, does not
+    rec = recordings()["chat_stream_ids" if vllm == "0.32" else f"vllm-{vllm}/chat_stream_ids"]
+    request = {**rec.request, "nvext": {"extra_fields": ["completion_token_ids"], **nvext}}
+    plan = plan_request(json.dumps(request).encode(), rec.endpoint, Mode.NVEXT)
+    assert plan is not None and bool(plan.error_params) == bool(nvext)
+    events = _events(rec.body)
+    root = events[1][: events[1].index(b'"choices":[') + len(b'"choices":[')]
+    usage = root + b"]," + tail + b"\n\n"
+    events.insert(len(events) - 1, usage)
+    got, want, _ = _both_paths(plan, events)
+    assert got == want, _first_difference(got, want)
+    if tail in (USAGE_TAILS[0], USAGE_TAILS[3]) or (tail == USAGE_TAILS[2] and not nvext):
+        assert usage in got, "the usage chunk reached the client changed"
+
+
 # --- layouts derived from the recordings ----------------------------------------------------
 
 

@@ -7,6 +7,7 @@ then receives `return_token_ids: true` and no `nvext`. See docs/protocol.md §1 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, cast
@@ -79,7 +80,12 @@ def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> R
     if endpoint is Endpoint.CHAT_BATCH and not _conversations(data.get("messages")):
         return None  # vLLM's own validation error: `messages` is not a list of conversations
     if "nvext" not in data:
-        if read_fields(data, endpoint, ("return_token_ids",)).return_token_ids is not True:
+        # Shortcut: a literal `true` reads as true (vLLM's field is a bool), so only another value is
+        # read alone first: tests/unit/test_request_fidelity.py::test_decision_matches_vllms_own_parse.
+        if (
+            data.get("return_token_ids") is not True
+            and read_fields(data, endpoint, ("return_token_ids",)).return_token_ids is not True
+        ):
             return None  # opts into nothing
         fields = read_fields(data, endpoint)
     else:
@@ -124,11 +130,17 @@ def placements(mode: Mode, return_token_ids: bool, nvext_ids: bool, ids_requeste
 
 
 def plan(
-    request: Request, mode: Mode, *, dp_rank_header: bytes | None = None, hides_reasoning_ids: bool = False
+    request: Request,
+    mode: Mode,
+    *,
+    dp_rank_header: bytes | None = None,
+    hides_reasoning_ids: bool = False,
+    splice_root: SpliceRoot | None = None,
 ) -> Plan:
     """The Plan for a request that opts in. `dp_rank_header` is the client's first `X-data-parallel-rank`;
     `hides_reasoning_ids`: the server withholds the ids of chat requests with `include_reasoning: false`
-    (`_vllm_compat.hides_reasoning_ids`)."""
+    (`_vllm_compat.hides_reasoning_ids`); `splice_root`: the compiled splice that may rewrite the body
+    (None: the Python path, as `Settings.pure_python` asks)."""
     endpoint, data, fields = request.endpoint, request.data, request.fields
     return_token_ids = fields.return_token_ids is True
     requested = set(request.nvext.get("extra_fields") or [])
@@ -164,7 +176,7 @@ def plan(
         # vLLM leaves the echoed prompt out of `text` whenever `return_token_ids` is on.
         echo_prompts=_echo_prompts(request) if echo and needs_ids and not return_token_ids else (),
         logprobs_requested=_logprobs_requested(fields, endpoint),
-        body=rewrite.apply(request.body),
+        body=rewrite.apply(request.body, splice_root),
         headers=headers,
         dialect=(Dialect.BOTH if "nvext" in data else Dialect.VLLM) if return_token_ids else Dialect.NVEXT,
         stream=fields.stream is True,
@@ -203,6 +215,12 @@ def _choices(request: Request, nvext_trio: bool, asked: AbstractSet[str]) -> tup
     return prompts, n
 
 
+# The compiled root splice (`_speedups.splice_root`, handed in by the ASGI layer): the body with the
+# root members named (UTF-8 bytes) left out and the added ones (encoded, joined by commas) appended;
+# None leaves the body to the Python path.
+SpliceRoot = Callable[[bytes, tuple[bytes, ...], bytes], "bytes | None"]
+
+
 class _Rewrite:
     """Root members to drop or set; everything else reaches vLLM as the client wrote it."""
 
@@ -223,9 +241,17 @@ class _Rewrite:
         if source is not None:
             self.sources[key] = source
 
-    def apply(self, body: bytes) -> bytes | None:
+    def apply(self, body: bytes, splice_root: SpliceRoot | None = None) -> bytes | None:
+        """The body vLLM gets, None: the client's bytes. `splice_root` (compiled) splices it when it
+        can, with the Python path's bytes (tests/unit/test_request_splice.py)."""
         if not self.dropped and self.kv_prompt_ids is None:
             return None
+        if splice_root is not None and self.kv_prompt_ids is None:
+            extra = ",".join(f"{_json.dumps_text(key)}:{value}" for key, value in self.added.items())
+            drop = tuple(_json.encode_text(key) for key in self.dropped)
+            spliced = splice_root(body, drop, _json.encode_text(extra))
+            if spliced is not None:
+                return spliced
         text = _json.text_of(body)
         start = len(text) - len(text.lstrip(" \t\n\r"))
         if self.kv_prompt_ids is not None:

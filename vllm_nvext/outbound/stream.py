@@ -151,13 +151,14 @@ class StreamReshaper:
     """
 
     __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "_root", "splice", "_armings", "_head", "_tail",
-                 "_held", "_waiting", "framed", "framed_events", "unchanged")  # fmt: skip
+                 "_held", "_waiting", "framed", "framed_events", "unchanged", "_renames")  # fmt: skip
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
         self.chunks = ChunkReshaper(plan, clock)
         self._framer = EventFramer()
         self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
         self._trio = plan.nvext_trio
+        self._renames = bool(plan.error_params)  # the general path may rename an error in a chunk
         self._fast = False  # the byte-level path serves deltas once the first chunk was decoded
         # The bytes up to `"choices":[` of the chunk that armed the byte-level path: vLLM writes the
         # same root keys before `choices` on every chunk of a stream, and a delta must repeat them.
@@ -265,15 +266,33 @@ class StreamReshaper:
                     if self._armings and (splice is None or not event.startswith(splice.prefix)):
                         return self._arm(event, start, end)  # the first delta, or the layout changed
                 return self._delta(event, start, end)
+            root = self._root
+            if (
+                event[len(root) : len(root) + 1] == b"]"
+                and not self._renames
+                and event.startswith(root)
+                and event.find(b'"choices":', len(root)) < 0
+            ):
+                # Shortcut: a chunk whose only `choices` is empty (the usage chunk) goes out as vLLM
+                # wrote it: the general path changes only errors in it, and only with error_params.
+                # Same bytes as decoding: tests/unit/test_stream_layouts.py and test_stream_send.py.
+                return None
         if event == b"data: [DONE]\n\n":
             return None if self._waiting is None else self._release() + event
         return self._decoded_event(event)
 
     def _arm(self, event: bytes, start: int, end: int) -> bytes:
-        """Serve a mid-stream delta by the general path, and arm the splice it teaches if that reproduces it."""
+        """Serve a mid-stream delta by the byte-level path, and arm the splice it teaches if that reproduces it.
+
+        The byte-level path (`_delta`) gives the general path's bytes for the deltas it takes
+        (tests/unit/test_stream_layouts.py::test_byte_level_path_gives_the_general_paths_bytes) and
+        serves every later delta when no splice is armed, so the splice is checked against it
+        without decoding the delta; the stream tests run the armed splice against the decoding path.
+        """
         self._armings -= 1
         self.splice = None
-        out = self._decoded_event(event)
+        new = self._delta(event, start, end)
+        out = event if new is None else new
         splice = _learn_splice(event, start, end, self._strip, self._trio)
         if splice is not None and splice.locate(event) == start and splice.render(event, start) == out:
             self.splice = splice
