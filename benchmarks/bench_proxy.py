@@ -74,7 +74,8 @@ async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             delay = start + i * gap - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-        stamped = _ID.sub(b'"id":"t%d"' % time.time_ns(), frame, count=1)
+        # Hex, as vLLM's ids are: 19 decimal digits would send every event down JSON's exact-integer path.
+        stamped = _ID.sub(b'"id":"chatcmpl-%x"' % time.time_ns(), frame, count=1)
         await send({"type": "http.response.body", "body": stamped, "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -136,7 +137,7 @@ async def _one(client: httpx.AsyncClient, url: str, route: str, events: int, gap
             for frame in frames:
                 if frame.startswith(b"data: {"):
                     stamp = json.loads(frame[6:])["id"]
-                    latencies.append((now - int(stamp[1:])) / 1e9)
+                    latencies.append((now - int(stamp[8:], 16)) / 1e9)
     return ttfb, latencies
 
 
