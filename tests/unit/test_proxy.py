@@ -764,6 +764,7 @@ def test_serve_hands_uvicorn_the_settings_through_the_environment(monkeypatch, t
     app, kw = runs[0]
     assert app == "vllm_nvext.proxy:app_from_env" and kw["factory"] and kw["workers"] == workers
     assert kw["server_header"] is False and kw["date_header"] is False, "the upstream's own pass through"
+    assert kw["access_log"] is False, "no log line per request"
     built = app_from_env()
     assert built.forwarder.config == config
     assert built.middleware.settings == Settings(mode="nvext", allow_mode_header=False, max_body_bytes=7)
