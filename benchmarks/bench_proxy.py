@@ -14,7 +14,7 @@ Two upstreams, each with its own `vllm-nvext proxy` subprocess (one worker) in f
    Left out, saying so, when the 0.33 reference venv is missing (`make setup-vllm033`).
 2. A stand-in: a uvicorn process (`upstream_app` below) that answers chat with the recorded long
    `return_token_ids` stream (tests/fixtures), one event every `--gap-us` microseconds, each
-   event's `id` carrying its send time (`time.time_ns()`, one clock for every process of the
+   event's text carrying its send time (`time.time_ns()`, one clock for every process of the
    machine), so each event's own latency is measured, direct and through the proxy: the delay the
    hop adds to every event, finer than the real server's gaps can show. Also the HTTP client
    libraries (httpx, aiohttp; vLLM installs both) reading the same stream as fast as it is sent,
@@ -50,7 +50,10 @@ TARGET_ITL = "proxy: added inter-token latency < 5%"
 TARGET_CPU = "proxy: one proxy core serves >= 3 API-server cores' worth of tokens"
 TARGET_ITL_STAND_IN = "proxy: added latency per event < 5% of a 2 ms inter-token latency (stand-in, stamped events)"
 TARGETS = (TARGET_TTFB, TARGET_ITL, TARGET_CPU, TARGET_ITL_STAND_IN)
-_ID = re.compile(rb'"id":"[^"]*"')
+# Each token event's text is its send time (`t` and hex nanoseconds): the id and the rest of the
+# event stay as vLLM sent them, so the middleware's byte-level path takes the deltas as it would vLLM's.
+_TEXT = re.compile(rb'"delta":\{"content":"[^"]*"')
+_STAMP = re.compile(rb'"content":"t([0-9a-f]+)"')
 
 
 # --------------------------------------------------------------------------- the stand-in upstream
@@ -65,7 +68,7 @@ def _frames() -> tuple[bytes, list[bytes], list[bytes]]:
 
 
 async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """Chat answered with the recorded stream; `x-events` events, `x-gap-us` apart, stamped in `id`."""
+    """Chat answered with the recorded stream; `x-events` events, `x-gap-us` apart, each stamped in its text."""
     if scope["type"] != "http":
         return  # run with --lifespan off
     while (await receive()).get("more_body"):
@@ -82,8 +85,7 @@ async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             delay = start + i * gap - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-        # Hex, as vLLM's ids are: 19 decimal digits would send every event down JSON's exact-integer path.
-        stamped = _ID.sub(b'"id":"chatcmpl-t%x"' % time.time_ns(), frame, count=1)
+        stamped = _TEXT.sub(b'"delta":{"content":"t%x"' % time.time_ns(), frame, count=1)
         await send({"type": "http.response.body", "body": stamped, "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -178,9 +180,9 @@ async def stream(
                     found.first = (now - sent) / 1e9
                 if b'"token_ids"' in frame or b'"completion_token_ids"' in frame:
                     found.arrivals.append(now)
-                stamp = _ID.search(frame)
-                if stamp is not None and stamp.group().startswith(b'"id":"chatcmpl-t'):
-                    found.stamped.append((wall - int(stamp.group()[16:-1], 16)) / 1e9)
+                stamp = _STAMP.search(frame)
+                if stamp is not None:
+                    found.stamped.append((wall - int(stamp.group(1), 16)) / 1e9)
     return found
 
 
