@@ -33,7 +33,7 @@ import aiohttp
 from yarl import URL
 
 from . import _vllm_compat, metrics
-from ._asgi_request import Message, Receive, Scope, Send
+from .asgi import Message, Receive, Scope, Send
 from .config import ENV_ALLOW_MODE_HEADER, ENV_MAX_BODY_BYTES, ENV_MODE, Settings
 from .middleware import NvextMiddleware
 from .protocol import error_body
