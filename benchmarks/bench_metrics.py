@@ -29,7 +29,7 @@ from vllm_nvext import metrics
 from vllm_nvext.config import Mode
 from vllm_nvext.inbound.request import plan_request
 from vllm_nvext.outbound.nvext_values import Clock
-from vllm_nvext.protocol import Endpoint
+from vllm_nvext.protocol import Dialect, Endpoint
 from vllm_nvext.send import ReshapingSend
 
 from ._common import SSE_HEADERS, Target, fmt, load_case, median, percentile, print_table, run_sync
@@ -107,13 +107,13 @@ def _multiprocess_request_ns(calls: int) -> float | None:
         import time
         from vllm_nvext import metrics
         from vllm_nvext.config import Mode
-        from vllm_nvext.protocol import Endpoint
-        metrics.count_request(Endpoint.CHAT, "none", Mode.AUTO, "unknown")
+        from vllm_nvext.protocol import Dialect, Endpoint
+        metrics.count_request(Endpoint.CHAT, Dialect.NONE, Mode.AUTO, "unknown")
         samples = []
         for _ in range({max(5, calls // 1000)}):
             t0 = time.perf_counter_ns()
             for _ in range(1000):
-                metrics.count_request(Endpoint.CHAT, "none", Mode.AUTO, "unknown")
+                metrics.count_request(Endpoint.CHAT, Dialect.NONE, Mode.AUTO, "unknown")
             samples.append((time.perf_counter_ns() - t0) / 1000)
         samples.sort()
         print(samples[len(samples) // 2])
@@ -152,7 +152,7 @@ def run(quick: bool = False) -> list[Target]:
     )
 
     endpoint, mode = Endpoint.CHAT, Mode.AUTO
-    request_ns = _per_call_ns(lambda: metrics.count_request(endpoint, "none", mode, metrics.UNKNOWN), calls)
+    request_ns = _per_call_ns(lambda: metrics.count_request(endpoint, Dialect.NONE, mode, metrics.UNKNOWN), calls)
     stream_end_ns = _per_call_ns(lambda: metrics.count_reshaping(endpoint, metrics.STREAM, 300, 3e-4), calls)
     multi_ns = _multiprocess_request_ns(calls)
     print_table(

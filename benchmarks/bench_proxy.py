@@ -40,7 +40,11 @@ from typing import Any
 import aiohttp
 import httpx
 
+from vllm_nvext.protocol import PATHS, Endpoint
+
 from ._common import Target, fmt, fmt_ratio, load_case, percentile, print_table, run_loop
+
+CHAT = PATHS[Endpoint.CHAT]
 
 CASE = "chat_stream_ids_long"
 # The real upstream's engine step: a decode step's pace (the scripted engine core sleeps it).
@@ -140,7 +144,6 @@ def _free_port() -> int:
 
 # --------------------------------------------------------------------------- streams
 
-CHAT = "/v1/chat/completions"
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 4096}
 DIALECT: dict[str, dict[str, Any]] = {
     "direct": {"return_token_ids": True},

@@ -1,6 +1,6 @@
 """The layout rule every test follows: tests/unit/ needs no server, tests/e2e/ holds exactly the
-tests marked `e2e` (each of its modules sets `pytestmark = pytest.mark.e2e`). The real servers,
-and the fixtures that start them, are tests/e2e/conftest.py's."""
+tests marked `e2e` (each of its modules sets `pytestmark = pytest.mark.e2e`). The real servers
+are tests/support/servers.py's, the fixtures on them tests/e2e/conftest.py's."""
 
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .outbound.shapes import choice_logprobs, first_difference
+from .protocol import Placement
 from .sse import EventFramer, data_payload
 
 __all__ = [
@@ -46,8 +47,8 @@ __all__ = [
     "parse_sse",
 ]
 
-VLLM = "vllm"
-NVEXT = "nvext"
+VLLM = Placement.VLLM.value
+NVEXT = Placement.NVEXT.value
 ENGINE_DATA = "engine_data"
 # When a response carries several placements, the one reported first (all are cross-checked).
 _PRECEDENCE = (NVEXT, ENGINE_DATA, VLLM)

@@ -19,6 +19,7 @@ from .config import MODE_HEADER
 from .inbound.client_params import REQUEST_ID_HEADER
 from .inbound.fields import DECISION_FIELDS
 from .inbound.nvext_schema import param_names
+from .protocol import Dialect
 
 PREFIX = "vllm_nvext:"
 
@@ -142,19 +143,23 @@ def enabled() -> bool:
 
 
 def _label(value: Any) -> str:
-    return str(getattr(value, "value", value))  # an Endpoint or Mode member, or a plain string
+    return str(getattr(value, "value", value))  # an Endpoint, Dialect or Mode member, or a plain string
 
 
 _requests: dict[tuple[Any, Any, Any, str], Any] = {}
 
 
-def count_request(endpoint: Any, dialect: str, placement: Any, kind: str) -> None:
+def count_request(endpoint: Any, dialect: Dialect, placement: Any, kind: str) -> None:
     """One request handed to vLLM. `endpoint` and `placement` are Endpoint and Mode members."""
     key = (endpoint, dialect, placement, kind)
     child = _requests.get(key)
     if child is None:
         state = _counters()
-        child = _NOOP if state is None else state.requests.labels(_label(endpoint), dialect, _label(placement), kind)
+        child = (
+            _NOOP
+            if state is None
+            else state.requests.labels(_label(endpoint), _label(dialect), _label(placement), kind)
+        )
         _requests[key] = child
     child.inc()
 

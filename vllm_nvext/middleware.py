@@ -49,7 +49,7 @@ from .inbound.request import plan as plan_request_for
 from .inbound.request import read_request
 from .outbound.nvext_values import Clock
 from .plan import Plan
-from .protocol import ENDPOINT_PATHS, Endpoint, RequestError, error_body
+from .protocol import ENDPOINT_PATHS, Dialect, Endpoint, RequestError, error_body
 from .send import STREAM_SENDS, ReshapingSend, StreamSendFactory, stream_path
 
 logger = logging.getLogger("vllm_nvext")
@@ -218,7 +218,7 @@ class _Exchange:
                 await self._refuse(_too_large(cap))
                 return None
             if more and not scan.found and max(size, declared_length) > cap:
-                metrics.count_request(self.endpoint, "none", self.settings.mode, metrics.UNKNOWN)
+                metrics.count_request(self.endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN)
                 await self._pass_through(parts, scan)  # too large to hold, and no opt-in so far
                 return None
         body = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -240,7 +240,7 @@ class _Exchange:
 
     async def _forward(self, body: bytes | None) -> None:
         """To vLLM as the client sent it (`body` once read, else the client's own stream), answer untouched."""
-        metrics.count_request(self.endpoint, "none", self.settings.mode, metrics.UNKNOWN)
+        metrics.count_request(self.endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN)
         await self.app(self.scope, self.receive if body is None else Replay([body], False, self.receive), self.send)
 
     async def _forward_planned(self, endpoint: Endpoint, plan: Plan, mode: Mode, body: bytes, model: Any) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .protocol import Endpoint
+from .protocol import Dialect, Endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,30 +14,30 @@ class Plan:
 
     endpoint: Endpoint
     # The client gets vLLM's own placement of the ids (docs/protocol.md §1).
-    vllm_ids: bool
+    vllm_placement: bool
     # The trio under `nvext` (docs/protocol.md §3.4): completion_token_ids, prompt_token_ids, kv_transfer_params.
     nvext_trio: bool
     # `nvext.prompt_token_ids` without the rest of the trio.
     nvext_prompt_ids: bool
     # Other selectors answered under `nvext` (NVEXT_ONLY_SELECTORS).
-    selectors: frozenset[str]
+    nvext_only_selectors: frozenset[str]
     # The middleware turned `return_token_ids` on and the client must not see vLLM's copies.
     strip_vllm_ids: bool
     # A completions stream with `echo`: vLLM sends prompt ids by itself: leave those alone.
-    echo: bool
+    vllm_sends_prompt_ids: bool
     # The middleware turned `return_token_ids` on for a completions `echo`: vLLM then drops the
     # echoed prompt from `text`, and the response side puts it back in front of each choice's first
     # text. One entry per prompt: its text, or its ids (the middleware has vLLM decode those, as vLLM
     # echoes them, before the request goes upstream); empty when nothing is to be put back.
     echo_prompts: tuple[str | tuple[int, ...], ...]
     # The client asked for logprobs (engine_data.completion_logprobs follows them).
-    logprobs: bool
+    logprobs_requested: bool
     # The rewritten upstream body; None keeps the client's bytes.
     body: bytes | None
     # Extra request headers for vLLM (e.g. the data-parallel rank).
     headers: tuple[tuple[bytes, bytes], ...] = ()
-    # What the client asked in (`vllm`, `nvext` or `both`) and whether it streams: for the metrics.
-    dialect: str = "vllm"
+    # What the client asked in and whether it streams: for the metrics.
+    dialect: Dialect = Dialect.VLLM
     stream: bool = False
     # One prompt and n == 1: every chunk is about choice 0.
     single_choice: bool = True
@@ -45,10 +45,10 @@ class Plan:
     n: int = 1
     # A one-choice stream with `timing` or `engine_data`: vLLM reports its per-request metrics and
     # cached tokens on the usage chunk right after the finish chunk, which waits for it.
-    await_usage: bool = False
+    finish_waits_for_usage: bool = False
     # The client sent a root `kv_transfer_params` (an orchestrator's prefill/decode handoff):
     # vLLM's root `kv_transfer_params` comes back at the root in every mode.
-    root_kv: bool = False
+    kv_stays_at_root: bool = False
     # (vLLM's field, the client's field) for each vLLM field set from an nvext field: an error
     # vLLM raises about the former names the latter (docs/protocol.md §9).
     error_params: tuple[tuple[str, str], ...] = ()
@@ -60,7 +60,11 @@ class Plan:
     def reshapes_answer(self) -> bool:
         """A successful answer changes (error bodies and events are `error_params`' business)."""
         return bool(
-            self.nvext_trio or self.nvext_prompt_ids or self.selectors or self.strip_vllm_ids or self.echo_prompts
+            self.nvext_trio
+            or self.nvext_prompt_ids
+            or self.nvext_only_selectors
+            or self.strip_vllm_ids
+            or self.echo_prompts
         )
 
     @property

@@ -22,6 +22,22 @@ class Endpoint(str, enum.Enum):
     INVOCATIONS = "invocations"
 
 
+class Dialect(str, enum.Enum):
+    """What a request that reached vLLM asked in (the metrics' `dialect` label, docs/metrics.md)."""
+
+    VLLM = "vllm"  # `return_token_ids: true` alone
+    NVEXT = "nvext"  # `nvext` without `return_token_ids: true`
+    BOTH = "both"  # both opt-ins in one body
+    NONE = "none"  # opted into nothing, or not read (passed through)
+
+
+class Placement(str, enum.Enum):
+    """Where a response carries the ids (docs/protocol.md §1, §3.4): vLLM's own fields, or under `nvext`."""
+
+    VLLM = "vllm"
+    NVEXT = "nvext"
+
+
 # The routes the middleware reads, relative to vLLM's root path; every other route passes byte for
 # byte (docs/protocol.md §10 lists what each of vLLM's routes gets).
 ENDPOINT_PATHS = {

@@ -2,7 +2,7 @@
 
 A stream's bytes go through `stream.StreamReshaper` as they come; a unary body is held until
 complete, reshaped by `unary.reshape_unary_body` and sent with its new length. A JSON error about
-a field the middleware set from an nvext field is renamed to that field (`response.rename_error`);
+a field the middleware set from an nvext field is renamed to that field (`chunks.rename_error`);
 other errors, 204/206/304 and encoded bodies pass untouched. Used by `NvextMiddleware`; public for benchmarks.
 
 vLLM is handed `ReshapingSend.app_send`: a plain function (`python_stream_send`) or the compiled
@@ -169,7 +169,7 @@ class ReshapingSend:
             if more and stream.armed:
                 splice = stream.splice
                 assert splice is not None
-                on_ids = stream.delta_ids if stream.needs_ids else None
+                on_ids = stream.on_ids
                 tally = self._tally
                 countdown, add = (_UNTIMED, None) if tally is None else (self._left, tally.add)
                 self._arm(splice.prefix, splice.head, splice.tail, splice.mid, splice.strip, splice.trio, on_ids,

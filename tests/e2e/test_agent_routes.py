@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from scripts.vllm033_harness import text_ids
-from tests.e2e.conftest import TOOL_CALL_TEXT, tiny_model_dir
 from tests.helpers import API_KEY, CHAT, MODEL_NAME, post, without_agent_volatile
+from tests.support.servers import TOOL_CALL_TEXT, tiny_model_dir
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.helpers import API_KEY, MODEL_NAME
+from tests.helpers import API_KEY, CHAT, COMPLETIONS, MODEL_NAME
 from vllm_nvext.protocol import ENDPOINT_PATHS
 
 pytestmark = pytest.mark.e2e
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.e2e
 TRIO = {"extra_fields": ["completion_token_ids"]}
 USER = [{"role": "user", "content": "Hi"}]
 BODIES = {
-    "/v1/chat/completions": {"model": MODEL_NAME, "messages": USER, "max_tokens": 2, "nvext": TRIO},
-    "/v1/completions": {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2, "nvext": TRIO},
+    CHAT: {"model": MODEL_NAME, "messages": USER, "max_tokens": 2, "nvext": TRIO},
+    COMPLETIONS: {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2, "nvext": TRIO},
     "/v1/chat/completions/batch": {"model": MODEL_NAME, "messages": [USER], "max_tokens": 2, "nvext": TRIO},
     "/invocations": {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2, "nvext": TRIO},
 }
@@ -75,14 +75,14 @@ def test_a_keyless_invocations_is_translated_by_one_rule(request, server):
 def test_a_keyless_echo_of_ids_gets_vllms_401(mw_server, model):
     body = {"model": model, "prompt": [72, 105], "echo": True, "max_tokens": 1, "nvext": TRIO}
     for headers in (AUTH["no key"], AUTH["wrong key"]):
-        resp = httpx.post(mw_server.url + "/v1/completions", json=body, headers=headers, timeout=60)
+        resp = httpx.post(mw_server.url + COMPLETIONS, json=body, headers=headers, timeout=60)
         assert (resp.status_code, resp.json()) == (401, {"error": "Unauthorized"})
 
 
 def test_invocations_is_served_on_the_route_stock_picks(raw, translated):
     junk = {"model": MODEL_NAME, "messages": "junk", "prompt": ["Hello", "World wide"], "max_tokens": 2}
     refused = translated.post("/invocations", json={**junk, "nvext": TRIO})
-    on_completions = translated.post("/v1/completions", json={**junk, "nvext": TRIO})
+    on_completions = translated.post(COMPLETIONS, json={**junk, "nvext": TRIO})
     assert refused.status_code == on_completions.status_code == 400
     assert refused.json()["error"]["param"] == on_completions.json()["error"]["param"] == "prompt"
     timed = translated.post("/invocations", json={**junk, "temperature": 0, "nvext": {"extra_fields": ["timing"]}})
@@ -111,8 +111,8 @@ def _error(resp: httpx.Response) -> tuple[int, str | None]:
 
 def test_errors_keep_stocks_param_when_the_client_wrote_the_fields_name(raw, translated):
     body = {"model": "my temperature model", "prompt": "x", "max_tokens": 1}
-    ours = translated.post("/v1/completions", json={**body, "nvext": {"greed_sampling": True}})
-    stock = raw.post("/v1/completions", json={**body, "temperature": 0})
+    ours = translated.post(COMPLETIONS, json={**body, "nvext": {"greed_sampling": True}})
+    stock = raw.post(COMPLETIONS, json={**body, "temperature": 0})
     assert _error(ours) == _error(stock) and _error(stock)[0] == 404
     assert ours.json()["error"]["message"] == stock.json()["error"]["message"]
 
@@ -120,8 +120,8 @@ def test_errors_keep_stocks_param_when_the_client_wrote_the_fields_name(raw, tra
 def test_ids_and_batches_vllm_refuses_get_stocks_own_error(raw, translated):
     huge = {"model": MODEL_NAME, "prompt": [2**63], "echo": True, "max_tokens": 1}
     ours, stock = (
-        translated.post("/v1/completions", json={**huge, "nvext": TRIO}),
-        raw.post("/v1/completions", json=huge),
+        translated.post(COMPLETIONS, json={**huge, "nvext": TRIO}),
+        raw.post(COMPLETIONS, json=huge),
     )
     assert _error(ours) == _error(stock) and ours.status_code == 400
     assert "body.tokens" not in ours.text, "never the internal /detokenize call's field"

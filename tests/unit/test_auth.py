@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
+from tests.helpers import COMPLETIONS
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import NvextMiddleware, _vllm_compat
 from vllm_nvext.protocol import ENDPOINT_PATHS
@@ -89,33 +90,26 @@ def test_the_key_comes_from_vllm_api_key_when_the_server_has_no_api_key(monkeypa
         assert _vllm_compat.auth_refuses(scope) == _vllm_refuses(scope, [KEY]), (path, name)
     # --api-key wins over VLLM_API_KEY, as in vLLM.
     with_args = SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(api_key=["sk-cli"])))
-    assert _vllm_compat.auth_refuses(_scope("/v1/completions", "POST", f"Bearer {KEY}", "", with_args))
-    assert not _vllm_compat.auth_refuses(_scope("/v1/completions", "POST", "Bearer sk-cli", "", with_args))
+    assert _vllm_compat.auth_refuses(_scope(COMPLETIONS, "POST", f"Bearer {KEY}", "", with_args))
+    assert not _vllm_compat.auth_refuses(_scope(COMPLETIONS, "POST", "Bearer sk-cli", "", with_args))
 
 
-def test_the_guarded_prefixes_are_read_from_the_installed_vllm(monkeypatch, tmp_path):
+def test_the_guarded_prefixes_are_read_from_the_installed_vllm(vllm_at, tmp_path):
     import vllm.entrypoints.serve.middleware.authenticate as theirs
 
-    _vllm_compat.guarded_prefixes.cache_clear()
-    try:
-        assert _vllm_compat.guarded_prefixes() == theirs.GUARDED_PREFIX == _vllm_compat.GUARDED_PREFIX
-        root = tmp_path / "vllm"
-        rule = root / "entrypoints/serve/middleware/authenticate.py"
-        rule.parent.mkdir(parents=True)
-        rule.write_text('GUARDED_PREFIX = ("/v9",)\n')
-        monkeypatch.setattr(_vllm_compat, "_vllm_root", lambda: root)
-        _vllm_compat.guarded_prefixes.cache_clear()
-        assert _vllm_compat.guarded_prefixes() == ("/v9",), "a vLLM with another rule is followed"
-        for unreadable in ("GUARDED_PREFIX = (1, 2)\n", "GUARDED_PREFIX = (f(),)\n", "x = (", ""):
-            rule.write_text(unreadable)
-            _vllm_compat.guarded_prefixes.cache_clear()
-            assert _vllm_compat.guarded_prefixes() == _vllm_compat.GUARDED_PREFIX, "else the pinned copy"
-        monkeypatch.setattr(_vllm_compat, "_vllm_root", lambda: None)
-        _vllm_compat.guarded_prefixes.cache_clear()
-        assert _vllm_compat.guarded_prefixes() == _vllm_compat.GUARDED_PREFIX, "without vLLM: the pinned copy"
-    finally:
-        monkeypatch.undo()
-        _vllm_compat.guarded_prefixes.cache_clear()
+    assert _vllm_compat.guarded_prefixes() == theirs.GUARDED_PREFIX == _vllm_compat.GUARDED_PREFIX
+    root = tmp_path / "vllm"
+    rule = root / "entrypoints/serve/middleware/authenticate.py"
+    rule.parent.mkdir(parents=True)
+    rule.write_text('GUARDED_PREFIX = ("/v9",)\n')
+    vllm_at(root)
+    assert _vllm_compat.guarded_prefixes() == ("/v9",), "a vLLM with another rule is followed"
+    for unreadable in ("GUARDED_PREFIX = (1, 2)\n", "GUARDED_PREFIX = (f(),)\n", "x = (", ""):
+        rule.write_text(unreadable)
+        vllm_at(root)
+        assert _vllm_compat.guarded_prefixes() == _vllm_compat.GUARDED_PREFIX, "else the pinned copy"
+    vllm_at(None)
+    assert _vllm_compat.guarded_prefixes() == _vllm_compat.GUARDED_PREFIX, "without vLLM: the pinned copy"
 
 
 @pytest.mark.parametrize("path", sorted(ENDPOINT_PATHS))

@@ -219,7 +219,7 @@ def test_echoed_prompt_is_put_back_per_choice():
 def test_chat_batch_follows_the_several_choices_rules():
     two = {"model": "tiny", "messages": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]}
     plan = _plan({**two, "return_token_ids": True}, Endpoint.CHAT_BATCH)
-    assert plan.vllm_ids and not plan.single_choice and not plan.nvext_trio
+    assert plan.vllm_placement and not plan.single_choice and not plan.nvext_trio
     with pytest.raises(RequestError) as trio:
         _plan({**two, "nvext": {"extra_fields": ["completion_token_ids"]}}, Endpoint.CHAT_BATCH)
     assert trio.value.param == "messages"
@@ -340,7 +340,7 @@ async def test_echo_decodes_each_distinct_id_prompt_once_and_stops_when_the_clie
         {"model": "tiny", "prompt": prompts, "echo": True, "nvext": {"extra_fields": ["timing"]}}
     ).encode()
     vllm = _VllmWithDetokenize()
-    result = await call(NvextMiddleware(vllm, settings=Settings()), "/v1/completions", body)
+    result = await call(NvextMiddleware(vllm, settings=Settings()), COMPLETIONS, body)
     assert [c["text"] for c in json.loads(result.body)["choices"]] == ["Higen", "Higen", "Okgen", "Higen"]
     assert [d["tokens"] for _, _, d in vllm.detokenized] == [[72, 105], [79, 107]], "one call per distinct prompt"
 
@@ -350,6 +350,6 @@ async def test_echo_decodes_each_distinct_id_prompt_once_and_stops_when_the_clie
         {"model": "tiny", "prompt": [[65 + i] for i in range(50)], "echo": True, "nvext": {"extra_fields": ["timing"]}}
     ).encode()
     with pytest.raises(KeyError):  # the driver saw no response at all: nothing was sent to the client
-        await call(app, "/v1/completions", many, disconnect_after_body=True)
+        await call(app, COMPLETIONS, many, disconnect_after_body=True)
     assert len(gone.detokenized) < 5, "decoding stops when the client goes, not after the 50 prompts"
     assert all(path.endswith("/detokenize") for path, _, _ in gone.detokenized), "nothing went upstream"

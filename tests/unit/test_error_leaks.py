@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from vllm.entrypoints.serve.exception_handling.utils import sanitize_message as vllm_sanitize
 
+from tests.helpers import CHAT, COMPLETIONS
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import NvextMiddleware, Settings
 from vllm_nvext.protocol import _pinned_sanitize, error_body, sanitize_message
@@ -33,17 +34,17 @@ def _bodies(leak: str) -> list[tuple[str, dict[str, Any], tuple[tuple[bytes, byt
     comp = {"model": "tiny", "prompt": "x"}
     trio = {"extra_fields": ["completion_token_ids"]}
     return [
-        ("/v1/completions", {**comp, "nvext": {leak: 1}}, ()),  # unknown nvext key
-        ("/v1/completions", {**comp, "nvext": {"extra_fields": leak}}, ()),  # wrong type
-        ("/v1/completions", {**comp, "nvext": {"metadata_upload": {leak: 1}}}, ()),
-        ("/v1/completions", {**comp, "nvext": leak}, ()),  # nvext not an object
-        ("/v1/completions", {**comp, "n": leak, "nvext": trio}, ()),  # a decision field vLLM refuses
-        ("/v1/completions", {**comp, "prompt": [leak, "y"], "nvext": trio}, ()),  # batch with the trio
-        ("/v1/completions", {**comp, "echo": True, "prompt_embeds": leak, "nvext": trio}, ()),
-        ("/v1/completions", {**comp, "nvext": {"token_data": []}}, ()),
-        ("/v1/completions", {**comp, "nvext": {"dp_rank": 1}}, ((b"x-data-parallel-rank", leak.encode()),)),
-        ("/v1/completions", {**comp, "nvext": trio}, ((b"x-nvext-mode", leak.encode()),)),
-        ("/v1/chat/completions", {**chat, "n": 2, "nvext": trio}, ()),
+        (COMPLETIONS, {**comp, "nvext": {leak: 1}}, ()),  # unknown nvext key
+        (COMPLETIONS, {**comp, "nvext": {"extra_fields": leak}}, ()),  # wrong type
+        (COMPLETIONS, {**comp, "nvext": {"metadata_upload": {leak: 1}}}, ()),
+        (COMPLETIONS, {**comp, "nvext": leak}, ()),  # nvext not an object
+        (COMPLETIONS, {**comp, "n": leak, "nvext": trio}, ()),  # a decision field vLLM refuses
+        (COMPLETIONS, {**comp, "prompt": [leak, "y"], "nvext": trio}, ()),  # batch with the trio
+        (COMPLETIONS, {**comp, "echo": True, "prompt_embeds": leak, "nvext": trio}, ()),
+        (COMPLETIONS, {**comp, "nvext": {"token_data": []}}, ()),
+        (COMPLETIONS, {**comp, "nvext": {"dp_rank": 1}}, ((b"x-data-parallel-rank", leak.encode()),)),
+        (COMPLETIONS, {**comp, "nvext": trio}, ((b"x-nvext-mode", leak.encode()),)),
+        (CHAT, {**chat, "n": 2, "nvext": trio}, ()),
         (
             "/v1/chat/completions/batch",
             {**chat, "messages": [[{"role": "user", "content": leak}]], "stream": True, "nvext": trio},
@@ -73,7 +74,7 @@ def test_no_error_the_middleware_writes_carries_a_leak(leak):
     too_large = asyncio.run(
         call(
             NvextMiddleware(Upstream(), settings=Settings(max_body_bytes=64)),
-            "/v1/completions",
+            COMPLETIONS,
             json.dumps({"prompt": leak * 10, "nvext": {}}).encode(),
         )  # fmt: skip
     )

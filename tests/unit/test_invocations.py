@@ -56,7 +56,7 @@ def test_a_completions_batch_behind_junk_messages_gets_the_batch_refusal():
 def test_a_chat_body_with_prompt_and_logprobs_is_served_as_chat():
     body = {**CHAT, "prompt": "Hello", "logprobs": True, "nvext": TRIO}
     plan = plan_request(json.dumps(body).encode(), Endpoint.INVOCATIONS, Mode.AUTO)
-    assert plan is not None and plan.endpoint is Endpoint.CHAT and plan.nvext_trio and plan.logprobs
+    assert plan is not None and plan.endpoint is Endpoint.CHAT and plan.nvext_trio and plan.logprobs_requested
 
 
 @pytest.mark.parametrize(("body", "route"), BODIES)

@@ -220,3 +220,22 @@ def test_a_kv_connector_module_path_of_the_first_layout_still_loads_the_connecto
     import importlib
 
     assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new), name)
+
+
+def _uses_sys_path(source: str) -> bool:
+    return any(
+        isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+        and node.value.id == "sys"
+        for node in ast.walk(ast.parse(source))
+    )  # fmt: skip
+
+
+def test_no_code_of_the_repository_changes_sys_path():
+    """Tests, scripts, benchmarks and examples import the package and each other from the repository
+    root as packages (`python -m scripts.record_fixtures`); none reaches for `sys.path`."""
+    root = PACKAGE.parent
+    folders = ("vllm_nvext", "tests", "scripts", "benchmarks", "examples")
+    sources = [path for folder in folders for path in (root / folder).rglob("*.py")]
+    assert len(sources) > 100
+    assert [str(p.relative_to(root)) for p in sources if _uses_sys_path(p.read_text())] == []
+    assert _uses_sys_path("import sys\nsys.path.insert(0, 'x')\n"), "the check sees a change"

@@ -382,9 +382,9 @@ def test_counters_of_several_processes_are_summed_in_multiprocess_mode(tmp_path)
     count = """
         from vllm_nvext import metrics
         from vllm_nvext.config import Mode
-        from vllm_nvext.protocol import Endpoint
+        from vllm_nvext.protocol import Dialect, Endpoint
         for _ in range(3):
-            metrics.count_request(Endpoint.CHAT, "nvext", Mode.AUTO, "stream")
+            metrics.count_request(Endpoint.CHAT, Dialect.NVEXT, Mode.AUTO, "stream")
         metrics.count_refusal("n", 400)
         metrics.count_reshaping(Endpoint.CHAT, "stream", 10, 0.25)
     """

@@ -21,6 +21,7 @@ import httpx
 import pytest
 import uvicorn
 
+from tests.helpers import CHAT, COMPLETIONS
 from tests.unit import asgi
 from tests.unit.asgi import Upstream
 from vllm_nvext import Settings, _vllm_compat, metrics
@@ -233,7 +234,7 @@ async def test_a_body_in_several_messages_is_streamed_up_whole():
     upstream = Upstream(body=b'{"ok": true}')
     app = await proxy_over(upstream)
     body = json.dumps({"model": "tiny", "prompt": "x" * 5000}).encode()
-    result = await call(app, "/v1/completions", body, request_cuts=(7, 100, 4096))
+    result = await call(app, COMPLETIONS, body, request_cuts=(7, 100, 4096))
     assert result.status == 200 and result.body == b'{"ok": true}'
     assert upstream.received == body
     assert dict(upstream.received_headers)[b"content-length"] == str(len(body)).encode()
@@ -260,7 +261,7 @@ async def test_translation_through_the_proxy_is_the_middlewares():
     upstream = Upstream(body=recorded)
     app = await proxy_over(upstream)
     body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 3, **NVEXT_IDS}).encode()
-    result = await call(app, "/v1/completions", body)
+    result = await call(app, COMPLETIONS, body)
     assert result.status == 200
     sent = json.loads(upstream.received or b"")
     assert sent["return_token_ids"] is True and "nvext" not in sent, "the upstream gets vLLM's dialect"
@@ -273,7 +274,7 @@ async def test_translation_through_the_proxy_is_the_middlewares():
 async def test_a_bad_nvext_field_is_the_middlewares_400_naming_it():
     upstream = Upstream()
     app = await proxy_over(upstream)
-    result = await call(app, "/v1/chat/completions", json.dumps({"model": "tiny", "nvext": 3}).encode())
+    result = await call(app, CHAT, json.dumps({"model": "tiny", "nvext": 3}).encode())
     assert result.status == 400 and json.loads(result.body)["error"]["param"] == "nvext"
     assert upstream.calls == 0
 
@@ -433,7 +434,7 @@ async def test_an_upstream_down_or_late_is_a_502_or_504_in_vllms_envelope_withou
         closed.close()  # nothing listens there now
     else:
         app = await mock_proxy(_late, timeout=0.2)
-    result = await call(app, "/v1/completions", json.dumps({"prompt": "x", **NVEXT_IDS}).encode())
+    result = await call(app, COMPLETIONS, json.dumps({"prompt": "x", **NVEXT_IDS}).encode())
     if upstream == "hangs up":
         server.close()
     assert result.status == status
@@ -472,14 +473,14 @@ async def test_a_request_the_upstream_refuses_for_auth_gets_the_upstreams_401_ne
     app = await proxy_over(_keyed_upstream, keys=("k",))
     headers = [JSON] + ([(b"authorization", authorization)] if authorization else [])
     bad = json.dumps({"model": "tiny", "nvext": {"extra_fields": "garbage"}}).encode()
-    result = await call(app, "/v1/chat/completions", bad, headers=headers)
+    result = await call(app, CHAT, bad, headers=headers)
     assert result.status == 401 and result.body == b'{"error":"Unauthorized"}'
 
 
 async def test_with_the_key_the_proxy_answers_its_own_400():
     app = await proxy_over(_keyed_upstream, keys=("k",))
     bad = json.dumps({"model": "tiny", "nvext": {"extra_fields": "garbage"}}).encode()
-    result = await call(app, "/v1/chat/completions", bad, headers=[JSON, (b"authorization", b"Bearer k")])
+    result = await call(app, CHAT, bad, headers=[JSON, (b"authorization", b"Bearer k")])
     assert result.status == 400 and json.loads(result.body)["error"]["param"] == "nvext.extra_fields"
 
 
@@ -496,7 +497,7 @@ async def test_echo_prompt_ids_are_decoded_by_the_upstreams_own_detokenize_over_
 
     body = {"model": "tiny", "prompt": [72, 105], "echo": True, **NVEXT_IDS}
     headers = [JSON, (b"authorization", b"Bearer k")]
-    result = await call(await mock_proxy(handler), "/v1/completions", json.dumps(body).encode(), headers=headers)
+    result = await call(await mock_proxy(handler), COMPLETIONS, json.dumps(body).encode(), headers=headers)
     assert result.status == 200 and json.loads(result.body)["choices"][0]["text"] == "Higen"
     assert detokenized == [("POST", {"model": "tiny", "tokens": [72, 105]}, "Bearer k")]
 
@@ -515,7 +516,7 @@ async def test_metrics_are_the_upstreams_then_the_proxys_own_counters():
         return reply(200, json_body={"choices": [{"index": 0, "text": "x", "token_ids": [5]}]})
 
     app = await mock_proxy(handler)
-    await call(app, "/v1/completions", json.dumps({"model": "tiny", "prompt": "a", **NVEXT_IDS}).encode())
+    await call(app, COMPLETIONS, json.dumps({"model": "tiny", "prompt": "a", **NVEXT_IDS}).encode())
     result = await call(app, "/metrics", b"", method="GET")
     text = result.body.decode()
     assert result.status == 200 and text.startswith("# TYPE vllm:up gauge\nvllm:up 1\n")
@@ -750,8 +751,10 @@ def test_serve_hands_uvicorn_the_settings_through_the_environment(monkeypatch, t
     runs: list[tuple[str, dict[str, Any]]] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append((app, kw)))
     for name in (ENV_CONFIG, "VLLM_NVEXT_MODE", "VLLM_NVEXT_ALLOW_MODE_HEADER", "VLLM_NVEXT_MAX_BODY_BYTES"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so what serve() writes is undone after the test
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
     monkeypatch.setattr("tempfile.mkdtemp", lambda prefix: str(tmp_path))
     config = ProxyConfig("http://h:1", api_keys=("k",))
     proxy.serve(

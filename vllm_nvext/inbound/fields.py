@@ -8,8 +8,10 @@ comes with vLLM; it is imported on the first request, so the CLI works without i
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from ..protocol import Endpoint, RequestError
@@ -26,11 +28,32 @@ _VLLM_MODELS = {
     Endpoint.CHAT_BATCH: (("vllm.entrypoints.openai.chat_completion.protocol", "BatchChatCompletionRequest"),),
 }
 _readers: dict[tuple[Endpoint, bool], Any] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionFields:
+    """The decision fields of one request with the types vLLM's request models coerce them to.
+
+    Over both endpoints (vLLM 0.32's CompletionRequest and ChatCompletionRequest); a field the
+    endpoint's model does not have holds the default here.
+    """
+
+    return_token_ids: bool | None = None
+    n: int | None = 1  # completions: an int; chat: also None
+    # Completions only: one prompt (ids or a text) or a batch of them; embeddings (base64 bytes).
+    prompt: list[int] | list[list[int]] | str | list[str] | None = None
+    prompt_embeds: bytes | list[bytes] | None = None
+    echo: bool | None = False
+    # Completions: a count of top logprobs (None: none); chat: a bool.
+    logprobs: int | bool | None = None
+    stream: bool | None = False
+    prompt_logprobs: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    include_reasoning: bool = True  # chat only
+
+
 # The fields read, over both endpoints: the replica models' fields (metrics names its refusal labels by them).
-DECISION_FIELDS = frozenset(
-    {"return_token_ids", "n", "prompt", "prompt_embeds", "echo", "logprobs", "stream", "prompt_logprobs"}
-    | {"kv_transfer_params", "include_reasoning"}
-)
+DECISION_FIELDS = frozenset(field.name for field in dataclasses.fields(DecisionFields))
 
 # vLLM's /invocations tries its request models in this order and serves the body on the first that
 # validates it (`get_generate_invocation_types`: chat, then completions), else answers its own 400.
@@ -106,14 +129,15 @@ def field_reader(endpoint: Endpoint) -> Any:
     return reader
 
 
-def read_fields(data: dict[str, Any], endpoint: Endpoint, names: Any = None) -> Any:
+def read_fields(data: dict[str, Any], endpoint: Endpoint, names: tuple[str, ...] | None = None) -> DecisionFields:
+    """The decision fields of `data` (only `names` of them when given) as vLLM reads them; raises RequestError."""
     reader = field_reader(endpoint)
     if names is not None:
         data = {k: data[k] for k in names if k in data}
     from pydantic import ValidationError
 
     try:
-        return reader.model_validate(data)
+        return DecisionFields(**reader.model_validate(data).__dict__)
     except ValidationError as exc:
         error = exc.errors(include_url=False)[0]
         name = str(error["loc"][0]) if error["loc"] else None

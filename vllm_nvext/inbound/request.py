@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from .. import _json, _vllm_compat
 from ..config import Mode
@@ -23,10 +23,12 @@ from ..protocol import (
     PROMPT_TOKEN_IDS,
     SINGLE_PROMPT_SELECTORS,
     TIMING,
+    Dialect,
     Endpoint,
+    Placement,
     RequestError,
 )
-from .fields import invocation_route, read_fields
+from .fields import DecisionFields, invocation_route, read_fields
 from .nvext_schema import json_type, validate_nvext
 from .optin import might_opt_in
 
@@ -47,7 +49,7 @@ class Request:
     endpoint: Endpoint
     body: bytes
     data: dict[str, Any]
-    fields: Any  # the decision fields, as vLLM coerces them
+    fields: DecisionFields
     nvext: dict[str, Any]
 
 
@@ -108,16 +110,17 @@ def plan_request(body: bytes, endpoint: Endpoint, mode: Mode, *, dp_rank_header:
     return None if request is None else plan(request, mode, dp_rank_header=dp_rank_header)
 
 
-def placements(mode: Mode, return_token_ids: bool, nvext_ids: bool, ids_requested: bool) -> tuple[bool, bool]:
-    """(vLLM placement, nvext placement) of the ids, by mode (docs/protocol.md §6): `auto` answers each
-    dialect in its own placement, `vllm` / `nvext` put every request's ids in one, `both` in both."""
+_VLLM, _NVEXT, _BOTH = frozenset({Placement.VLLM}), frozenset({Placement.NVEXT}), frozenset(Placement)
+
+
+def placements(mode: Mode, return_token_ids: bool, nvext_ids: bool, ids_requested: bool) -> frozenset[Placement]:
+    """Where the ids go, by mode (docs/protocol.md §6): `auto` answers each dialect in its own
+    placement, `vllm` / `nvext` put every request's ids in one, `both` in both; empty: nowhere."""
     if mode is Mode.AUTO:
-        return return_token_ids, nvext_ids
-    if mode is Mode.VLLM:
-        return ids_requested, False
-    if mode is Mode.NVEXT:
-        return False, ids_requested
-    return ids_requested, ids_requested
+        return (_BOTH if nvext_ids else _VLLM) if return_token_ids else (_NVEXT if nvext_ids else frozenset())
+    if not ids_requested:
+        return frozenset()
+    return _VLLM if mode is Mode.VLLM else _NVEXT if mode is Mode.NVEXT else _BOTH
 
 
 def plan(
@@ -131,9 +134,8 @@ def plan(
     requested = set(request.nvext.get("extra_fields") or [])
     # docs/protocol.md §3.4: `return_token_ids: true` is an alias of the completion_token_ids selector.
     normalized = (requested | {COMPLETION_TOKEN_IDS}) if return_token_ids else requested
-    vllm_ids, nvext_placement = placements(
-        mode, return_token_ids, bool(requested & ID_SELECTORS), bool(normalized & ID_SELECTORS)
-    )
+    where = placements(mode, return_token_ids, bool(requested & ID_SELECTORS), bool(normalized & ID_SELECTORS))
+    vllm_ids, nvext_placement = Placement.VLLM in where, Placement.NVEXT in where
     nvext_trio = nvext_placement and COMPLETION_TOKEN_IDS in normalized
     nvext_prompt_ids = nvext_placement and not nvext_trio and PROMPT_TOKEN_IDS in normalized
     selectors = frozenset(normalized & NVEXT_ONLY_SELECTORS)
@@ -152,28 +154,26 @@ def plan(
     echo = endpoint is Endpoint.COMPLETIONS and fields.echo is True
     return Plan(
         endpoint=endpoint,
-        vllm_ids=vllm_ids,
+        vllm_placement=vllm_ids,
         nvext_trio=nvext_trio,
         nvext_prompt_ids=nvext_prompt_ids,
-        selectors=selectors,
+        nvext_only_selectors=selectors,
         strip_vllm_ids=needs_ids and not vllm_ids,
         # vLLM sends prompt ids by itself only on completions streams with echo.
-        echo=echo and fields.stream is True,
+        vllm_sends_prompt_ids=echo and fields.stream is True,
         # vLLM leaves the echoed prompt out of `text` whenever `return_token_ids` is on.
         echo_prompts=_echo_prompts(request) if echo and needs_ids and not return_token_ids else (),
-        logprobs=_logprobs_requested(fields, endpoint),
+        logprobs_requested=_logprobs_requested(fields, endpoint),
         body=rewrite.apply(request.body),
         headers=headers,
-        dialect=("both" if "nvext" in data else "vllm") if return_token_ids else "nvext",
+        dialect=(Dialect.BOTH if "nvext" in data else Dialect.VLLM) if return_token_ids else Dialect.NVEXT,
         stream=fields.stream is True,
         single_choice=n * prompts == 1,
         n=n,
-        await_usage=fields.stream is True and n * prompts == 1 and bool(selectors & {TIMING, ENGINE_DATA}),
-        root_kv=fields.kv_transfer_params is not None,
+        finish_waits_for_usage=fields.stream is True and n * prompts == 1 and bool(selectors & {TIMING, ENGINE_DATA}),
+        kv_stays_at_root=fields.kv_transfer_params is not None,
         error_params=tuple(rewrite.sources.items()),
-        ids_withheld=hides_reasoning_ids
-        and endpoint is Endpoint.CHAT
-        and getattr(fields, "include_reasoning", True) is False,
+        ids_withheld=hides_reasoning_ids and endpoint is Endpoint.CHAT and fields.include_reasoning is False,
     )
 
 
@@ -360,11 +360,12 @@ def _echo_prompts(request: Request) -> tuple[str | tuple[int, ...], ...]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         return (tuple(prompt),)
     if isinstance(prompt, list):
-        return tuple(p if isinstance(p, str) else tuple(p) for p in prompt)
+        batch = cast("list[str] | list[list[int]]", prompt)  # a list of ids was the case above
+        return tuple(p if isinstance(p, str) else tuple(p) for p in batch)
     return ()
 
 
-def _num_prompts(fields: Any) -> int:
+def _num_prompts(fields: DecisionFields) -> int:
     """How many prompts vLLM serves for a completions request (a batch is several)."""
     prompt, embeds = fields.prompt, fields.prompt_embeds
     count = 0
@@ -379,7 +380,7 @@ def _num_prompts(fields: Any) -> int:
     return max(count, 1)
 
 
-def _logprobs_requested(fields: Any, endpoint: Endpoint) -> bool:
+def _logprobs_requested(fields: DecisionFields, endpoint: Endpoint) -> bool:
     lp = fields.logprobs
     if endpoint is not Endpoint.COMPLETIONS:
         return lp is True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .. import _json
 from ..plan import Plan
 from ..protocol import (
     DETAILED_FINISH_REASON,
@@ -67,7 +68,11 @@ def _strip_vllm_ids(obj: dict[str, Any], choices: list[Any], plan: Plan) -> bool
             if choice.get("token_ids") is not None:
                 choice["token_ids"] = None
                 stripped = True
-            if plan.endpoint is Endpoint.COMPLETIONS and not plan.echo and choice.get("prompt_token_ids") is not None:
+            if (
+                plan.endpoint is Endpoint.COMPLETIONS
+                and not plan.vllm_sends_prompt_ids
+                and choice.get("prompt_token_ids") is not None
+            ):
                 choice["prompt_token_ids"] = None
                 stripped = True
     if plan.endpoint is not Endpoint.COMPLETIONS and obj.get("prompt_token_ids") is not None:
@@ -80,7 +85,7 @@ def _take_prompt_logprobs(obj: dict[str, Any], choice: dict[str, Any], plan: Pla
     """vLLM's prompt_logprobs (root in chat, per choice in completions); moved out when selected."""
     owner = obj if plan.endpoint is not Endpoint.COMPLETIONS else choice
     value = owner.get("prompt_logprobs")
-    if value is not None and PROMPT_LOGPROBS in plan.selectors:
+    if value is not None and PROMPT_LOGPROBS in plan.nvext_only_selectors:
         owner["prompt_logprobs"] = None
     return value
 
@@ -92,14 +97,14 @@ def _take_kv(obj: dict[str, Any], plan: Plan) -> Any:
     handoff): vLLM's answer to it stays at the root in every mode, where the orchestrator reads it.
     """
     kv = obj.get("kv_transfer_params")
-    if kv is not None and plan.nvext_trio and not plan.vllm_ids and not plan.root_kv:
+    if kv is not None and plan.nvext_trio and not plan.vllm_placement and not plan.kv_stays_at_root:
         obj["kv_transfer_params"] = None
     return kv
 
 
 def _take_routed_experts(choice: dict[str, Any], plan: Plan) -> Any:
     value = choice.get("routed_experts")
-    if value is not None and ROUTED_EXPERTS in plan.selectors and not plan.vllm_ids:
+    if value is not None and ROUTED_EXPERTS in plan.nvext_only_selectors and not plan.vllm_placement:
         choice["routed_experts"] = None
     return value
 
@@ -124,7 +129,7 @@ def _final_nvext(
     unary: completion_token_ids first, then the same order. `kv_transfer_params`, which 1.6.1
     lacks, follows `completion_token_ids`, where the token-id trio places it (docs/protocol.md §3.4).
     """
-    sel = plan.selectors
+    sel = plan.nvext_only_selectors
     nv: dict[str, Any] = {}
     if unary and plan.nvext_trio:
         nv["completion_token_ids"] = completion_ids
@@ -171,7 +176,7 @@ def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
     prompt_logprobs = _take_prompt_logprobs(obj, choice, plan)
     routed_experts = _take_routed_experts(choice, plan)
     engine = None
-    if ENGINE_DATA in plan.selectors:
+    if ENGINE_DATA in plan.nvext_only_selectors:
         engine = engine_data(
             prompt_ids=prompt_ids,
             cache_hit=kv_cache_hit(prompt_ids, obj.get("usage")) if len(choices) == 1 else None,
@@ -180,7 +185,7 @@ def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
             routed_experts=routed_experts,
             completion_ids=None if completion_ids is None else list(completion_ids),
             finished=True,
-            logprobs=choice_logprobs(choice) if plan.logprobs else None,
+            logprobs=choice_logprobs(choice) if plan.logprobs_requested else None,
         )
     nv = _final_nvext(
         plan,
@@ -188,7 +193,7 @@ def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
         completion_ids=completion_ids if plan.nvext_trio else None,
         prompt_ids=prompt_ids,
         kv=kv,
-        timing_obj=timing(clock, None, obj.get("metrics")) if TIMING in plan.selectors else None,
+        timing_obj=timing(clock, None, obj.get("metrics")) if TIMING in plan.nvext_only_selectors else None,
         engine=engine,
         choice=choice,
         prompt_logprobs=prompt_logprobs,
@@ -256,8 +261,8 @@ class ChunkReshaper:
     """Per-stream state for reshaping decoded `chat.completion.chunk` / streamed `text_completion` chunks.
 
     Each choice of an n > 1 stream is answered on its own finish chunk, as Dynamo does.
-    `stream.StreamReshaper` drives it; its byte-level shortcut for mid-stream deltas updates
-    `ids` (choice 0's ids, engine_data only) and `ttft_ms` itself, exactly as `reshape` would,
+    `stream.StreamReshaper` drives it; its byte-level shortcut for mid-stream deltas reports each
+    delta's ids to `delta_ids` (or `withhold_ids`), which records them exactly as `reshape` would,
     and is not taken while `decode_every_chunk` is set.
     """
 
@@ -269,11 +274,11 @@ class ChunkReshaper:
         self.clock = clock
         self.prompt_ids: Any = None
         self.ids: list[int] = []  # choice 0's completion ids so far (engine_data only)
-        self.logprobs: list[Any] | None = [] if plan.logprobs else None
+        self.logprobs: list[Any] | None = [] if plan.logprobs_requested else None
         self.ttft_ms: float | None = None
-        self.engine = ENGINE_DATA in plan.selectors
+        self.engine = ENGINE_DATA in plan.nvext_only_selectors
         self._choices: dict[int, _Choice] = {0: _Choice(self.ids, self.logprobs)}
-        # With plan.await_usage: the finish chunk's nvext and engine_data arguments, to be
+        # With plan.finish_waits_for_usage: the finish chunk's nvext and engine_data arguments, to be
         # completed from the usage chunk (`complete_from_usage`) before the chunk goes out.
         self.pending: tuple[dict[str, Any], dict[str, Any] | None] | None = None
         self._echoed: set[Any] = set()  # choice indexes whose echoed prompt was put back
@@ -283,14 +288,32 @@ class ChunkReshaper:
         """engine_data with logprobs, or with several choices to keep apart, reads every chunk."""
         return self.engine and (self.logprobs is not None or not self.plan.single_choice)
 
+    @property
+    def needs_delta_ids(self) -> bool:
+        """The byte-level path must report a delta's ids to `delta_ids` (engine_data, or no first token yet)."""
+        return self.engine or self.ttft_ms is None
+
+    def delta_ids(self, event: bytes, start: int, end: int) -> None:
+        """What `reshape` records from the only choice's listed ids, found by the byte-level path at
+        event[start:end]: the first-token time, the engine ids."""
+        if end - start > 2:
+            if self.ttft_ms is None:
+                self.ttft_ms = self.clock.elapsed_ms()
+            if self.engine:
+                self.ids.extend(_json.loads(event[start:end]))
+
     def withhold_ids(self) -> None:
         """The byte-level path saw `token_ids: null` on the only choice (see `_reported_ids`)."""
         self._choices[0].withheld = True
 
+    def drop_pending(self) -> None:
+        """The finish chunk waiting for the usage chunk goes out as it stands (no usage chunk came)."""
+        self.pending = None
+
     def _choice(self, index: int) -> _Choice:
         state = self._choices.get(index)
         if state is None:
-            state = self._choices[index] = _Choice([], [] if self.plan.logprobs else None)
+            state = self._choices[index] = _Choice([], [] if self.plan.logprobs_requested else None)
         return state
 
     def reshape(self, obj: Any) -> bool:
@@ -359,7 +382,7 @@ class ChunkReshaper:
         state: _Choice,
         delta_ids: list[int] | None,
     ) -> None:
-        """A choice's finish chunk: its final `nvext` (or, with `await_usage`, held for the usage chunk)."""
+        """A choice's finish chunk: its final `nvext` (or, with `finish_waits_for_usage`, held for the usage chunk)."""
         plan = self.plan
         state.finished = True
         kv = _take_kv(obj, plan) if plan.nvext_trio else None  # vLLM >= 0.33 sends it on the finish chunk
@@ -377,7 +400,7 @@ class ChunkReshaper:
                 "logprobs": state.logprobs,
             }
             engine = engine_data(**engine_args)
-        if plan.await_usage:
+        if plan.finish_waits_for_usage:
             self.pending = (nv, engine_args)
         nv.update(
             _final_nvext(
@@ -386,7 +409,7 @@ class ChunkReshaper:
                 completion_ids=delta_ids if plan.nvext_trio else None,
                 prompt_ids=self.prompt_ids,
                 kv=kv,
-                timing_obj=timing(self.clock, self.ttft_ms) if TIMING in plan.selectors else None,
+                timing_obj=timing(self.clock, self.ttft_ms) if TIMING in plan.nvext_only_selectors else None,
                 engine=engine,
                 choice=choice,
                 prompt_logprobs=prompt_logprobs,

@@ -1,7 +1,7 @@
 """Pure stream side, bytes in and bytes out: one vLLM SSE response reshaped as a Plan says.
 
 `StreamReshaper` owns the SSE framer and every hot-path shortcut. The general path frames the
-bytes into events, decodes each `data:` payload, lets `response.ChunkReshaper` reshape the
+bytes into events, decodes each `data:` payload, lets `chunks.ChunkReshaper` reshape the
 chunk and encodes it again; each shortcut below names the test that proves it gives the same
 bytes as that path. `Splice`, the cheapest, is also what the `send` handed to vLLM serves
 deltas with (`send.python_stream_send`, `_speedups.c`). Nothing here knows ASGI.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 from .. import _json
@@ -166,7 +167,7 @@ class StreamReshaper:
         self._head = b""  # the bytes from finish_reason to the ids, and after them, of the last delta matched
         self._tail = b""
         self._held = False  # the framer holds a partial event (the `buffered` property, as a plain slot)
-        # A finish chunk waiting for the usage chunk (plan.await_usage): the bytes before its JSON,
+        # A finish chunk waiting for the usage chunk (plan.finish_waits_for_usage): the bytes before its JSON,
         # the decoded chunk, the bytes after. It goes out with the next event, whatever that is.
         self._waiting: tuple[bytes, Any, bytes] | None = None
         # For the metrics: messages and events that went through the framer (every other message
@@ -231,7 +232,7 @@ class StreamReshaper:
             if splice is not None:
                 start = splice.locate(event)
                 if start >= 0:
-                    self.delta_ids(event, start, len(event) - len(splice.tail))
+                    self.chunks.delta_ids(event, start, len(event) - len(splice.tail))
                     return splice.render(event, start)
             tail = self._tail
             if tail and event.endswith(tail):
@@ -284,18 +285,10 @@ class StreamReshaper:
         return self.splice is not None and self._fast and not self._held and self._waiting is None
 
     @property
-    def needs_ids(self) -> bool:
-        """A delta served by the splice must be reported with `delta_ids` (engine_data, or no first token yet)."""
-        return self.chunks.engine or self.chunks.ttft_ms is None
-
-    def delta_ids(self, event: bytes, start: int, end: int) -> None:
-        """What the general path records from a delta's listed ids at event[start:end]: first-token time, engine ids."""
-        if end - start > 2:
-            chunks = self.chunks
-            if chunks.ttft_ms is None:
-                chunks.ttft_ms = chunks.clock.elapsed_ms()
-            if chunks.engine:
-                chunks.ids.extend(_json.loads(event[start:end]))
+    def on_ids(self) -> Callable[[bytes, int, int], None] | None:
+        """What a delta served by the splice is reported to (`ChunkReshaper.delta_ids`); None: nothing to record."""
+        chunks = self.chunks
+        return chunks.delta_ids if chunks.needs_delta_ids else None
 
     def _delta(self, event: bytes, start: int, end: int) -> bytes | None:
         """A mid-stream delta whose ids (a list, or null) sit at event[start:end]."""
@@ -304,7 +297,7 @@ class StreamReshaper:
         if not listed:
             self.chunks.withhold_ids()
         else:
-            self.delta_ids(event, start, end)
+            self.chunks.delta_ids(event, start, end)
         strip = self._strip and listed  # vLLM's copy goes back to null, an empty one too
         if self._trio:
             return b"".join(
@@ -363,7 +356,7 @@ class StreamReshaper:
     def _release(self) -> bytes:
         """The waiting finish chunk, as it stands (completed from the usage chunk if one came)."""
         waiting, self._waiting = self._waiting, None
-        self.chunks.pending = None
+        self.chunks.drop_pending()
         if waiting is None:
             return b""
         before, obj, after = waiting

@@ -3,7 +3,7 @@
 The bulk of a large body is logprobs, which most plans never read, and decoding them costs
 about ten times their size in Python objects. So the values the plan does not read are cut
 out of the bytes first (each replaced by a marker string), the small rest is decoded and
-reshaped by `response.reshape_unary`, and the original bytes are put back where the markers
+reshaped by `chunks.reshape_unary`, and the original bytes are put back where the markers
 landed. Same bytes as decoding the whole body:
 tests/unit/test_unary.py::test_cut_path_equals_decoding_the_whole_body.
 """
@@ -38,9 +38,9 @@ MIN_CUT_BYTES = 64 * 1024
 
 def _cuttable(plan: Plan) -> list[tuple[bytes, bytes]]:
     keys = []
-    if not (ENGINE_DATA in plan.selectors and plan.logprobs):
+    if not (ENGINE_DATA in plan.nvext_only_selectors and plan.logprobs_requested):
         keys.append(_LOGPROBS)
-    if PROMPT_LOGPROBS not in plan.selectors and ENGINE_DATA not in plan.selectors:
+    if PROMPT_LOGPROBS not in plan.nvext_only_selectors and ENGINE_DATA not in plan.nvext_only_selectors:
         keys.append(_PROMPT_LOGPROBS)
     return keys
 

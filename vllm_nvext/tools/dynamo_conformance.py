@@ -87,7 +87,7 @@ def cases(model: str) -> list[Case]:
     batch.
     """
     out: list[Case] = []
-    for path, ep in ((CHAT, "chat"), (COMPLETIONS, "completions")):
+    for path, ep in ((PATHS[e], e.value) for e in (Endpoint.CHAT, Endpoint.COMPLETIONS)):
         base: dict[str, Any] = {"model": model, **BASE[path]}
         greedy = {**base, "temperature": 0}
         stop_text, stop_id = STOP[path]

@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..protocol import COMPLETION_TOKEN_IDS, ENGINE_DATA, PROMPT_LOGPROBS, PROMPT_TOKEN_IDS, WORKER_ID
+
 DYNAMO_VERSION = "1.6.1"
 
 
@@ -92,8 +94,8 @@ DIFFERENCES: tuple[Difference, ...] = (
             "This project's purpose: the token-id trio of the open Dynamo PR #13588. Dynamo 1.6.1 "
             "answers only the ids and refuses `return_token_ids` with 400"
         ),
-        when={"selectors": ["completion_token_ids"], "not_selectors": ["prompt_token_ids"]},
-        nvext_only=("prompt_token_ids", "kv_transfer_params"),
+        when={"selectors": [COMPLETION_TOKEN_IDS], "not_selectors": [PROMPT_TOKEN_IDS]},
+        nvext_only=(PROMPT_TOKEN_IDS, "kv_transfer_params"),
     ),
     Difference(
         id="stop-string-engine-data",
@@ -104,8 +106,8 @@ DIFFERENCES: tuple[Difference, ...] = (
             "worker's final chunk, so its `engine_data` is lost; vLLM finishes the request and "
             "reports it"
         ),
-        when={"stop_string": True, "any_selectors": ["engine_data"]},
-        nvext_only=("engine_data",),
+        when={"stop_string": True, "any_selectors": [ENGINE_DATA]},
+        nvext_only=(ENGINE_DATA,),
     ),
     Difference(
         id="stream-engine-metrics",
@@ -146,8 +148,8 @@ DIFFERENCES: tuple[Difference, ...] = (
         what="`worker_id` is not answered",
         contract="Dynamo 1.6.1",
         reason="A single `vllm serve` has no Dynamo router and no worker ids to report",
-        when={"selectors": ["worker_id"]},
-        dynamo_only=("worker_id",),
+        when={"selectors": [WORKER_ID]},
+        dynamo_only=(WORKER_ID,),
     ),
     Difference(
         id="batch-prompt-selectors",
@@ -157,7 +159,7 @@ DIFFERENCES: tuple[Difference, ...] = (
             "Dynamo documents these selectors as single-prompt; 1.6.1 answers 200 with only the "
             "last prompt's ids, which a client cannot tell from a right answer"
         ),
-        when={"batch": True, "any_selectors": ["prompt_token_ids", "engine_data", "prompt_logprobs"]},
+        when={"batch": True, "any_selectors": [PROMPT_TOKEN_IDS, ENGINE_DATA, PROMPT_LOGPROBS]},
         aspects=("status",),
     ),
     Difference(

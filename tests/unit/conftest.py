@@ -1,0 +1,48 @@
+"""Fixtures several unit modules share: each replaces one private seam of the package, in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_nvext import _json, _vllm_compat
+
+
+def _forget_vllm() -> None:
+    """Drop every answer _vllm_compat cached about the installed vLLM (its root, the probes, the key rule)."""
+    for value in vars(_vllm_compat).values():
+        clear = getattr(value, "cache_clear", None)
+        if callable(clear):
+            clear()
+
+
+@pytest.fixture
+def vllm_at(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Path | None], None]]:
+    """Point what _vllm_compat reads from vLLM's source at another vllm package directory (or None:
+    vLLM not installed); the installed vLLM's answers come back after the test."""
+
+    def point(root: Path | None) -> None:
+        _forget_vllm()
+        monkeypatch.setattr(_vllm_compat, "_vllm_root", lambda: root)
+
+    yield point
+    monkeypatch.undo()
+    _forget_vllm()
+
+
+@pytest.fixture
+def json_decodes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every document decoded through vllm_nvext._json.loads during the test (how the stream path
+    decodes an event), in order."""
+    decoded: list[bytes] = []
+    real = _json.loads
+
+    def recording(data: bytes) -> Any:
+        decoded.append(bytes(data))
+        return real(data)
+
+    monkeypatch.setattr(_json, "loads", recording)
+    return decoded
