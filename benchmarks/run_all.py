@@ -41,7 +41,7 @@ BENCHMARKS: dict[str, tuple[Callable[..., list[Target]], list[str]]] = {
     "metrics": (bench_metrics.run, [bench_metrics.TARGET_COUNTING]),
     "asgi": (bench_asgi.run, [bench_asgi.TARGET_LINEAR]),
     "memory": (bench_memory.run, [bench_memory.TARGET_MEMORY]),
-    # The extra hop of `vllm-nvext proxy` vs direct, in front of a stand-in upstream.
+    # The extra hop of `vllm-nvext proxy` vs direct, in front of vLLM 0.33 (scripted engine) and a stand-in.
     "proxy": (bench_proxy.run, list(bench_proxy.TARGETS)),
     "server": (bench_server.run, [bench_server.TARGET_SERVER]),
 }

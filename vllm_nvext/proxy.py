@@ -1,9 +1,10 @@
 """`vllm-nvext proxy`: the middleware out of process, in front of any vLLM OpenAI server.
 
 `NvextProxy` is an ASGI app: the unchanged `NvextMiddleware` around `Forwarder`, which sends every
-request (any route, any method) to the upstream server with one pooled `httpx.AsyncClient`, the
+request (any route, any method) to the upstream server with one pooled `aiohttp.ClientSession`, the
 request body streamed up and the response streamed down as it comes, so the translation is the
-mounted middleware's, byte for byte (docs/scaling-out.md, "Out of process").
+mounted middleware's, byte for byte (docs/scaling-out.md, "Out of process"). aiohttp, not httpx:
+it reads a stream at a fraction of httpx's CPU per event (docs/performance.md, "The proxy's hop").
 
 What the middleware gets from inside vLLM when mounted, it gets here from outside:
 - vLLM's key check: the proxy's `--api-key` (default `VLLM_API_KEY`), the upstream's keys, rides on
@@ -26,8 +27,10 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Any
+from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
+from yarl import URL
 
 from . import _vllm_compat, metrics
 from .asgi import Message, Receive, Scope, Send
@@ -53,6 +56,8 @@ HOP_BY_HOP = frozenset(
     }
 )
 METRICS_PATH = "/metrics"
+# Headers aiohttp would add of its own (`host` aside, which is the upstream's).
+_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 # The proxy's settings for the worker processes uvicorn spawns (JSON of ProxyConfig).
 ENV_CONFIG = "VLLM_NVEXT_PROXY_CONFIG"
 DEFAULT_TIMEOUT_S = 600.0
@@ -78,8 +83,8 @@ class ProxyConfig:
     kv_transfer_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        url = httpx.URL(self.upstream)
-        if url.scheme not in ("http", "https") or not url.host:
+        url = urlsplit(self.upstream)
+        if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"upstream: expected an http:// or https:// URL, got {self.upstream!r}")
         object.__setattr__(self, "upstream", self.upstream.rstrip("/"))
         object.__setattr__(self, "api_keys", tuple(k for k in self.api_keys if k))
@@ -100,24 +105,31 @@ class _ClientGone(Exception):
 class Forwarder:
     """The app inside the middleware: every request to the upstream, streamed both ways."""
 
-    def __init__(self, config: ProxyConfig, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, config: ProxyConfig, session: aiohttp.ClientSession | None = None) -> None:
         self.config = config
-        self._client = client
+        self._session = session
 
     @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:  # made in the serving process, on its event loop
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.config.timeout, connect=self.config.connect_timeout),
-                # No cap on concurrent requests (each stream holds a connection); a pool of idle ones.
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-                follow_redirects=False,
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:  # made in the serving process, on its event loop
+            self._session = aiohttp.ClientSession(
+                # No cap on concurrent requests (each stream holds a connection); idle ones kept.
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=self.config.connect_timeout, sock_read=self.config.timeout
+                ),
+                # A proxy keeps no cookies: one client's would go to the next.
+                cookie_jar=aiohttp.DummyCookieJar(),
+                # Only what the client sent: none of the client library's own headers (the upstream's
+                # `host` aside), and the body's bytes as they come (compressed stays compressed).
+                skip_auto_headers=_AUTO_HEADERS,
+                auto_decompress=False,
             )
-        return self._client
+        return self._session
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -142,30 +154,28 @@ class Forwarder:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    def url(self, scope: Scope) -> str:
+    def url(self, scope: Scope) -> URL:
+        """The upstream's URL for this request: the client's path and query as it sent them (no re-quoting)."""
         raw: bytes = scope.get("raw_path") or scope["path"].encode()
         query: bytes = scope.get("query_string", b"")
-        return self.config.upstream + raw.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+        text = self.config.upstream + raw.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+        return URL(text, encoded=True)
 
     async def forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         """One request to the upstream; the client going away closes the upstream request."""
         first = await receive()
         if first["type"] != "http.request":
             return  # gone before sending anything
-        body_done = asyncio.Event()
-        content: bytes | AsyncIterator[bytes]
+        body: _Body | None = None
+        data: bytes | AsyncIterator[bytes] | None
         if first.get("more_body", False):
-            content = _body(first, receive, body_done)
+            body = _Body(receive)
+            data = body.chunks(first)
         else:
-            content = bytes(first.get("body", b""))
-            body_done.set()
-        # Not `client.build_request`: it would add the client library's own headers (Accept-Encoding,
-        # User-Agent, ...) to what the client sent.
-        request = httpx.Request(
-            scope["method"], self.url(scope), headers=request_headers(scope["headers"]), content=content
-        )
-        exchange = asyncio.ensure_future(self._exchange(request, send))
-        watch = asyncio.ensure_future(_client_gone(receive, body_done))
+            data = bytes(first.get("body", b"")) or None
+        headers = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in request_headers(scope["headers"])]
+        exchange = asyncio.ensure_future(self._exchange(scope["method"], self.url(scope), headers, data, body, send))
+        watch = asyncio.ensure_future(_client_gone(receive, body))
         try:
             await asyncio.wait((exchange, watch), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -175,37 +185,47 @@ class Forwarder:
             with contextlib.suppress(asyncio.CancelledError):
                 await exchange  # re-raises a failure mid-response: the server cuts the connection
 
-    async def _exchange(self, request: httpx.Request, send: Send) -> None:
+    async def _exchange(
+        self,
+        method: str,
+        url: URL,
+        headers: list[tuple[str, str]],
+        data: bytes | AsyncIterator[bytes] | None,
+        body: _Body | None,
+        send: Send,
+    ) -> None:
         try:
-            response = await self.client.send(request, stream=True)
-        except _ClientGone:
-            return
-        except httpx.TimeoutException:
-            await _send_error(send, 504, "vllm-nvext proxy: the upstream server did not answer in time")
-            return
-        except httpx.TransportError:
-            await _send_error(send, 502, "vllm-nvext proxy: the upstream server could not be reached")
+            response = await self.session.request(method, url, headers=headers, data=data, allow_redirects=False)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            if body is not None and body.gone:
+                return  # the client left while its body came: nobody to answer
+            if isinstance(exc, TimeoutError):  # aiohttp's connect and read timeouts are TimeoutErrors too
+                await _send_error(send, 504, "vllm-nvext proxy: the upstream server did not answer in time")
+            else:
+                await _send_error(send, 502, "vllm-nvext proxy: the upstream server could not be reached")
             return
         try:
-            headers = response_headers(response.headers.raw)
-            await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
-            async for chunk in response.aiter_raw():  # never an empty chunk
+            headers_out = response_headers(response.raw_headers)
+            await send({"type": "http.response.start", "status": response.status, "headers": headers_out})
+            async for chunk in response.content.iter_any():  # never an empty chunk
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            await response.aclose()
+        except BaseException:
+            response.close()  # mid-response (a failure, or the client gone): the connection is dropped
+            raise
+        response.release()  # read to its end: the connection goes back to the pool
 
     async def _metrics(self, scope: Scope, send: Send) -> None:
         """The upstream's `/metrics`, then the proxy's own families."""
         upstream = b""
-        headers = [(n, v) for n, v in scope["headers"] if n == b"authorization"]
+        headers = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in scope["headers"] if n == b"authorization"]
         try:
-            response = await self.client.get(
-                self.config.upstream + METRICS_PATH, headers=[*headers, (b"accept", b"text/plain")]
-            )
-            if response.status_code == 200:
-                upstream = response.content
-        except httpx.HTTPError:
+            async with self.session.get(
+                self.config.upstream + METRICS_PATH, headers=[*headers, ("accept", "text/plain")]
+            ) as response:
+                if response.status == 200:
+                    upstream = await response.read()
+        except (aiohttp.ClientError, TimeoutError):
             pass  # the proxy's own counters still answer
         if upstream and not upstream.endswith(b"\n"):
             upstream += b"\n"
@@ -223,8 +243,10 @@ class Forwarder:
 class NvextProxy:
     """`NvextMiddleware` around `Forwarder`, with the upstream's keys for the middleware's auth check."""
 
-    def __init__(self, config: ProxyConfig, settings: Settings | None = None, client: httpx.AsyncClient | None = None):
-        self.forwarder = Forwarder(config, client)
+    def __init__(
+        self, config: ProxyConfig, settings: Settings | None = None, session: aiohttp.ClientSession | None = None
+    ):
+        self.forwarder = Forwarder(config, session)
         self.middleware = NvextMiddleware(self.forwarder, settings=settings)
         self.api_keys = config.api_keys
         self.server_args = SimpleNamespace(
@@ -266,28 +288,42 @@ def _connection_named(headers: Sequence[tuple[bytes, bytes]]) -> set[bytes]:
     return {t.strip().lower() for n, v in headers if n == b"connection" for t in v.split(b",")}
 
 
-async def _body(first: Message, receive: Receive, done: asyncio.Event) -> AsyncIterator[bytes]:
-    """A request body as it arrives (the client's flow control is the upstream's)."""
-    try:
-        chunk = first.get("body", b"")
-        if chunk:
-            yield bytes(chunk)
-        more = True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                raise _ClientGone
-            more = bool(message.get("more_body", False))
-            chunk = message.get("body", b"")
+class _Body:
+    """A request body that comes in several messages, read as it arrives (the client's flow control
+    is the upstream's); `gone` once the client left before its end."""
+
+    __slots__ = ("receive", "done", "gone")
+
+    def __init__(self, receive: Receive) -> None:
+        self.receive = receive
+        self.done = asyncio.Event()
+        self.gone = False
+
+    async def chunks(self, first: Message) -> AsyncIterator[bytes]:
+        try:
+            chunk = first.get("body", b"")
             if chunk:
                 yield bytes(chunk)
-    finally:
-        done.set()
+            more = True
+            while more:
+                message = await self.receive()
+                if message["type"] != "http.request":
+                    self.gone = True
+                    raise _ClientGone  # aborts the upstream request: it never gets half a body
+                more = bool(message.get("more_body", False))
+                chunk = message.get("body", b"")
+                if chunk:
+                    yield bytes(chunk)
+        finally:
+            self.done.set()
 
 
-async def _client_gone(receive: Receive, body_done: asyncio.Event) -> None:
+async def _client_gone(receive: Receive, body: _Body | None) -> None:
     """Returns when the client disconnects (after its body: until then the body's reader listens)."""
-    await body_done.wait()
+    if body is not None:
+        await body.done.wait()
+        if body.gone:
+            return
     while (await receive())["type"] != "http.disconnect":
         pass
 
@@ -344,4 +380,9 @@ def serve(config: ProxyConfig, settings: Settings, *, host: str, port: int, work
         server_header=False,
         date_header=False,
         lifespan="on",
+        # uvicorn's fastest stack where installed (vLLM installs uvloop and httptools; "auto" falls
+        # back to asyncio and h11), and no access log line per request.
+        loop="auto",
+        http="auto",
+        access_log=False,
     )

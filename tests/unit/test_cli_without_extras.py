@@ -1,7 +1,7 @@
 """`pip install vllm-nvext` brings only orjson: each command says what else it needs.
 
 Each command runs in a fresh interpreter whose import system cannot see vLLM, torch,
-transformers, tokenizers, safetensors, httpx or starlette, exactly as in a venv without them.
+transformers, tokenizers, safetensors, httpx, aiohttp or starlette, exactly as in a venv without them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import pytest
 from vllm_nvext.tools import cli
 
 HIDDEN = (
-    "vllm", "torch", "transformers", "tokenizers", "safetensors", "httpx", "httpcore", "openai", "starlette", "uvicorn",
+    "vllm", "torch", "transformers", "tokenizers", "safetensors", "httpx", "httpcore", "aiohttp", "openai",
+    "starlette", "uvicorn",
 )  # fmt: skip
 
 # Replaces the path finder with one that does not find the hidden packages: `import vllm` then
@@ -68,7 +69,7 @@ def run_without_extras(*argv: str) -> subprocess.CompletedProcess[str]:
         ),  # fmt: skip
         (
             ["proxy", "--upstream", "http://127.0.0.1:9"],
-            "needs httpx and uvicorn (httpx, uvicorn not installed): pip install 'vllm-nvext[proxy]'",
+            "needs aiohttp and uvicorn (aiohttp, uvicorn not installed): pip install 'vllm-nvext[proxy]'",
         ),  # fmt: skip
     ],
     ids=["serve", "serve-model", "tiny-model", "parity", "proxy"],

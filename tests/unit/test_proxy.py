@@ -1,20 +1,25 @@
 """`vllm-nvext proxy`'s plumbing: forwarding, streaming both ways, disconnects, upstream failures, auth.
 
-The upstream is in process: an ASGI app behind `httpx.ASGITransport`, or an `httpx.MockTransport`
-whose response stream the test drives (to see each chunk leave before the next exists, and the
-upstream stream closed when the client goes). The real-server matrix is tests/e2e/test_proxy.py.
+The upstream is a real HTTP server on a free localhost port, run in the test's own event loop
+(uvicorn, as the proxy's own server), so the proxy's pooled aiohttp client talks to it over TCP.
+It serves an ASGI app, or a handler written against httpx's `Request`/`Response` whose response
+stream the test drives (to see each chunk leave before the next exists, and the upstream stream
+closed when the client goes). The real-server matrix is tests/e2e/test_proxy.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import socket
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
+import uvicorn
 
 from tests.helpers import CHAT, COMPLETIONS
 from tests.unit import asgi
@@ -35,6 +40,8 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 UPSTREAM = "http://upstream.test:8000"
 NVEXT_IDS = {"nvext": {"extra_fields": ["completion_token_ids"]}}
 JSON = (b"content-type", b"application/json")
+# What each test started: its upstream servers and proxies, stopped after it (`_stop_what_started`).
+_STARTED: list[Any] = []
 
 
 async def call(app: Any, path: str, body: bytes, **kwargs: Any) -> asgi.Result:
@@ -42,9 +49,117 @@ async def call(app: Any, path: str, body: bytes, **kwargs: Any) -> asgi.Result:
     return await asgi.call(app, path, body, **kwargs)
 
 
-def proxy_over(app: Any, *, keys: tuple[str, ...] = (), settings: Settings | None = None) -> NvextProxy:
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
-    return NvextProxy(ProxyConfig(UPSTREAM, api_keys=keys), settings or Settings(), client=client)
+def _listening() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
+async def serve(app: Any) -> str:
+    """`app` served over HTTP on a free localhost port until the test ends; its URL."""
+    sock = _listening()
+    config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, timeout_graceful_shutdown=10)
+    config.load()
+    server = uvicorn.Server(config)
+    server.lifespan = config.lifespan_class(config)  # as `Server.serve` sets it (here: off)
+    await server.startup(sockets=[sock])
+    _STARTED.append(server)
+    host, port = sock.getsockname()
+    return f"http://{host}:{port}"
+
+
+def proxy_to(url: str, *, keys: tuple[str, ...] = (), settings: Settings | None = None, **config: Any) -> NvextProxy:
+    app = NvextProxy(ProxyConfig(url, api_keys=keys, **config), settings or Settings())
+    _STARTED.append(app.forwarder)
+    return app
+
+
+async def proxy_over(app: Any, *, keys: tuple[str, ...] = (), settings: Settings | None = None) -> NvextProxy:
+    return proxy_to(await serve(app), keys=keys, settings=settings)
+
+
+async def mock_proxy(handler: Callable[[httpx.Request], Any], **config: Any) -> NvextProxy:
+    return proxy_to(await serve(handled(handler)), **config)
+
+
+@pytest.fixture(autouse=True)
+async def _stop_what_started() -> AsyncIterator[None]:
+    yield
+    while _STARTED:
+        started = _STARTED.pop()
+        if isinstance(started, uvicorn.Server):
+            started.should_exit = True
+            await started.shutdown()
+        else:
+            await started.aclose()
+
+
+class _RequestBody(httpx.AsyncByteStream):
+    """The upstream's request body as its server hands it over, message by message."""
+
+    def __init__(self, receive: Any) -> None:
+        self.receive = receive
+        self.read = asyncio.Event()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        more = True
+        while more:
+            message = await self.receive()
+            more = bool(message.get("more_body", False))
+            if message.get("body"):
+                yield message["body"]
+        self.read.set()
+
+
+def handled(handler: Callable[[httpx.Request], Any]) -> Any:
+    """An ASGI app answering with `handler(request)`: its response streamed as the stream yields;
+    when the proxy drops the connection the handler is cancelled and the stream closed (`aclose`)."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        headers = [(n, v) for n, v in scope["headers"]]
+        query = b"?" + scope["query_string"] if scope["query_string"] else b""
+        host = dict(headers)[b"host"].decode()
+        url = f"http://{host}{scope['raw_path'].decode()}{query.decode()}"
+        body = _RequestBody(receive)
+        request = httpx.Request(scope["method"], url, headers=headers, stream=body)
+        streams: list[Any] = []
+        answered = asyncio.Event()
+
+        async def respond() -> None:
+            response = handler(request)
+            if asyncio.iscoroutine(response):
+                response = await response
+            answered.set()
+            await send({"type": "http.response.start", "status": response.status_code, "headers": response.headers.raw})
+            streams.append(response.stream)
+            async for chunk in response.stream:
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def disconnect() -> None:  # listens once the body is read, or left unread by the answer
+            read, answer = asyncio.ensure_future(body.read.wait()), asyncio.ensure_future(answered.wait())
+            await asyncio.wait((read, answer), return_when=asyncio.FIRST_COMPLETED)
+            read.cancel()
+            answer.cancel()
+            if not body.read.is_set():
+                async for _ in body:
+                    pass
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        responding, watching = asyncio.ensure_future(respond()), asyncio.ensure_future(disconnect())
+        await asyncio.wait((responding, watching), return_when=asyncio.FIRST_COMPLETED)
+        watching.cancel()
+        if not responding.done():
+            responding.cancel()
+            for stream in streams:
+                await stream.aclose()
+            return
+        responding.result()  # a stream that fails mid-body fails the app: the server cuts the connection
+
+    return app
 
 
 class Body(httpx.AsyncByteStream):
@@ -63,12 +178,6 @@ def reply(status: int, content: bytes = b"", headers: Any = None, json_body: Any
     return httpx.Response(status, headers=headers, stream=Body(content))
 
 
-def mock_proxy(handler: Any) -> NvextProxy:
-    return NvextProxy(
-        ProxyConfig(UPSTREAM), Settings(), client=httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    )
-
-
 # --- forwarding ---------------------------------------------------------------------------------
 
 
@@ -81,7 +190,7 @@ async def test_an_unknown_route_is_forwarded_byte_for_byte_with_its_method_query
         headers = [("content-type", "application/x-odd"), ("x-upstream", "1"), ("connection", "close, x-drop")]
         return reply(418, b"\x00odd body\xff", headers)
 
-    app = mock_proxy(handler)
+    app = await mock_proxy(handler)
     headers = (
         (b"content-type", b"application/x-odd"),
         (b"authorization", b"Bearer secret"),
@@ -97,11 +206,13 @@ async def test_an_unknown_route_is_forwarded_byte_for_byte_with_its_method_query
     assert result.header(b"x-upstream") == b"1"
     assert result.header(b"connection") is None and result.header(b"x-drop") is None, "hop-by-hop dropped"
     request = seen[0]
-    assert request.method == "PUT" and str(request.url) == UPSTREAM + "/some/route%20x"
+    assert request.method == "PUT" and request.url.raw_path == b"/some/route%20x", "the path as the client sent it"
     assert request.content == b"raw \x01 bytes"
     assert request.headers["authorization"] == "Bearer secret", "credentials pass through"
     assert request.headers["x-custom"] == "kept"
-    assert request.headers["host"] == "upstream.test:8000", "the upstream's host, not the client's"
+    assert request.headers["host"] == app.forwarder.config.upstream.removeprefix("http://"), "the upstream's host"
+    for own in ("user-agent", "accept", "accept-encoding"):
+        assert own not in request.headers, f"no {own} of the proxy's own client library"
     for hop in ("x-hop", "keep-alive", "connection"):
         assert hop not in request.headers, f"{hop} is the client's connection's, not the upstream's"
 
@@ -113,15 +224,15 @@ async def test_the_query_string_reaches_the_upstream():
         urls.append(str(request.url))
         return reply(200, b"ok")
 
-    app = mock_proxy(handler)
+    app = await mock_proxy(handler)
     scope = _scope("/v1/models", method="GET", query=b"a=1&b=%20")
     sent = await _drive(app, scope, [{"type": "http.request", "body": b"", "more_body": False}])
-    assert sent[0]["status"] == 200 and urls == [UPSTREAM + "/v1/models?a=1&b=%20"]
+    assert sent[0]["status"] == 200 and urls == [app.forwarder.config.upstream + "/v1/models?a=1&b=%20"]
 
 
 async def test_a_body_in_several_messages_is_streamed_up_whole():
     upstream = Upstream(body=b'{"ok": true}')
-    app = proxy_over(upstream)
+    app = await proxy_over(upstream)
     body = json.dumps({"model": "tiny", "prompt": "x" * 5000}).encode()
     result = await call(app, COMPLETIONS, body, request_cuts=(7, 100, 4096))
     assert result.status == 200 and result.body == b'{"ok": true}'
@@ -137,7 +248,7 @@ async def test_a_body_the_middleware_never_reads_is_streamed_up_as_it_comes():
             received.append(part)
         return reply(200, b"stored")
 
-    app = mock_proxy(handler)
+    app = await mock_proxy(handler)
     body = b"line one\nline two\n" * 100
     headers = [(b"content-type", b"text/plain")]
     result = await call(app, "/v1/files", body, request_cuts=(0, 5, 900), headers=headers)
@@ -148,7 +259,7 @@ async def test_a_body_the_middleware_never_reads_is_streamed_up_as_it_comes():
 async def test_translation_through_the_proxy_is_the_middlewares():
     recorded = (FIXTURES / "completions_unary_ids.json").read_bytes()
     upstream = Upstream(body=recorded)
-    app = proxy_over(upstream)
+    app = await proxy_over(upstream)
     body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 3, **NVEXT_IDS}).encode()
     result = await call(app, COMPLETIONS, body)
     assert result.status == 200
@@ -162,7 +273,7 @@ async def test_translation_through_the_proxy_is_the_middlewares():
 
 async def test_a_bad_nvext_field_is_the_middlewares_400_naming_it():
     upstream = Upstream()
-    app = proxy_over(upstream)
+    app = await proxy_over(upstream)
     result = await call(app, CHAT, json.dumps({"model": "tiny", "nvext": 3}).encode())
     assert result.status == 400 and json.loads(result.body)["error"]["param"] == "nvext"
     assert upstream.calls == 0
@@ -172,12 +283,13 @@ async def test_a_bad_nvext_field_is_the_middlewares_400_naming_it():
 
 
 class Stream(httpx.AsyncByteStream):
-    """An upstream response body the test releases chunk by chunk; records whether it was closed."""
+    """An upstream response body the test releases chunk by chunk; `closed` once its server saw the
+    connection dropped before its end."""
 
     def __init__(self, chunks: list[bytes]) -> None:
         self.chunks = chunks
         self.release = [asyncio.Event() for _ in chunks]
-        self.closed = False
+        self.closed = asyncio.Event()
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         for chunk, gate in zip(self.chunks, self.release, strict=True):
@@ -185,7 +297,7 @@ class Stream(httpx.AsyncByteStream):
             yield chunk
 
     async def aclose(self) -> None:
-        self.closed = True
+        self.closed.set()
 
 
 async def test_each_upstream_chunk_reaches_the_client_before_the_next_exists():
@@ -195,10 +307,8 @@ async def test_each_upstream_chunk_reaches_the_client_before_the_next_exists():
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
 
-    app = mock_proxy(handler)
+    app = await mock_proxy(handler)
     gates = list(stream.release)  # one per event
-    stream.chunks.insert(1, b"")  # an empty read (httpx drops it) is never sent on as an event
-    stream.release.insert(1, gates[1])
     got: list[bytes] = []
     stream.release[0].set()
 
@@ -219,7 +329,7 @@ async def test_a_client_that_goes_away_mid_stream_closes_the_upstream_stream():
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
 
-    app = mock_proxy(handler)
+    app = await mock_proxy(handler)
     stream.release[0].set()
     gone = asyncio.Event()
     sent: list[dict[str, Any]] = []
@@ -239,7 +349,7 @@ async def test_a_client_that_goes_away_mid_stream_closes_the_upstream_stream():
         return {"type": "http.disconnect"}
 
     await asyncio.wait_for(app(_scope("/v1/other", method="GET"), receive, send), 30)
-    assert stream.closed, "the upstream request is closed, so vLLM aborts it"
+    await asyncio.wait_for(stream.closed.wait(), 30)  # the upstream request is closed, so vLLM aborts it
     assert [m.get("body") for m in sent if m["type"] == "http.response.body"] == [b"data: 1\n\n"]
 
 
@@ -250,7 +360,7 @@ async def test_a_client_that_goes_away_while_its_body_comes_ends_the_exchange():
         calls.append(request)
         return httpx.Response(200)
 
-    app = mock_proxy(handler)
+    app = await mock_proxy(handler)
     receive = _receiver(
         [
             {"type": "http.request", "body": b"{", "more_body": True},
@@ -270,7 +380,7 @@ async def test_a_client_that_goes_away_while_its_body_comes_ends_the_exchange():
 
 
 async def test_a_client_gone_before_its_body_gets_nothing():
-    app = mock_proxy(lambda request: httpx.Response(200))
+    app = await mock_proxy(lambda request: httpx.Response(200))
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
@@ -286,14 +396,14 @@ async def test_an_upstream_failing_mid_response_cuts_the_clients_connection():
             yield b"data: 1\n\n"
             raise httpx.ReadError("reset")
 
-    app = mock_proxy(lambda request: httpx.Response(200, stream=Broken()))
+    app = await mock_proxy(lambda request: httpx.Response(200, stream=Broken()))
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
     receive = _receiver([{"type": "http.request", "body": b"", "more_body": False}])
-    with pytest.raises(httpx.ReadError):  # the server then closes the connection: no clean end
+    with pytest.raises(aiohttp.ClientPayloadError):  # the server then closes the connection: no clean end
         await app(_scope("/x", method="GET"), receive, send)
     assert all(m.get("more_body", True) for m in sent if m["type"] == "http.response.body"), "never a clean end"
 
@@ -301,35 +411,45 @@ async def test_an_upstream_failing_mid_response_cuts_the_clients_connection():
 # --- upstream down ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("error", "status"),
-    [
-        (httpx.ConnectError("[Errno 111] Connection refused to 10.1.2.3"), 502),
-        (httpx.RemoteProtocolError("Server disconnected"), 502),
-        (httpx.ReadTimeout("timed out on /secret/path"), 504),
-        (httpx.ConnectTimeout("timed out"), 504),
-    ],
-)
-async def test_an_upstream_down_or_late_is_a_502_or_504_in_vllms_envelope_without_details(error, status):
-    def handler(request: httpx.Request) -> httpx.Response:
-        raise error
+async def _hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """An upstream that reads the request, then closes the connection without an answer."""
+    await reader.readuntil(b"\r\n\r\n")
+    writer.close()
 
-    result = await call(mock_proxy(handler), COMPLETIONS, json.dumps({"prompt": "x", **NVEXT_IDS}).encode())
+
+async def _late(request: httpx.Request) -> httpx.Response:
+    await request.aread()
+    await asyncio.Event().wait()  # never answers
+    raise AssertionError
+
+
+@pytest.mark.parametrize(("upstream", "status"), [("hangs up", 502), ("refuses", 502), ("never answers", 504)])
+async def test_an_upstream_down_or_late_is_a_502_or_504_in_vllms_envelope_without_details(upstream, status):
+    if upstream == "hangs up":
+        server = await asyncio.start_server(_hang_up, sock=_listening())
+        app = proxy_to("http://{}:{}".format(*server.sockets[0].getsockname()[:2]))
+    elif upstream == "refuses":
+        closed = _listening()
+        app = proxy_to("http://{}:{}".format(*closed.getsockname()))
+        closed.close()  # nothing listens there now
+    else:
+        app = await mock_proxy(_late, timeout=0.2)
+    result = await call(app, COMPLETIONS, json.dumps({"prompt": "x", **NVEXT_IDS}).encode())
+    if upstream == "hangs up":
+        server.close()
     assert result.status == status
     body = json.loads(result.body)
     assert set(body) == {"error"} and body["error"]["code"] == status and body["error"]["param"] is None
     assert "upstream" in body["error"]["message"]
-    for leak in ("10.1.2.3", "111", "secret", "reset", "disconnected", "timed out"):
+    host, port = app.forwarder.config.upstream.removeprefix("http://").split(":")
+    for leak in (host, port, "disconnected", "timed out", "timeout", "refused"):
         assert leak not in result.body.decode(), "no exception text, address or path"
     assert int(result.header(b"content-length") or 0) == len(result.body)
 
 
 async def test_a_real_refused_connection_is_a_502():
-    app = NvextProxy(ProxyConfig("http://127.0.0.1:1", connect_timeout=5), Settings())
-    try:
-        result = await call(app, "/health", b"", method="GET")
-    finally:
-        await app.forwarder.aclose()
+    app = proxy_to("http://127.0.0.1:1", connect_timeout=5)
+    result = await call(app, "/health", b"", method="GET")
     assert result.status == 502 and json.loads(result.body)["error"]["type"] == "BadGatewayError"
 
 
@@ -350,7 +470,7 @@ async def _keyed_upstream(scope: Any, receive: Any, send: Any) -> None:
 
 @pytest.mark.parametrize("authorization", [None, b"Bearer wrong", b"Basic k"])
 async def test_a_request_the_upstream_refuses_for_auth_gets_the_upstreams_401_never_a_400(authorization):
-    app = proxy_over(_keyed_upstream, keys=("k",))
+    app = await proxy_over(_keyed_upstream, keys=("k",))
     headers = [JSON] + ([(b"authorization", authorization)] if authorization else [])
     bad = json.dumps({"model": "tiny", "nvext": {"extra_fields": "garbage"}}).encode()
     result = await call(app, CHAT, bad, headers=headers)
@@ -358,7 +478,7 @@ async def test_a_request_the_upstream_refuses_for_auth_gets_the_upstreams_401_ne
 
 
 async def test_with_the_key_the_proxy_answers_its_own_400():
-    app = proxy_over(_keyed_upstream, keys=("k",))
+    app = await proxy_over(_keyed_upstream, keys=("k",))
     bad = json.dumps({"model": "tiny", "nvext": {"extra_fields": "garbage"}}).encode()
     result = await call(app, CHAT, bad, headers=[JSON, (b"authorization", b"Bearer k")])
     assert result.status == 400 and json.loads(result.body)["error"]["param"] == "nvext.extra_fields"
@@ -377,7 +497,7 @@ async def test_echo_prompt_ids_are_decoded_by_the_upstreams_own_detokenize_over_
 
     body = {"model": "tiny", "prompt": [72, 105], "echo": True, **NVEXT_IDS}
     headers = [JSON, (b"authorization", b"Bearer k")]
-    result = await call(mock_proxy(handler), COMPLETIONS, json.dumps(body).encode(), headers=headers)
+    result = await call(await mock_proxy(handler), COMPLETIONS, json.dumps(body).encode(), headers=headers)
     assert result.status == 200 and json.loads(result.body)["choices"][0]["text"] == "Higen"
     assert detokenized == [("POST", {"model": "tiny", "tokens": [72, 105]}, "Bearer k")]
 
@@ -395,7 +515,7 @@ async def test_metrics_are_the_upstreams_then_the_proxys_own_counters():
             return reply(200, b"# TYPE vllm:up gauge\nvllm:up 1")
         return reply(200, json_body={"choices": [{"index": 0, "text": "x", "token_ids": [5]}]})
 
-    app = mock_proxy(handler)
+    app = await mock_proxy(handler)
     await call(app, COMPLETIONS, json.dumps({"model": "tiny", "prompt": "a", **NVEXT_IDS}).encode())
     result = await call(app, "/metrics", b"", method="GET")
     text = result.body.decode()
@@ -407,13 +527,9 @@ async def test_metrics_are_the_upstreams_then_the_proxys_own_counters():
 
 @pytest.mark.parametrize("answer", ["down", "404"])
 async def test_metrics_without_the_upstreams_are_the_proxys_own(answer):
-    def handler(request: httpx.Request) -> httpx.Response:
-        if answer == "down":
-            raise httpx.ConnectError("refused")
-        return reply(404)
-
     metrics.count_refusal("nvext", 400)
-    result = await call(mock_proxy(handler), "/metrics", b"", method="GET")
+    app = proxy_to("http://127.0.0.1:1") if answer == "down" else await mock_proxy(lambda request: reply(404))
+    result = await call(app, "/metrics", b"", method="GET")
     assert result.status == 200 and result.body.startswith(b"# HELP vllm_nvext:")
 
 
@@ -433,8 +549,8 @@ def test_own_metrics_without_prometheus_client_is_empty(monkeypatch):
 
 
 async def test_lifespan_starts_and_closes_the_pool():
-    client = httpx.AsyncClient()
-    app = NvextProxy(ProxyConfig(UPSTREAM), Settings(), client=client)
+    session = aiohttp.ClientSession()
+    app = NvextProxy(ProxyConfig(UPSTREAM), Settings(), session=session)
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
@@ -443,7 +559,7 @@ async def test_lifespan_starts_and_closes_the_pool():
     receive = _receiver([{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}])
     await app({"type": "lifespan"}, receive, send)
     assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
-    assert client.is_closed
+    assert session.closed
 
 
 async def test_a_websocket_is_closed_not_proxied():
@@ -462,9 +578,38 @@ async def test_a_websocket_is_closed_not_proxied():
 
 async def test_the_pool_is_made_on_first_use_with_the_configured_timeouts():
     forwarder = Forwarder(ProxyConfig(UPSTREAM, timeout=None, connect_timeout=3))
-    client = forwarder.client
-    assert forwarder.client is client and client.timeout.read is None and client.timeout.connect == 3
+    session = forwarder.session
+    assert forwarder.session is session and session.timeout.sock_read is None and session.timeout.sock_connect == 3
+    assert session.timeout.total is None, "a stream may last as long as it streams"
     await forwarder.aclose()
+
+
+async def test_one_clients_cookies_never_reach_another():
+    cookies: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        cookies.append(request.headers.get("cookie"))
+        return httpx.Response(200, headers={"set-cookie": "session=alice; Path=/"}, stream=Body(b"{}"))
+
+    app = await mock_proxy(handler)
+    first = await call(app, "/v1/models", b"", method="GET")
+    await call(app, "/v1/models", b"", method="GET")
+    await call(app, "/v1/models", b"", method="GET", headers=[(b"cookie", b"mine=1")])
+    assert first.header(b"set-cookie") == b"session=alice; Path=/", "the upstream's cookie reaches its client"
+    assert cookies == [None, None, "mine=1"], "the proxy keeps no cookie jar"
+
+
+async def test_connections_to_the_upstream_are_reused():
+    peers: list[Any] = []
+
+    async def upstream(scope: Any, receive: Any, send: Any) -> None:
+        peers.append(scope["client"])
+        await Upstream()(scope, receive, send)
+
+    app = await proxy_over(upstream)
+    for _ in range(3):
+        assert (await call(app, "/v1/models", b"", method="GET")).status == 200
+    assert len(set(peers)) == 1, "one pooled connection, not one per request"
 
 
 @pytest.mark.parametrize("url", ["upstream:8000", "ftp://x", "http://"])
@@ -622,6 +767,7 @@ def test_serve_hands_uvicorn_the_settings_through_the_environment(monkeypatch, t
     app, kw = runs[0]
     assert app == "vllm_nvext.proxy:app_from_env" and kw["factory"] and kw["workers"] == workers
     assert kw["server_header"] is False and kw["date_header"] is False, "the upstream's own pass through"
+    assert kw["access_log"] is False, "no log line per request"
     built = app_from_env()
     assert built.forwarder.config == config
     assert built.middleware.settings == Settings(mode="nvext", allow_mode_header=False, max_body_bytes=7)

@@ -132,7 +132,7 @@ def cmd_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
-    if _needs("proxy", ["httpx", "uvicorn"], "httpx and uvicorn", PROXY_HOWTO):
+    if _needs("proxy", ["aiohttp", "uvicorn"], "aiohttp and uvicorn", PROXY_HOWTO):
         return EXIT_MISSING
     from .. import proxy
 
