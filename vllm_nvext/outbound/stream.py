@@ -216,6 +216,18 @@ class StreamReshaper:
         tail = self._framer.flush()
         return tail if self._waiting is None else self._release() + tail
 
+    def _unchanged_usage_chunk(self, event: bytes) -> bool:
+        """Shortcut: a chunk whose only `choices` is empty (the usage chunk) goes out as vLLM wrote
+        it: the general path changes only errors in it, and only with error_params. Same bytes as
+        decoding: tests/unit/test_stream_layouts.py and test_stream_send.py."""
+        root = self._root
+        return (
+            event[len(root) : len(root) + 1] == b"]"
+            and not self._renames
+            and event.startswith(root)
+            and event.find(b'"choices":', len(root)) < 0
+        )
+
     def reshape_event(self, event: bytes) -> bytes | None:
         """The new bytes for one whole `data: {...}\\n\\n` event, or None to forward it as sent.
 
@@ -266,16 +278,7 @@ class StreamReshaper:
                     if self._armings and (splice is None or not event.startswith(splice.prefix)):
                         return self._arm(event, start, end)  # the first delta, or the layout changed
                 return self._delta(event, start, end)
-            root = self._root
-            if (
-                event[len(root) : len(root) + 1] == b"]"
-                and not self._renames
-                and event.startswith(root)
-                and event.find(b'"choices":', len(root)) < 0
-            ):
-                # Shortcut: a chunk whose only `choices` is empty (the usage chunk) goes out as vLLM
-                # wrote it: the general path changes only errors in it, and only with error_params.
-                # Same bytes as decoding: tests/unit/test_stream_layouts.py and test_stream_send.py.
+            if self._unchanged_usage_chunk(event):
                 return None
         if event == b"data: [DONE]\n\n":
             return None if self._waiting is None else self._release() + event
