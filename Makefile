@@ -63,8 +63,9 @@ test-e2e-versions: setup setup-vllm030 setup-vllm031 ## the e2e tests on vLLM 0.
 	$(VENV)/bin/python -m pytest tests/e2e -m e2e_versions $(PYTEST_ARGS)
 
 # The translation tests and the proxy's own through `vllm-nvext proxy` in front of one stock vLLM 0.32
-# server (~2.5 GB, a few minutes), in a pytest run of its own.
-test-e2e-proxy: setup ## the translation tests and the proxy's own through vllm-nvext proxy in front of stock vLLM 0.32
+# server (~2.5 GB, a few minutes), and the translation matrix through it in front of vLLM 0.33's Rust
+# frontend (`vllm-rs` over 0.33's real engine core, scripted ids: ~1.9 GB more), in a pytest run of its own.
+test-e2e-proxy: setup setup-vllm033 ## the translation tests through vllm-nvext proxy in front of stock vLLM 0.32 and of vLLM 0.33's Rust frontend
 	$(VENV)/bin/python -m pytest tests/e2e -m e2e_proxy $(PYTEST_ARGS)
 
 # vllm-router's reference venv, outside the repo (~130 MB; ~1 min on a new machine, reused after).

@@ -28,10 +28,11 @@ import zlib
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
+from vllm.tasks import SupportedTask
 from vllm.v1.attention.backends.utils import record_kv_cache_layout
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -96,7 +97,7 @@ class ScriptedExecutor(Executor):
             block_size=self.cache_config.block_size,
             num_kv_heads=model.get_num_kv_heads(self.parallel_config),
             head_size=model.get_head_size(),
-            dtype=model.dtype,
+            dtype=cast(torch.dtype, model.dtype),  # resolved to a torch dtype by now
         )
         layers = model.get_num_layers(self.parallel_config)
         return [{f"model.layers.{i}.self_attn.attn": spec for i in range(layers)}]
@@ -104,7 +105,8 @@ class ScriptedExecutor(Executor):
     def get_supported_kv_cache_layouts(self) -> list[list[str]]:
         return [["NHD"]]
 
-    def set_kv_cache_layout(self, layout_name: str, cp_kv_cache_interleave_size: int) -> None:
+    # vLLM 0.33's signature (mypy reads .venv's 0.32, whose executor takes the layout alone).
+    def set_kv_cache_layout(self, layout_name: str, cp_kv_cache_interleave_size: int) -> None:  # type: ignore[override]
         record_kv_cache_layout(self.cache_config, layout_name)
         self.parallel_config.cp_kv_cache_interleave_size = cp_kv_cache_interleave_size
 
@@ -121,7 +123,7 @@ class ScriptedExecutor(Executor):
         return [{}]
 
     @property
-    def supported_tasks(self) -> tuple[str, ...]:
+    def supported_tasks(self) -> tuple[SupportedTask, ...]:
         return ("generate",)
 
     # --- the engine core's steps -------------------------------------------------------------------

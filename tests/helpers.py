@@ -200,6 +200,25 @@ def stream_digest(events: list[dict[str, Any]]) -> dict[str, Any]:
     return digest
 
 
+_ID_KEYS = ("token_ids", "prompt_token_ids")
+
+
+def ids_as_null(events: list[dict[str, Any]], with_ids: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stream answered without ids, with each id key that the answer with ids carries (at the root, or in
+    a choice) written as null on every chunk with choices where it is missing: what vllm-nvext answers when
+    it asked for the ids and moved them to `nvext` (its copies set back to null, docs/protocol.md §6).
+    vLLM's Python server writes those nulls itself; vllm-rs leaves the keys out. Chunking-independent
+    under `stream_digest`."""
+    root = {k for e in content_events(with_ids) for k in _ID_KEYS if k in e}
+    choice = {k for e in content_events(with_ids) for c in e["choices"] for k in _ID_KEYS if k in c}
+    out: list[dict[str, Any]] = json.loads(json.dumps(events))
+    for event in content_events(out):
+        event.update({k: None for k in root if k not in event})
+        for c in event["choices"]:
+            c.update({k: None for k in choice if k not in c})
+    return out
+
+
 def assert_stream_consistent(path: str, events: list[dict[str, Any]], usage: bool = True) -> None:
     """What each chunk of one stream must carry relative to its own stream, whatever its chunking."""
     assert events, "a stream has chunks"
@@ -234,7 +253,7 @@ def assert_nvext_chunks(events: list[dict[str, Any]], prompt: list[int], ids: li
             assert nv["completion_token_ids"] == (event["choices"][0].get("token_ids") or []), (
                 "a chunk's nvext.completion_token_ids are that chunk's own delta ids"
             )
-        if event["choices"][0]["finish_reason"] is None:
+        if event["choices"][0].get("finish_reason") is None:  # vllm-rs omits a null one
             assert set(nv) == {"completion_token_ids"}, "prompt ids on the finish chunk only"
         else:
             assert nv["prompt_token_ids"] == prompt

@@ -12,6 +12,10 @@ listed for it without being named here:
   `make test-e2e-versions` runs them in a pytest run of their own.
 - 0.33 (vLLM 0.33's serving layer over a scripted engine core, scripts/vllm033_harness.py): the
   translation matrix, in the main e2e run (tests/e2e/test_vllm033.py holds what only 0.33 has).
+- 0.33-rust (vLLM 0.33's Rust frontend, stock `vllm-rs`, over vLLM 0.33's real engine core with a
+  scripted executor, scripts/vllm033_executor.py): the translation matrix through `vllm-nvext
+  proxy` in front of it, less what vllm-rs does not serve (NOT_ON), and its own tests below.
+  Marked `e2e_proxy`: `make test-e2e-proxy`.
 
 conftest's `vllm_version` starts one version's servers at a time and stops them before the next.
 A missing reference venv fails every test of its version, naming the make target.
@@ -33,7 +37,19 @@ import pytest
 
 from tests.e2e import test_request_fidelity, test_translation
 from tests.e2e.conftest import version_server
-from tests.helpers import API_KEY, http_client, post, rows, run_parity, sse_events
+from tests.helpers import (
+    API_KEY,
+    BASE,
+    CHAT,
+    COMPLETIONS,
+    content_events,
+    general_plugin_dist,
+    http_client,
+    post,
+    rows,
+    run_parity,
+    sse_events,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -42,10 +58,26 @@ SUITES: dict[str, tuple[ModuleType, ...]] = {
     "0.30": (test_translation, test_request_fidelity),
     "0.31": (test_translation, test_request_fidelity),
     "0.33": (test_translation,),
+    "0.33-rust": (test_translation,),
 }
-# The real-engine releases, each in a pytest run apart from the main e2e group.
-SEPARATE = {"0.30", "0.31"}
-RELEASES = {"0.30": "0.30.0", "0.31": "0.31.0", "0.33": "0.33.0"}
+# The versions run in a pytest run apart from the main e2e group: the real-engine releases
+# (`make test-e2e-versions`), and 0.33's Rust frontend, reached only through `vllm-nvext proxy`
+# (`make test-e2e-proxy`).
+SEPARATE = {"0.30": pytest.mark.e2e_versions, "0.31": pytest.mark.e2e_versions, "0.33-rust": pytest.mark.e2e_proxy}
+RELEASES = {"0.30": "0.30.0", "0.31": "0.31.0", "0.33": "0.33.0", "0.33-rust": "0.33.0"}
+# version -> the collected tests that do not run on it, and why: what that server does not serve.
+NOT_ON: dict[str, dict[str, str]] = {
+    "0.33-rust": {
+        "test_n_greater_than_one_in_vllm_placement_matches_raw": "vllm-rs answers n > 1 with its own 400 "
+        "(test_what_vllm_rs_refuses_passes_through_the_proxy_unchanged)",
+        "test_upstream_400_passes_through_unchanged": "vllm-rs answers max_tokens beyond the context with 200, "
+        "cut at the context (vLLM's Python server: 400); its n=2 400 passes instead "
+        "(test_what_vllm_rs_refuses_passes_through_the_proxy_unchanged)",
+    },
+}
+# version -> how vllm-nvext is in front of it: mounted (--middleware, the endpoint plugin), or the
+# proxy (vLLM's Rust frontend loads neither).
+TRANSLATED_ROLES = {"0.33-rust": ("proxy",)}
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -77,10 +109,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if versions is None:
         module = metafunc.function.__module__
         versions = tuple(v for v, modules in SUITES.items() if any(m.__name__ == module for m in modules))
-    params = [
-        pytest.param(v, id=f"vllm-{v}", marks=[pytest.mark.e2e_versions] if v in SEPARATE else []) for v in versions
+        versions = tuple(v for v in versions if metafunc.function.__name__ not in NOT_ON.get(v, {}))
+    marks = {v: [SEPARATE[v]] if v in SEPARATE else [] for v in versions}
+    if "translated" not in metafunc.fixturenames:
+        params = [pytest.param(v, id=f"vllm-{v}", marks=marks[v]) for v in versions]
+        metafunc.parametrize("vllm_version", params, indirect=True, scope="session")
+        return
+    pairs = [
+        pytest.param(v, role, id=f"vllm-{v}-{role}", marks=marks[v])
+        for v in versions
+        for role in TRANSLATED_ROLES.get(v, ("mw", "plugin"))
     ]
-    metafunc.parametrize("vllm_version", params, indirect=True, scope="session")
+    metafunc.parametrize(("vllm_version", "translated"), pairs, indirect=True, scope="session")
 
 
 # --- the fixtures the collected tests use, on the version under test --------------------------
@@ -88,7 +128,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture(scope="session")
 def raw(vllm_version: str) -> Iterator[httpx.Client]:
-    with http_client(version_server(vllm_version, "raw").url, auth=False) as client:
+    # Stock vllm-rs takes --api-key, as the proxy's upstream (vLLM's key check, out of process).
+    with http_client(version_server(vllm_version, "raw").url, auth=vllm_version in TRANSLATED_ROLES) as client:
         yield client
 
 
@@ -102,9 +143,10 @@ def raw_answer(vllm_version: str) -> Callable[[str, bool, bool], Any]:
     return answer
 
 
-@pytest.fixture(scope="session", params=["mw", "plugin"])
+@pytest.fixture(scope="session")
 def translated(request: pytest.FixtureRequest, vllm_version: str) -> Iterator[httpx.Client]:
-    """vllm-nvext mounted on this version: once via --middleware, once via the endpoint plugin."""
+    """vllm-nvext on this version: mounted via --middleware and via the endpoint plugin, or the proxy
+    in front of it (TRANSLATED_ROLES)."""
     with http_client(version_server(vllm_version, request.param).url) as client:
         yield client
 
@@ -117,7 +159,7 @@ def hs_version_server(vllm_version: str) -> Any:
 # --- this module's own tests ------------------------------------------------------------------
 
 
-@on("0.30", "0.31", "0.33")
+@on("0.30", "0.31", "0.33", "0.33-rust")
 def test_the_servers_are_the_version_under_test(raw, translated, vllm_version):
     release = RELEASES[vllm_version]
     for client in (raw, translated):
@@ -314,3 +356,54 @@ def test_agent_routes_answer_chats_ids(raw, translated, request):
         assert message.status_code == 200 and message.json()["nvext"] == want
     else:
         assert message.status_code == 400 and "endpoint plugin" in message.json()["error"]["message"]
+
+
+# --- vLLM 0.33's Rust frontend (`vllm-rs`), with `vllm-nvext proxy` in front -------------------------
+
+
+@on("0.33-rust")
+def test_what_vllm_rs_refuses_passes_through_the_proxy_unchanged(raw, translated):
+    """vllm-rs serves n=1 only: its 400 for n=2 (vLLM placement, so the proxy forwards it) comes back
+    through the proxy byte for byte."""
+    body = {**BASE[COMPLETIONS], "n": 2, "temperature": 0.8, "seed": 11, "return_token_ids": True}
+    got = translated.post(COMPLETIONS, json=body, headers={"x-nvext-mode": "vllm"})
+    expected = raw.post(COMPLETIONS, json=body)
+    assert got.status_code == expected.status_code == 400
+    assert got.content == expected.content and expected.json()["error"]["param"] == "n"
+
+
+@on("0.33-rust")
+def test_vllm_rs_with_nvext_in_vllm_plugins_refuses_to_start(vllm_version, tmp_path):
+    """`VLLM_USE_RUST_FRONTEND=1 VLLM_PLUGINS=nvext vllm serve` on vLLM 0.33 (the server `rust033` runs, with
+    the package's `vllm.general_plugins` entry point as pyproject.toml declares it): it exits with the
+    refusal, pointing at the proxy, before vllm-rs or an engine starts."""
+    from scripts.vllm033_harness import RUST_ENV, Rs033Server
+    from tests.e2e.conftest import listen_port, tiny_model_dir
+    from vllm_nvext.tools.server import TINY_ARGS
+
+    server = Rs033Server(model=tiny_model_dir(), args=TINY_ARGS, port=listen_port())
+    paths = [str(Path(__file__).resolve().parents[2]), str(general_plugin_dist(tmp_path))]
+    env = {**os.environ, **RUST_ENV, "VLLM_PLUGINS": "nvext", "PYTHONPATH": os.pathsep.join(paths)}
+    done = subprocess.run(server.command(), env=env, capture_output=True, text=True, timeout=300, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    assert "VLLM_USE_RUST_FRONTEND=1 serves HTTP with vLLM's Rust frontend" in output
+    assert "vllm-nvext proxy --upstream" in output
+    assert "Launching Rust frontend" not in output and "EngineCore" not in output
+
+
+@on("0.33-rust")
+def test_stream_ids_moved_to_nvext_are_null_where_vllm_rs_omits_them(raw, translated):
+    """vllm-rs leaves the id keys out of a stream that did not ask for them; through the proxy, a stream
+    whose ids go to `nvext` carries them as null (the mounted middleware's rule, which matches vLLM's
+    Python server): the only difference from vllm-rs's own answer that the translation matrix allows."""
+    for path in (CHAT, COMPLETIONS):
+        body = {**BASE[path], "temperature": 0, "stream": True}
+        stock = "".join(line for line in raw.post(path, json=body).text.splitlines() if line.startswith("data: {"))
+        assert '"token_ids"' not in stock and '"prompt_token_ids"' not in stock, path
+        events = content_events(post(translated, path, {**body, "nvext": {"extra_fields": ["completion_token_ids"]}}))
+        nulls = [c["token_ids"] for e in events for c in e["choices"] if "token_ids" in c]
+        assert nulls and not any(nulls), "vLLM's copy of the ids, set back to null"
+        ids = [c.get("token_ids") or [] for e in content_events(post(raw, path, {**body, "return_token_ids": True}))
+               for c in e["choices"]]  # fmt: skip
+        assert sum((e["nvext"]["completion_token_ids"] for e in events), []) == sum(ids, []), path
