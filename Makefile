@@ -1,6 +1,6 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
 # `make help` lists every target with the line after its `##`.
-.PHONY: help build-ext setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-agent
+.PHONY: help build-ext setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-rust033 fixtures-agent
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -112,6 +112,9 @@ fixtures: setup ## re-record tests/fixtures/ from a real stock vLLM server
 
 fixtures-vllm033: setup setup-vllm033 ## re-record tests/fixtures/vllm-0.33/ from vLLM 0.33's serving code
 	$(VENV)/bin/python -m scripts.record_fixtures --vllm 0.33
+
+fixtures-rust033: setup setup-vllm033 ## re-record tests/fixtures/vllm-0.33-rust/ from vLLM 0.33's Rust frontend (vllm-rs)
+	$(VENV)/bin/python -m scripts.record_fixtures --vllm 0.33-rust
 
 fixtures-agent: setup ## re-record tests/fixtures/agent-apis/ (/v1/responses, /v1/messages) from vLLM 0.32
 	$(VENV)/bin/python -m scripts.record_fixtures --set agent
