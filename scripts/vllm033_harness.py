@@ -220,6 +220,26 @@ class Vllm033Server(VllmServer):
         ]  # fmt: skip
 
 
+# `--distributed-executor-backend`: vLLM 0.33's real engine core, scripted ids (scripts/vllm033_executor.py).
+EXECUTOR = "scripts.vllm033_executor.ScriptedExecutor"
+# The Rust frontend on; config resolution on the CPU platform (the wheel is CUDA's).
+RUST_ENV = {"VLLM_USE_RUST_FRONTEND": "1", "VLLM_TARGET_DEVICE": "cpu"}
+
+
+@dataclass
+class Rs033Server(Vllm033Server):
+    """vLLM 0.33's stock `vllm serve` with its Rust frontend (`vllm-rs`; `RUST_ENV` in its env) over
+    vLLM 0.33's real engine core, whose executor samples this harness's ids: nothing of vLLM replaced."""
+
+    name: str = "vllm-rs-0.33"
+
+    def command(self) -> list[str]:
+        return [
+            str(venv_python()), "-m", "vllm_nvext.tools._vllm_cli", "serve", self.model,
+            "--host", self.host, "--port", str(self.port), "--distributed-executor-backend", EXECUTOR, *self.args,
+        ]  # fmt: skip
+
+
 def main() -> int:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # config resolution on the CPU platform
     text = os.environ.get("SCRIPTED_TEXT")

@@ -16,9 +16,11 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
+import tomllib
 
 from vllm_nvext.protocol import PATHS, Endpoint
 
@@ -198,6 +200,25 @@ def stream_digest(events: list[dict[str, Any]]) -> dict[str, Any]:
     return digest
 
 
+_ID_KEYS = ("token_ids", "prompt_token_ids")
+
+
+def ids_as_null(events: list[dict[str, Any]], with_ids: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stream answered without ids, with each id key that the answer with ids carries (at the root, or in
+    a choice) written as null on every chunk with choices where it is missing: what vllm-nvext answers when
+    it asked for the ids and moved them to `nvext` (its copies set back to null, docs/protocol.md §6).
+    vLLM's Python server writes those nulls itself; vllm-rs leaves the keys out. Chunking-independent
+    under `stream_digest`."""
+    root = {k for e in content_events(with_ids) for k in _ID_KEYS if k in e}
+    choice = {k for e in content_events(with_ids) for c in e["choices"] for k in _ID_KEYS if k in c}
+    out: list[dict[str, Any]] = json.loads(json.dumps(events))
+    for event in content_events(out):
+        event.update({k: None for k in root if k not in event})
+        for c in event["choices"]:
+            c.update({k: None for k in choice if k not in c})
+    return out
+
+
 def assert_stream_consistent(path: str, events: list[dict[str, Any]], usage: bool = True) -> None:
     """What each chunk of one stream must carry relative to its own stream, whatever its chunking."""
     assert events, "a stream has chunks"
@@ -210,7 +231,7 @@ def assert_stream_consistent(path: str, events: list[dict[str, Any]], usage: boo
     indices = {c["index"] for e in content for c in e["choices"]}
     for index in indices:
         own = [c for e in content for c in e["choices"] if c["index"] == index]
-        finishes = [i for i, c in enumerate(own) if c["finish_reason"] is not None]
+        finishes = [i for i, c in enumerate(own) if c.get("finish_reason") is not None]  # vllm-rs omits a null one
         assert finishes == [len(own) - 1], "a finish_reason on the choice's last chunk only"
     # vLLM placement (docs/protocol.md §1): prompt ids on the first chunk only; none later.
     if path == CHAT:
@@ -232,7 +253,7 @@ def assert_nvext_chunks(events: list[dict[str, Any]], prompt: list[int], ids: li
             assert nv["completion_token_ids"] == (event["choices"][0].get("token_ids") or []), (
                 "a chunk's nvext.completion_token_ids are that chunk's own delta ids"
             )
-        if event["choices"][0]["finish_reason"] is None:
+        if event["choices"][0].get("finish_reason") is None:  # vllm-rs omits a null one
             assert set(nv) == {"completion_token_ids"}, "prompt ids on the finish chunk only"
         else:
             assert nv["prompt_token_ids"] == prompt
@@ -302,3 +323,16 @@ def proxy(upstream: str, edit: Edit) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         http.close()
+
+
+def general_plugin_dist(folder: Path) -> Path:
+    """`folder`, holding an installed distribution's metadata with pyproject.toml's `vllm.general_plugins`
+    entry points: on PYTHONPATH, vLLM's plugin loader finds them as it would once the package is installed."""
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    group = tomllib.loads(pyproject.read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    dist = folder / "vllm_nvext_entry_points-0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-nvext-entry-points\nVersion: 0.0\n")
+    lines = "".join(f"{name} = {target}\n" for name, target in group.items())
+    (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{lines}")
+    return folder

