@@ -73,8 +73,10 @@ test-e2e-proxy: setup setup-vllm033 ## the e2e tests through vllm-nvext proxy in
 setup-router: ## the vllm-router 0.1.17 reference venv, outside the repository (~130 MB, reused)
 	bash scripts/setup_router.sh >/dev/null
 
-# Behind vllm-router, then through prefill/decode: two pytest runs of their own (two servers each,
-# never beside the main e2e group's).
+# Behind vllm-router, then through prefill/decode: two pytest runs of their own (four servers each,
+# never beside the main e2e group's). Each also runs through `vllm-nvext proxy` (marker e2e_proxy):
+# the proxy in front of a router in front of two stock servers, a router in front of two proxies
+# each in front of one of them, and the proxy in front of the PD router in front of a stock pair.
 test-e2e-scaleout: setup setup-router ## the e2e tests behind vllm-router, then through prefill/decode
 	$(VENV)/bin/python -m pytest -m e2e_scaleout tests/e2e/test_router.py $(PYTEST_ARGS)
 	$(VENV)/bin/python -m pytest -m e2e_scaleout tests/e2e/test_pd.py $(PYTEST_ARGS)

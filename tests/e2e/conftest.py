@@ -375,6 +375,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_OneVersionAtATime(), "vllm-nvext-one-version-at-a-time")
 
 
+def boot(*names: str) -> None:
+    """Start these kinds now, in the background (for a fixture that picks its server by its param)."""
+    for name in names:
+        _boot(name)
+
+
 def version_server(version: str, role: str) -> Server | External:
     """This version's server in this role, once ready (started by `vllm_version`, or now; or the
     one its `VLLM_NVEXT_<KIND>_URL` names, e.g. `VLLM_NVEXT_MW031_URL`)."""
@@ -464,7 +470,8 @@ for _version, _kinds_of_version in VERSION_KINDS.items():
 
 # --- scale-out: vllm-router and prefill/decode (tests/e2e/scaleout.py) ------------------------------
 # Their own pytest runs (`make test-e2e-scaleout`, marker e2e_scaleout), never beside the other
-# servers: the router tests use mw + plugin behind two routers, the PD tests a prefill + a decode.
+# servers: the router tests use mw + plugin behind two routers, the PD tests a prefill + a decode;
+# each run also has two stock servers with `vllm-nvext proxy` behind or in front of a router.
 
 
 def _router(name: str, *args: str, workers: Callable[[], list[str]], env: dict[str, str] | None = None) -> Any:
@@ -479,6 +486,8 @@ def _router(name: str, *args: str, workers: Callable[[], list[str]], env: dict[s
 
 
 def _urls(*names: str) -> list[str]:
+    for name in names:
+        _boot(name)  # all at once
     return [_ready(name).url for name in names]  # the router starts once its workers are ready
 
 
@@ -493,22 +502,44 @@ router_ca_server = register(
     reference="setup-router",
 )
 
-_pd_storage: list[str] = []
+# Out of process (markers e2e_scaleout and e2e_proxy, in test_router.py's run): `vllm-nvext proxy` in
+# front of vllm-router in front of two stock servers (`raw`, `raw2`), and vllm-router in front of two
+# proxies, each in front of one of them (`proxy`, `proxy2`).
+raw2_server = register("raw2", tiny_vllm("raw2", "--api-key", API_KEY))
+proxy2_server = _proxy("proxy2", upstream="raw2")
+router_stock_server = register(
+    "router_stock",
+    _router("router-stock", "--policy", "round_robin", "--worker-urls", workers=lambda: _urls("raw", "raw2")),
+    reference="setup-router",
+)
+proxy_router_server = _proxy("proxy_router", upstream="router_stock", reference="setup-router")
+router_proxies_server = register(
+    "router_proxies",
+    _router("router-proxies", "--policy", "round_robin", "--worker-urls", workers=lambda: _urls("proxy", "proxy2")),
+    reference="setup-router",
+)
+
+_pd_storage: dict[str, str] = {}
 
 
-def _pd_server(name: str, *args: str, env: dict[str, str] | None = None) -> Callable[[], Server]:
-    """A PD server: the package's CPU KV connector over a folder shared by the prefill and the decode."""
+def _pd_server(name: str, *args: str, env: dict[str, str] | None = None, fleet: str = "nvext") -> Callable[[], Server]:
+    """A PD server: the package's CPU KV connector over a folder shared by its fleet's prefill and decode."""
 
     def factory() -> Server:
         from tests.e2e.scaleout import pd_transfer_config
 
         with _model_lock:
-            if not _pd_storage:
-                _pd_storage.append(tempfile.mkdtemp(prefix="vllm-nvext-pd-"))
-        transfer = pd_transfer_config(_pd_storage[0])
+            if fleet not in _pd_storage:
+                _pd_storage[fleet] = tempfile.mkdtemp(prefix=f"vllm-nvext-pd-{fleet}-")
+        transfer = pd_transfer_config(_pd_storage[fleet])
         return tiny_vllm(name, "--api-key", API_KEY, "--kv-transfer-config", transfer, *args, env=env)()
 
     return factory
+
+
+def _pd_workers(prefill: str, decode: str) -> list[str]:
+    prefill_url, decode_url = _urls(prefill, decode)
+    return ["--prefill", prefill_url, "--decode", decode_url]
 
 
 # The prefill server mounts the middleware; the decode server the plugin, and computes every prompt
@@ -531,11 +562,36 @@ pd_router_server = register(
         "--vllm-pd-disaggregation",
         "--policy",
         "round_robin",
-        workers=lambda: ["--prefill", *_urls("pd_prefill"), "--decode", *_urls("pd_decode")],
+        workers=lambda: _pd_workers("pd_prefill", "pd_decode"),
         env={"OPENAI_API_KEY": API_KEY},
     ),
     reference="setup-router",
 )
+
+
+# Out of process (markers e2e_scaleout and e2e_proxy, in test_pd.py's run): `vllm-nvext proxy` in
+# front of the PD router in front of a stock prefill and a stock decode server (the same connector,
+# a folder of their own).
+pd_stock_prefill_server = register(
+    "pd_stock_prefill", _pd_server("pd-stock-prefill", "--enable-prompt-tokens-details", fleet="stock")
+)
+pd_stock_decode_server = register(
+    "pd_stock_decode",
+    _pd_server("pd-stock-decode", "--no-enable-prefix-caching", "--enable-prompt-tokens-details", fleet="stock"),
+)
+pd_stock_router_server = register(
+    "pd_stock_router",
+    _router(
+        "router-pd-stock",
+        "--vllm-pd-disaggregation",
+        "--policy",
+        "round_robin",
+        workers=lambda: _pd_workers("pd_stock_prefill", "pd_stock_decode"),
+        env={"OPENAI_API_KEY": API_KEY},
+    ),
+    reference="setup-router",
+)
+proxy_pd_server = _proxy("proxy_pd", upstream="pd_stock_router", reference="setup-router")
 
 
 # --- clients ------------------------------------------------------------------------------------
