@@ -27,8 +27,8 @@ from typing import Any
 import orjson
 
 from vllm_nvext import NvextMiddleware
-from vllm_nvext import stream as stream_module
 from vllm_nvext.config import Mode
+from vllm_nvext.outbound import stream as stream_module
 
 from ._common import (
     VLLM_VERSIONS,

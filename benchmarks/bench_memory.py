@@ -101,10 +101,10 @@ class _CountingSink:
 
 
 def _stream_scenario(mode: str, n_events: int, split: bool) -> Callable[[], dict[str, Any]]:
-    from vllm_nvext._asgi_response import ReshapingSend
     from vllm_nvext.config import Mode
-    from vllm_nvext.nvext_values import Clock
-    from vllm_nvext.request import plan_request
+    from vllm_nvext.inbound.request import plan_request
+    from vllm_nvext.outbound.nvext_values import Clock
+    from vllm_nvext.send import ReshapingSend
 
     case = load_case(STREAM_FIXTURE)
     iterate, largest = _event_source(n_events)
@@ -281,7 +281,7 @@ def run(quick: bool = False) -> list[Target]:
             "the body is read from a file before the baseline: neither peak counts the upstream's copy",
             "vllm: the request needs no reshaping and the server's send is used: nothing is buffered",
             "nvext/both: the logprobs the plan never reads are cut out of the bytes before decoding and put "
-            "back after (vllm_nvext/unary.py): the joined body, a small decoded rest and the new body",
+            "back after (vllm_nvext/outbound/unary.py): the joined body, a small decoded rest and the new body",
             *([] if all(resets) else ["could not reset VmHWM here: peak RSS includes start-up"]),
         ],
     )

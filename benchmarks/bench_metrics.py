@@ -26,11 +26,11 @@ import time
 from typing import Any
 
 from vllm_nvext import metrics
-from vllm_nvext._asgi_response import ReshapingSend
 from vllm_nvext.config import Mode
-from vllm_nvext.nvext_values import Clock
+from vllm_nvext.inbound.request import plan_request
+from vllm_nvext.outbound.nvext_values import Clock
 from vllm_nvext.protocol import Endpoint
-from vllm_nvext.request import plan_request
+from vllm_nvext.send import ReshapingSend
 
 from ._common import SSE_HEADERS, Target, fmt, load_case, median, percentile, print_table, run_sync
 

@@ -386,7 +386,7 @@ async def measure_in_process(rounds: int, profile: bool) -> list[Target]:
             mw_apps[key] = await _build_app(build_app, init_state, engine, args)
         mw_app = mw_apps["default"]
         ready = time.perf_counter() - t0
-        from vllm_nvext._asgi_response import stream_path
+        from vllm_nvext.send import stream_path
 
         print(f"  vLLM {h.VLLM_VERSION} app x{1 + len(mw_apps)} over the scripted engine core, ready in {ready:.0f} s;"
               f" NvextMiddleware's stream path: {stream_path(False)}", flush=True)  # fmt: skip

@@ -9,7 +9,7 @@ pass in one process so machine noise hits them alike:
   floor             a Python `send` that only awaits the server's: what any ASGI middleware costs
   general path      `ReshapingSend` itself (its coroutine, `StreamReshaper.feed`, the splice's
                     Python tier): what a delta costs that the armed send hands back
-  python send       `_asgi_response.python_stream_send`, armed: the pure-Python path
+  python send       `send.python_stream_send`, armed: the pure-Python path
   compiled send     `_speedups.StreamSend`, armed (left out when the extension is not built)
 
 Each figure is the median over passes of (variant - server send) per delta, in µs, warm: the code
@@ -26,10 +26,10 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from vllm_nvext._asgi_response import STREAM_SENDS, ReshapingSend
 from vllm_nvext.config import Mode
-from vllm_nvext.nvext_values import Clock
-from vllm_nvext.request import plan_request
+from vllm_nvext.inbound.request import plan_request
+from vllm_nvext.outbound.nvext_values import Clock
+from vllm_nvext.send import STREAM_SENDS, ReshapingSend
 
 from ._common import SSE_HEADERS, Target, fmt, load_case, median, print_table, run_sync
 

@@ -13,7 +13,7 @@ The server needs a hidden-states connector; on CPU use the package's own::
       --speculative-config '{"method": "extract_hidden_states", "num_speculative_tokens": 1,
         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}}' \\
       --kv-transfer-config '{"kv_connector": "CPUHiddenStatesConnector",
-        "kv_connector_module_path": "vllm_nvext.hidden_states_connector", "kv_role": "kv_producer",
+        "kv_connector_module_path": "vllm_nvext.connectors.hidden_states", "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": "/tmp/hidden_states"}}'
     python examples/hidden_states_capture.py [--url URL] [--model NAME] [--api-key KEY] [--out DIR]
 

@@ -1,4 +1,4 @@
-/* The compiled twin of `_asgi_response.python_stream_send`: the `send` handed to vLLM for a
+/* The compiled twin of `send.python_stream_send`: the `send` handed to vLLM for a
  * reshaped response. Until armed it hands every message to `general` (the ReshapingSend);
  * armed with a stream's `stream.Splice` it serves the mid-stream deltas the splice serves, with
  * the same checks (`Splice.locate`) and the same bytes (`Splice.render`), and returns

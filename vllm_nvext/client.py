@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._shapes import choice_logprobs, first_difference
+from .outbound.shapes import choice_logprobs, first_difference
 from .sse import EventFramer, data_payload
 
 __all__ = [

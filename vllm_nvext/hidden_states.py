@@ -5,7 +5,7 @@ One safetensors file per request, named by `kv_transfer_params.hidden_states_pat
 The writer holds an exclusive flock on `<path>.lock` until the file is complete, so
 `load` takes a shared flock on it first (polling, so the wait is bounded).
 
-The package's connector (`vllm_nvext.hidden_states_connector`) names each file with
+The package's connector (`vllm_nvext.connectors.hidden_states`) names each file with
 `capture_file_name` and writes only where `path_inside` allows: a request id (vLLM takes it
 from the client's `X-Request-Id` header) never becomes a path.
 
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._shapes import first_mismatch
+from .outbound.shapes import first_mismatch
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

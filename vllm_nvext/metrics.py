@@ -15,10 +15,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ._client_params import REQUEST_ID_HEADER
-from ._fields import DECISION_FIELDS
 from .config import MODE_HEADER
-from .nvext_schema import param_names
+from .inbound.client_params import REQUEST_ID_HEADER
+from .inbound.fields import DECISION_FIELDS
+from .inbound.nvext_schema import param_names
 
 PREFIX = "vllm_nvext:"
 

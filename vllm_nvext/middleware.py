@@ -1,6 +1,6 @@
 """The ASGI middleware: wires request and response bytes to the pure modules.
 
-Request plumbing lives in `_asgi_request.py`, the reshaping `send` in `_asgi_response.py`.
+Request plumbing lives in `asgi.py`, the reshaping `send` in `send.py`.
 
 Only POSTs to the routes of `protocol.ENDPOINT_PATHS` (chat, completions, the chat batch route,
 /invocations) are ever read; everything else, and every request that opts into nothing, reaches
@@ -15,18 +15,10 @@ import sys
 from functools import partial
 from typing import Any
 
-from . import _client_params, _json, _vllm_compat, metrics
-from ._asgi_request import ASGIApp, Message, PassThrough, Receive, Replay, Scope, Send, read_as_json, set_header
-from ._asgi_response import STREAM_SENDS, ReshapingSend, StreamSendFactory, stream_path
-from ._optin import OptInScan
-from .config import MODE_HEADER, Mode, Settings
-from .messages_api import plugin_serves_messages
-from .messages_api import serve as serve_messages
-from .nvext_values import Clock
-from .protocol import ENDPOINT_PATHS, Endpoint, RequestError, error_body
-from .request import Plan, read_request
-from .request import plan as plan_request_for
-from .responses_api import (
+from . import _json, _vllm_compat, metrics
+from .agent.messages import plugin_serves_messages
+from .agent.messages import serve as serve_messages
+from .agent.responses import (
     AGENT_PATHS,
     AgentRoute,
     MessagesPlan,
@@ -35,12 +27,32 @@ from .responses_api import (
     plan_messages,
     plan_responses,
 )
+from .asgi import (
+    HANDLED,
+    ASGIApp,
+    Message,
+    PassThrough,
+    Receive,
+    Replay,
+    RequestHeaders,
+    Scope,
+    Send,
+    first_header,
+    internal_post,
+    read_as_json,
+    set_header,
+)
+from .config import MODE_HEADER, Mode, Settings
+from .inbound import client_params
+from .inbound.optin import OptInScan
+from .inbound.request import plan as plan_request_for
+from .inbound.request import read_request
+from .outbound.nvext_values import Clock
+from .plan import Plan
+from .protocol import ENDPOINT_PATHS, Endpoint, RequestError, error_body
+from .send import STREAM_SENDS, ReshapingSend, StreamSendFactory, stream_path
 
 logger = logging.getLogger("vllm_nvext")
-
-_MODE_HEADER = MODE_HEADER.encode()
-# Set on the scope by the first instance, so a second mount (plugin and --middleware) is inert.
-_HANDLED = "vllm_nvext.handled"
 
 
 class NvextMiddleware:
@@ -71,7 +83,7 @@ class NvextMiddleware:
             pure_python=pure_python,
             base=settings,
         )
-        self.stream_path = stream_path(self.settings.pure_python)  # "c" or "python" (_asgi_response.STREAM_SENDS)
+        self.stream_path = stream_path(self.settings.pure_python)  # "c" or "python" (send.STREAM_SENDS)
         self._stream_send = STREAM_SENDS[self.stream_path]
         metrics.set_stream_path(self.stream_path)
         announce = "vllm-nvext: the %s stream path runs (VLLM_NVEXT_PURE_PYTHON=1 forces Python)"
@@ -79,11 +91,11 @@ class NvextMiddleware:
         if "vllm.logger" in sys.modules:
             # Inside vLLM's server, whose logging prints only its own `vllm` loggers: say it there too.
             logging.getLogger("vllm.nvext").info(announce, self.stream_path)
-        # The plugin mount serves /v1/messages with ids itself (messages_api.py).
+        # The plugin mount serves /v1/messages with ids itself (agent/messages.py).
         self.serve_messages = serve_messages
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or _HANDLED in scope:
+        if scope["type"] != "http" or scope.get("method") != "POST" or HANDLED in scope:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
@@ -92,17 +104,17 @@ class NvextMiddleware:
             path = path[len(root) :]  # `vllm serve --root-path` behind a proxy
         endpoint: Endpoint | AgentRoute | None = ENDPOINT_PATHS.get(path)
         if endpoint is None:
-            endpoint = AGENT_PATHS.get(path)  # /v1/responses, /v1/messages: responses_api.py
+            endpoint = AGENT_PATHS.get(path)  # /v1/responses, /v1/messages: agent/
         # A server whose kv connector joins request ids into file paths gets plain names only.
         guard = _vllm_compat.builds_paths_from_request_ids(_vllm_compat.server_args(scope))
-        request_id = _first_header(scope, b"x-request-id") if guard else None
+        request_id = first_header(scope, b"x-request-id") if guard else None
         if (
             request_id is not None
-            and not _client_params.is_plain_name(request_id.decode("latin-1"))
+            and not client_params.is_plain_name(request_id.decode("latin-1"))
             and not _vllm_compat.auth_refuses(scope)
         ):
-            message = _client_params.not_plain_message("X-Request-Id")
-            await _send_error(send, RequestError(message, _client_params.REQUEST_ID_HEADER))
+            message = client_params.not_plain_message("X-Request-Id")
+            await _send_error(send, RequestError(message, client_params.REQUEST_ID_HEADER))
             return
         if (
             endpoint is None
@@ -114,7 +126,7 @@ class NvextMiddleware:
             # plugin mount inside serves it.
             await self.app(scope, receive, send)
             return
-        scope[_HANDLED] = True
+        scope[HANDLED] = True
         exchange = _Exchange(
             self.app, self.settings, endpoint, scope, receive, send, self._stream_send, self.serve_messages
         )
@@ -151,31 +163,44 @@ class _Exchange:
         self.body_request_id = False  # the body's `request_id` must be a plain name
 
     async def run(self) -> None:
-        scope = self.scope
-        # vLLM (starlette) reads the first of repeated headers.
-        content_type: bytes | None = None
-        dp_rank: bytes | None = None
-        modes: list[bytes] = []
-        declared_length = -1
-        for name, value in scope["headers"]:
-            if name == b"content-type":
-                content_type = value if content_type is None else content_type
-            elif name == _MODE_HEADER:
-                modes.append(value)
-            elif name == b"x-data-parallel-rank":
-                dp_rank = value if dp_rank is None else dp_rank
-            elif name == b"content-length":
-                declared_length = int(value) if value.isdigit() else -1
-        if not read_as_json(content_type):
-            metrics.count_request(self.endpoint, "none", self.settings.mode, metrics.UNKNOWN)
-            await self.app(scope, self.receive, self.send)  # vLLM does not read this body as JSON
+        """One request, top-down: its headers and body, the plan, then vLLM, whose answer is reshaped."""
+        headers = RequestHeaders.read(self.scope)
+        if not read_as_json(headers.content_type):
+            await self._forward(None)  # vLLM does not read this body as JSON
             return
+        read = await self._read_body(headers.content_length)
+        if read is None:
+            return  # answered, passed through, or the client went away
+        body, opts_in = read
+        endpoint = self.endpoint
+        if isinstance(endpoint, AgentRoute):
+            await self._agent_route(endpoint, body, opts_in, headers)
+            return
+        try:
+            request = read_request(body, endpoint, scanned=True) if opts_in else None
+            if request is None:
+                await self._forward(body)
+                return
+            mode = self._mode(headers.modes)
+            hides = _vllm_compat.hides_reasoning_ids(_vllm_compat.server_args(self.scope))
+            plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank, hides_reasoning_ids=hides)
+        except RequestError as exc:
+            await self._refuse(exc)
+            return
+        body = self._rewrite(body, plan.body, plan.headers)
+        await self._forward_planned(endpoint, plan, mode, body, request.data.get("model"))
 
+    async def _read_body(self, declared_length: int) -> tuple[bytes, bool] | None:
+        """The whole body and whether it opts in; None once it was answered, passed on or abandoned.
+
+        A body is held (up to the cap) only while it may opt in: a larger one that does not goes to
+        vLLM as it streams in.
+        """
         cap = self.settings.max_body_bytes
         # Keys besides the opt-in ones that make a body one to read (and hold to the cap).
         also: tuple[str, ...] = ("request_id",) if self.body_request_id else ()
         if self.settings.strip_kv_remote_address:
-            also += tuple(sorted(_client_params.REMOTE_ADDRESS_KEYS))
+            also += tuple(sorted(client_params.REMOTE_ADDRESS_KEYS))
         scan = OptInScan(also)
         parts: list[bytes] = []
         size = 0
@@ -183,7 +208,7 @@ class _Exchange:
         while more:
             message = await self.receive()
             if message["type"] != "http.request":
-                return  # the client went away before sending its body
+                return None  # the client went away before sending its body
             chunk = message.get("body", b"")
             chunk = chunk if type(chunk) is bytes else bytes(chunk)
             more = bool(message.get("more_body", False))
@@ -191,75 +216,65 @@ class _Exchange:
             parts.append(chunk)
             if scan.feed(chunk) and size > cap:
                 await self._refuse(_too_large(cap))
-                return
+                return None
             if more and not scan.found and max(size, declared_length) > cap:
                 metrics.count_request(self.endpoint, "none", self.settings.mode, metrics.UNKNOWN)
                 await self._pass_through(parts, scan)  # too large to hold, and no opt-in so far
-                return
+                return None
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         if also and scan.found:
             checked = await self._check_client_params(body)
             if checked is None:
-                return  # answered
+                return None  # answered
             body = checked
-        if isinstance(self.endpoint, AgentRoute):
-            await self._agent_route(self.endpoint, body, scan.found, modes, dp_rank)
-            return
+        return body, scan.found
 
-        try:
-            request = read_request(body, self.endpoint, scanned=True) if scan.found else None
-            if request is None:
-                metrics.count_request(self.endpoint, "none", self.settings.mode, metrics.UNKNOWN)
-                await self.app(scope, Replay([body], False, self.receive), self.send)
-                return
-            mode = self._mode(modes)
-            hides = _vllm_compat.hides_reasoning_ids(_vllm_compat.server_args(scope))
-            plan = plan_request_for(request, mode, dp_rank_header=dp_rank, hides_reasoning_ids=hides)
-        except RequestError as exc:
-            await self._refuse(exc)
+    def _rewrite(self, body: bytes, planned: bytes | None, headers: tuple[tuple[bytes, bytes], ...]) -> bytes:
+        """The body vLLM gets (the plan's, when it rewrote it), with the plan's extra headers set."""
+        if planned is not None:
+            body = planned
+            set_header(self.scope, b"content-length", str(len(body)).encode())
+        for name, value in headers:
+            set_header(self.scope, name, value, replace=False)
+        return body
+
+    async def _forward(self, body: bytes | None) -> None:
+        """To vLLM as the client sent it (`body` once read, else the client's own stream), answer untouched."""
+        metrics.count_request(self.endpoint, "none", self.settings.mode, metrics.UNKNOWN)
+        await self.app(self.scope, self.receive if body is None else Replay([body], False, self.receive), self.send)
+
+    async def _forward_planned(self, endpoint: Endpoint, plan: Plan, mode: Mode, body: bytes, model: Any) -> None:
+        """To vLLM with the plan's body; its answer reshaped as the plan says."""
+        metrics.count_request(endpoint, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY)
+        receive = Replay([body], False, self.receive)
+        if not plan.reshapes_response:
+            await self.app(self.scope, receive, self.send)
             return
         decode_echo = None
         if any(not isinstance(p, str) for p in plan.echo_prompts):
-            decode_echo = partial(self._decode_echo_prompts, model=request.data.get("model"))
-        if plan.body is not None:
-            body = plan.body
-            set_header(scope, b"content-length", str(len(body)).encode())
-        for name, value in plan.headers:
-            set_header(scope, name, value, replace=False)
-        metrics.count_request(self.endpoint, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY)
-        if not plan.reshapes_response:
-            await self.app(scope, Replay([body], False, self.receive), self.send)
-            return
-        reshaping = ReshapingSend(plan, self.clock, self.send, self.stream_send, self.endpoint, decode_echo)
+            decode_echo = partial(self._decode_echo_prompts, model=model)
+        reshaping = ReshapingSend(plan, self.clock, self.send, self.stream_send, endpoint, decode_echo)
         try:
-            await self.app(scope, Replay([body], False, self.receive), reshaping.app_send)
+            await self.app(self.scope, receive, reshaping.app_send)
         finally:
             reshaping.count_stream()  # also for a stream the client cut short
 
-    async def _agent_route(
-        self, route: AgentRoute, body: bytes, found: bool, modes: list[bytes], dp_rank: bytes | None
-    ) -> None:
+    async def _agent_route(self, route: AgentRoute, body: bytes, found: bool, headers: RequestHeaders) -> None:
         """/v1/responses and /v1/messages (docs/protocol.md §11)."""
         messages = route is AgentRoute.MESSAGES
         try:
-            mode = self._mode(modes) if found else self.settings.mode
-            plan = (
-                (plan_messages if messages else plan_responses)(body, mode, dp_rank_header=dp_rank) if found else None
-            )
+            mode = self._mode(headers.modes) if found else self.settings.mode
+            planner = plan_messages if messages else plan_responses
+            plan = planner(body, mode, dp_rank_header=headers.dp_rank) if found else None
             if isinstance(plan, MessagesPlan) and plan.ids and not self.serve_messages:
                 raise plan.refusal()
         except RequestError as exc:
             await self._refuse(exc, anthropic_error_body(exc) if messages else None)
             return
         if plan is None:
-            metrics.count_request(route, "none", self.settings.mode, metrics.UNKNOWN)
-            await self.app(self.scope, Replay([body], False, self.receive), self.send)
+            await self._forward(body)
             return
-        if plan.body is not None:
-            body = plan.body
-            set_header(self.scope, b"content-length", str(len(body)).encode())
-        for name, value in plan.headers:
-            set_header(self.scope, name, value, replace=False)
+        body = self._rewrite(body, plan.body, plan.headers)
         metrics.count_request(route, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY)
         receive = Replay([body], False, self.receive)
         if isinstance(plan, MessagesPlan):
@@ -317,7 +332,7 @@ class _Exchange:
     ) -> dict[tuple[int, ...], str]:
         texts: dict[tuple[int, ...], str] = {}
         for prompt in dict.fromkeys(p for p in prompts if not isinstance(p, str)):
-            status, _, body = await _internal_post(self.app, self.scope, "/detokenize", model, prompt)
+            status, _, body = await internal_post(self.app, self.scope, "/detokenize", model, prompt)
             try:
                 decoded = _json.loads(body) if status == 200 else None
             except ValueError:
@@ -355,11 +370,11 @@ class _Exchange:
         except (ValueError, RecursionError):
             return body  # vLLM refuses it with its own error
         request_id = data.get("request_id") if self.body_request_id and isinstance(data, dict) else None
-        if isinstance(request_id, str) and not _client_params.is_plain_name(request_id):
-            await self._send_error(RequestError(_client_params.not_plain_message("request_id"), "request_id"))
+        if isinstance(request_id, str) and not client_params.is_plain_name(request_id):
+            await self._send_error(RequestError(client_params.not_plain_message("request_id"), "request_id"))
             return None
         if self.settings.strip_kv_remote_address:
-            stripped = _client_params.strip_remote_address(body, data)
+            stripped = client_params.strip_remote_address(body, data)
             if stripped is not None:
                 set_header(self.scope, b"content-length", str(len(stripped)).encode())
                 return stripped
@@ -387,50 +402,5 @@ async def _send_error(send: Send, error: RequestError, payload: bytes | None = N
     await send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
-def _first_header(scope: Scope, name: bytes) -> bytes | None:
-    """The first of a repeated request header, the one starlette's `headers.get` gives vLLM."""
-    for key, value in scope["headers"]:
-        if key == name:
-            return bytes(value)
-    return None
-
-
 def _too_large(cap: int) -> RequestError:
     return RequestError(f"Request body exceeds the {cap}-byte limit of vllm-nvext", None, 413)
-
-
-async def _internal_post(
-    app: ASGIApp, scope: Scope, route: str, model: Any, tokens: tuple[int, ...]
-) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """POST `{"model", "tokens"}` to one of vLLM's own routes in this process, with the client's credentials."""
-    payload = {"tokens": list(tokens)} if model is None else {"model": model, "tokens": list(tokens)}
-    body = _json.dumps(payload)
-    root = scope.get("root_path", "")
-    headers = [(n, v) for n, v in scope["headers"] if n == b"authorization"]
-    headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    sub: Scope = {
-        **{k: v for k, v in scope.items() if k != _HANDLED},
-        "path": root + route,
-        "raw_path": (root + route).encode(),
-        "query_string": b"",
-        "headers": headers,
-    }
-    result: dict[str, Any] = {"status": 500, "headers": [], "body": []}
-    sent = False
-
-    async def receive() -> Message:
-        nonlocal sent
-        if sent:  # vLLM listens for a disconnect while it answers: none comes
-            await asyncio.Event().wait()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            result["status"] = message["status"]
-            result["headers"] = list(message.get("headers", ()))
-        elif message["type"] == "http.response.body":
-            result["body"].append(bytes(message.get("body", b"")))
-
-    await app(sub, receive, send)
-    return result["status"], result["headers"], b"".join(result["body"])

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import _vllm_compat
+from .agent.messages import PLUGIN_STATE
 from .config import Settings
-from .messages_api import PLUGIN_STATE
 from .middleware import NvextMiddleware
 
 

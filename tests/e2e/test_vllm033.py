@@ -149,7 +149,7 @@ def test_hidden_states_connector_matches_033s_connector_api():
 import inspect, json
 from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as up
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-from vllm_nvext.hidden_states_connector import CPUHiddenStatesConnector as C
+from vllm_nvext.connectors.hidden_states import CPUHiddenStatesConnector as C
 init = inspect.getsource(up.ExampleHiddenStatesConnector.__init__)
 register = inspect.getsource(up.ExampleHiddenStatesConnector.register_kv_caches)
 finished = inspect.getsource(up.ExampleHiddenStatesConnector.get_finished)

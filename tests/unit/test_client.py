@@ -29,10 +29,10 @@ from vllm_nvext.client import (
     parse_sse,
 )
 from vllm_nvext.config import Mode
-from vllm_nvext.nvext_values import Clock
+from vllm_nvext.inbound.request import plan_request
+from vllm_nvext.outbound.chunks import ChunkReshaper, reshape_unary
+from vllm_nvext.outbound.nvext_values import Clock
 from vllm_nvext.protocol import ENDPOINT_PATHS
-from vllm_nvext.request import plan_request
-from vllm_nvext.response import ChunkReshaper, reshape_unary
 
 NVEXT_TRIO = {"nvext": {"extra_fields": ["completion_token_ids"]}}
 ENGINE = {"nvext": {"extra_fields": ["engine_data"]}}

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings, _vllm_compat
-from vllm_nvext._client_params import is_plain_name, strip_remote_address
-from vllm_nvext.nvext_schema import NVEXT_FIELDS
+from vllm_nvext.inbound.client_params import is_plain_name, strip_remote_address
+from vllm_nvext.inbound.nvext_schema import NVEXT_FIELDS
+from vllm_nvext.inbound.request import plan, read_request
 from vllm_nvext.protocol import PATHS, Endpoint, RequestError
-from vllm_nvext.request import plan, read_request
 
 CHAT_PATH, COMPLETIONS_PATH = PATHS[Endpoint.CHAT], PATHS[Endpoint.COMPLETIONS]
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -31,7 +31,7 @@ VLLM_HS = {
 }
 PROJECT_HS = {
     "kv_connector": "CPUHiddenStatesConnector",
-    "kv_connector_module_path": "vllm_nvext.hidden_states_connector",
+    "kv_connector_module_path": "vllm_nvext.connectors.hidden_states",
     "kv_connector_extra_config": {"shared_storage_path": "/tmp/hs"},
 }
 

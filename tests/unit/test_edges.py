@@ -20,11 +20,11 @@ from tests.helpers import CHAT, COMPLETIONS, sse_events, sse_frames
 from tests.recorded import recording
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, _vllm_compat
-from vllm_nvext.nvext_values import Clock
+from vllm_nvext.inbound.request import plan, plan_request, read_request
+from vllm_nvext.outbound.chunks import rename_error, reshape_unary
+from vllm_nvext.outbound.nvext_values import Clock
+from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
 from vllm_nvext.protocol import Endpoint, RequestError
-from vllm_nvext.request import plan, plan_request, read_request
-from vllm_nvext.response import rename_error, reshape_unary
-from vllm_nvext.stream import DecodingStreamReshaper, StreamReshaper
 
 NVEXT_IDS = {"extra_fields": ["completion_token_ids", "engine_data"]}
 

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from vllm_nvext import Mode, _fields
+from vllm_nvext import Mode
+from vllm_nvext.inbound import fields as _fields
+from vllm_nvext.inbound.request import plan_request
 from vllm_nvext.protocol import Endpoint, RequestError
-from vllm_nvext.request import plan_request
 
 TRIO = {"extra_fields": ["completion_token_ids"]}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "a"}]}

@@ -18,35 +18,40 @@ PACKAGE = Path(__file__).resolve().parents[2] / "vllm_nvext"
 # Module names relative to the package ("" is the package itself, "tools.*" every tools module).
 # fmt: off
 LAYERS: dict[str, frozenset[str]] = {
-    # Protocol logic, bytes and decoded JSON in and out, no ASGI: the vocabulary and the request
-    # side, then the response side and what both share.
-    "pure": frozenset({"protocol", "config", "_json", "_optin", "_fields", "nvext_schema", "_client_params",
-                       "request", "response", "nvext_values", "stream", "unary", "sse", "_shapes", "metrics"}),
+    # What every side shares: the vocabulary (paths, selectors, errors), settings, JSON that never
+    # alters a value, the SSE framer, and the Plan that the request side hands the response side.
+    "base": frozenset({"protocol", "config", "_json", "sse", "plan"}),
+    # Reading a request and planning it (pure, no ASGI).
+    "inbound": frozenset({"inbound", "inbound.*"}),
+    # Reshaping an answer, unary or streamed, driven by the Plan (pure, no ASGI).
+    "outbound": frozenset({"outbound", "outbound.*"}),
     # What the installed vLLM can do, and its `--api-key` check on the scope.
     "vllm": frozenset({"_vllm_compat"}),
-    # The server's ASGI layer: the middleware, its send and receive wrappers (`_speedups`, built from
-    # _speedups.c, is the compiled twin of the stream send), the agent routes (`responses_api` reshapes
-    # /v1/responses' events, `messages_api` serves /v1/messages in the plugin), the endpoint plugin.
-    "asgi": frozenset({"", "middleware", "_asgi_request", "_asgi_response", "_speedups", "responses_api",
-                       "messages_api", "plugin"}),
+    # The server's ASGI layer: the middleware (one request's cycle), its receive and send plumbing
+    # (`asgi`, `send`; `_speedups`, built from _speedups.c, is the compiled twin of the stream send),
+    # the counters, the agent routes, the endpoint plugin.
+    "asgi": frozenset({"", "middleware", "asgi", "send", "_speedups", "metrics", "agent", "agent.*", "plugin"}),
     # Out of process: the middleware in front of a server over HTTP (`vllm-nvext proxy`).
     "proxy": frozenset({"proxy"}),
     # For users, beside the server.
     "beside": frozenset({"client", "hidden_states"}),
-    # Engine-side KV connectors: loaded by vLLM's engine process, never by the server.
-    "connectors": frozenset({"hidden_states_connector", "pd_connector"}),
+    # Engine-side KV connectors (and their first import paths): loaded by vLLM's engine process, never
+    # by the server.
+    "connectors": frozenset({"connectors", "connectors.*", "hidden_states_connector", "pd_connector"}),
     # The tooling (and the old path of vLLM's CLI shim).
     "tools": frozenset({"tools", "tools.*", "_vllm_cli"}),
 }
 # fmt: on
 MAY_IMPORT: dict[str, frozenset[str]] = {
-    "pure": frozenset({"pure", "vllm"}),
+    "base": frozenset({"base"}),
+    "inbound": frozenset({"inbound", "base", "vllm"}),
+    "outbound": frozenset({"outbound", "base"}),
     "vllm": frozenset(),
-    "asgi": frozenset({"asgi", "pure", "vllm"}),
-    "proxy": frozenset({"proxy", "asgi", "pure", "vllm"}),
-    "beside": frozenset({"beside", "pure"}),
+    "asgi": frozenset({"asgi", "inbound", "outbound", "base", "vllm"}),
+    "proxy": frozenset({"proxy", "asgi", "base", "vllm"}),
+    "beside": frozenset({"beside", "outbound", "base"}),
     "connectors": frozenset({"connectors", "beside"}),
-    "tools": frozenset({"tools", "pure", "vllm", "beside", "proxy"}),
+    "tools": frozenset({"tools", "inbound", "outbound", "base", "vllm", "beside", "proxy"}),
 }
 # Only these layers see the ASGI scope (a name `scope`: a parameter or a variable).
 READS_SCOPE = frozenset({"asgi", "vllm", "proxy"})
@@ -132,7 +137,7 @@ def test_the_package_keeps_its_layers():
 
 
 def test_the_server_never_imports_the_tools_or_the_connectors():
-    server = ("pure", "vllm", "asgi")
+    server = ("base", "inbound", "outbound", "vllm", "asgi")
     for layer in server:
         assert not MAY_IMPORT[layer] & {"tools", "connectors"}, layer
     assert not any("connectors" in allowed for layer, allowed in MAY_IMPORT.items() if layer != "connectors")
@@ -158,28 +163,40 @@ def test_the_import_reader_sees_every_form_of_import():
     ("module", "source", "expected"),
     [
         pytest.param(
-            "request",
-            "from .middleware import NvextMiddleware\n",
-            "vllm_nvext.request (pure) imports vllm_nvext.middleware (asgi)",
-            id="pure-imports-asgi",
+            "inbound.request",
+            "from ..middleware import NvextMiddleware\n",
+            "vllm_nvext.inbound.request (inbound) imports vllm_nvext.middleware (asgi)",
+            id="request-side-imports-asgi",
         ),
         pytest.param(
-            "stream",
-            "def f():\n    from .tools import cli\n",
-            "vllm_nvext.stream (pure) imports vllm_nvext.tools.cli (tools)",
-            id="pure-imports-tools",
+            "outbound.stream",
+            "from ..inbound.request import read_request\n",
+            "vllm_nvext.outbound.stream (outbound) imports vllm_nvext.inbound.request (inbound)",
+            id="response-side-imports-request-side",
+        ),
+        pytest.param(
+            "inbound.fields",
+            "from ..outbound import chunks\n",
+            "vllm_nvext.inbound.fields (inbound) imports vllm_nvext.outbound.chunks (outbound)",
+            id="request-side-imports-response-side",
+        ),
+        pytest.param(
+            "outbound.stream",
+            "def f():\n    from ..tools import cli\n",
+            "vllm_nvext.outbound.stream (outbound) imports vllm_nvext.tools.cli (tools)",
+            id="response-side-imports-tools",
         ),
         pytest.param(
             "middleware",
-            "import vllm_nvext.pd_connector\n",
-            "vllm_nvext.middleware (asgi) imports vllm_nvext.pd_connector (connectors)",
+            "import vllm_nvext.connectors.pd\n",
+            "vllm_nvext.middleware (asgi) imports vllm_nvext.connectors.pd (connectors)",
             id="server-imports-connector",
         ),
         pytest.param(
-            "response",
+            "outbound.chunks",
             "def f(scope):\n    return 1\n",
-            "vllm_nvext.response (pure) reads the ASGI scope",
-            id="pure-reads-scope",
+            "vllm_nvext.outbound.chunks (outbound) reads the ASGI scope",
+            id="response-side-reads-scope",
         ),
         pytest.param("brand_new", "", "vllm_nvext.brand_new is in no layer: add it to LAYERS", id="unplaced-module"),
     ],
@@ -188,3 +205,18 @@ def test_a_break_of_the_layers_is_reported(module, source, expected):
     sources = package_sources()
     sources[module] = source
     assert expected in violations(sources)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "name"),
+    [
+        ("vllm_nvext.hidden_states_connector", "vllm_nvext.connectors.hidden_states", "CPUHiddenStatesConnector"),
+        ("vllm_nvext.pd_connector", "vllm_nvext.connectors.pd", "CPUPDConnector"),
+    ],
+)
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's and vLLM's own imports warn
+def test_a_kv_connector_module_path_of_the_first_layout_still_loads_the_connector(old, new, name):
+    """`kv_connector_module_path` values users wrote before the connectors moved keep working."""
+    import importlib
+
+    assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new), name)

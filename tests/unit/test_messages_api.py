@@ -19,7 +19,7 @@ import pytest
 from tests.unit import asgi
 from tests.unit.asgi import Upstream
 from vllm_nvext import Mode, NvextMiddleware, Settings
-from vllm_nvext.messages_api import PLUGIN_STATE, CapturedIds, _handler_copy, place_ids_in_event
+from vllm_nvext.agent.messages import PLUGIN_STATE, CapturedIds, _handler_copy, place_ids_in_event
 
 serving = pytest.importorskip("vllm.entrypoints.anthropic.serving")
 chat_protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")

@@ -24,9 +24,9 @@ from tests.recorded import Recording, recording
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings, metrics
 from vllm_nvext import _json as nvjson
-from vllm_nvext import response as nvresponse
-from vllm_nvext._fields import DECISION_FIELDS, replica_model
-from vllm_nvext.nvext_schema import NVEXT_FIELDS, NVEXT_OBJECTS, param_names
+from vllm_nvext.inbound.fields import DECISION_FIELDS, replica_model
+from vllm_nvext.inbound.nvext_schema import NVEXT_FIELDS, NVEXT_OBJECTS, param_names
+from vllm_nvext.outbound import chunks as nvresponse
 from vllm_nvext.protocol import Endpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -234,7 +234,7 @@ async def test_a_unary_body_that_cannot_be_reshaped_is_forwarded_and_counted(mon
     def broken(*_args, **_kwargs):
         raise RuntimeError("reshaping bug")
 
-    monkeypatch.setattr("vllm_nvext._asgi_response.reshape_unary_body", broken)
+    monkeypatch.setattr("vllm_nvext.send.reshape_unary_body", broken)
     rec = recording("chat_unary_ids")
     app, _ = _app(rec)
     before = scrape()

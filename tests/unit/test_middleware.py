@@ -482,7 +482,7 @@ def _fastapi_reads_as_json(content_type: str) -> bool:
 
 @pytest.mark.parametrize("content_type", [c for c in CONTENT_TYPES if c])
 def test_a_content_type_is_json_exactly_when_fastapi_reads_it_as_json(content_type):
-    from vllm_nvext._asgi_request import is_json
+    from vllm_nvext.asgi import is_json
 
     pytest.importorskip("fastapi")
     assert is_json(content_type.encode()) is _fastapi_reads_as_json(content_type)
@@ -490,7 +490,7 @@ def test_a_content_type_is_json_exactly_when_fastapi_reads_it_as_json(content_ty
 
 @pytest.mark.parametrize("content_type", CONTENT_TYPES)
 async def test_a_response_is_reshaped_as_json_by_the_request_sides_rule(content_type):
-    from vllm_nvext._asgi_request import is_json
+    from vllm_nvext.asgi import is_json
 
     rec = recording("chat_unary_ids")
     upstream = Upstream(content_type=content_type, body=rec.body)

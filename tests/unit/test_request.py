@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_nvext._optin import might_opt_in
 from vllm_nvext.config import Mode
+from vllm_nvext.inbound.optin import might_opt_in
+from vllm_nvext.inbound.request import plan_request, read_request
 from vllm_nvext.protocol import Endpoint, RequestError
-from vllm_nvext.request import plan_request, read_request
 
 CHAT, COMPLETIONS = Endpoint.CHAT, Endpoint.COMPLETIONS
 
@@ -261,7 +261,7 @@ def test_big_integers_survive_the_rewrite_exactly():
 
 def _two_reads(body: bytes, endpoint):
     """read_request's field reads as they were: return_token_ids alone (the opt-in test), then all."""
-    from vllm_nvext._fields import read_fields
+    from vllm_nvext.inbound.fields import read_fields
 
     data = json.loads(body)
     rti = read_fields(data, endpoint, ("return_token_ids",)).return_token_ids
@@ -301,8 +301,8 @@ def test_nvext_dialect_names_the_field_the_two_reads_named(extra, endpoint):
 @given(st.lists(st.sampled_from([b'"nvext"', b'"return_token_ids"', b"nvext", b"\\u006e", b'"\\u006evext"', b'"',
                                  b"return_token_ids", b"x", b":", b'"nvex"', b"\\u"]), max_size=8))  # fmt: skip
 def test_the_opt_in_scan_reads_the_plain_key_spelling_as_the_pattern_does(pieces):
-    from vllm_nvext import _optin
+    from vllm_nvext.inbound import optin
 
     data = b"".join(pieces)
-    pattern = any(m in data for m in _optin._KEY_MARKERS) and _optin._KEY_TOKEN.search(data) is not None
-    assert _optin._mentions_key(data) == pattern, f"{data!r}: the opt-in test and the key pattern disagree"
+    pattern = any(m in data for m in optin._KEY_MARKERS) and optin._KEY_TOKEN.search(data) is not None
+    assert optin._mentions_key(data) == pattern, f"{data!r}: the opt-in test and the key pattern disagree"

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings
 from vllm_nvext import _json as nvjson
-from vllm_nvext._fields import field_reader, replica_model
-from vllm_nvext._optin import OptInScan, might_opt_in
+from vllm_nvext.inbound.fields import field_reader, replica_model
+from vllm_nvext.inbound.optin import OptInScan, might_opt_in
+from vllm_nvext.inbound.request import plan_request, read_request
 from vllm_nvext.protocol import PATHS, Endpoint, RequestError
-from vllm_nvext.request import plan_request, read_request
 
 vllm_completion = pytest.importorskip("vllm.entrypoints.openai.completion.protocol")
 vllm_chat = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from vllm_nvext.config import Mode
-from vllm_nvext.nvext_values import Clock, detailed_finish_reason, kv_cache_hit, timing
+from vllm_nvext.inbound.request import plan_request
+from vllm_nvext.outbound.chunks import ChunkReshaper, reshape_unary
+from vllm_nvext.outbound.nvext_values import Clock, detailed_finish_reason, kv_cache_hit, timing
 from vllm_nvext.protocol import Endpoint
-from vllm_nvext.request import plan_request
-from vllm_nvext.response import ChunkReshaper, reshape_unary
 from vllm_nvext.tools.dynamo_conformance import SIX
 
 

@@ -18,7 +18,7 @@ from tests.helpers import without_agent_volatile
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings
 from vllm_nvext import _json as nvjson
-from vllm_nvext.responses_api import (
+from vllm_nvext.agent.responses import (
     ResponsesPlan,
     ResponsesSend,
     ResponsesStream,

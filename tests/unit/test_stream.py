@@ -9,10 +9,10 @@ import pytest
 from tests.helpers import sse_events, sse_frames
 from tests.recorded import recordings
 from vllm_nvext import Mode
-from vllm_nvext import stream as stream_module
-from vllm_nvext.nvext_values import Clock
-from vllm_nvext.request import plan_request
-from vllm_nvext.stream import DecodingStreamReshaper, StreamReshaper
+from vllm_nvext.inbound.request import plan_request
+from vllm_nvext.outbound import stream as stream_module
+from vllm_nvext.outbound.nvext_values import Clock
+from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
 
 STREAMS = sorted(n for n, r in recordings().items() if r.stream and "n2" not in n)
 SELECTOR_SETS = [

@@ -1,6 +1,6 @@
 """The `send` handed to vLLM gives the general path's bytes, in both implementations.
 
-`_asgi_response.python_stream_send` and the compiled `_speedups.StreamSend` serve the mid-stream
+`send.python_stream_send` and the compiled `_speedups.StreamSend` serve the mid-stream
 deltas of an armed stream themselves (stream.Splice); everything else goes through the general
 path. Whatever serves them, the client must get the bytes the general path gives (every shortcut
 off, every event decoded) on every recorded stream and on the layouts hypothesis derives from
@@ -27,11 +27,11 @@ from tests.unit.test_stream_layouts import (
     draw_relaid_stream,
 )
 from vllm_nvext import NvextMiddleware, Settings, metrics
-from vllm_nvext import _asgi_response as asgi_response
-from vllm_nvext._asgi_response import STREAM_SENDS, ReshapingSend
+from vllm_nvext import send as asgi_response
 from vllm_nvext.config import ConfigError, Mode
-from vllm_nvext.nvext_values import Clock
-from vllm_nvext.stream import DecodingStreamReshaper
+from vllm_nvext.outbound.nvext_values import Clock
+from vllm_nvext.outbound.stream import DecodingStreamReshaper
+from vllm_nvext.send import STREAM_SENDS, ReshapingSend
 
 IMPLS = ["python", "c"]
 START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}

@@ -8,12 +8,13 @@ import tracemalloc
 import pytest
 
 from tests.recorded import recordings
-from vllm_nvext import _json, unary
+from vllm_nvext import _json
 from vllm_nvext.config import Mode
-from vllm_nvext.nvext_values import Clock
+from vllm_nvext.inbound.request import plan_request
+from vllm_nvext.outbound import unary
+from vllm_nvext.outbound.chunks import reshape_unary
+from vllm_nvext.outbound.nvext_values import Clock
 from vllm_nvext.protocol import RequestError
-from vllm_nvext.request import plan_request
-from vllm_nvext.response import reshape_unary
 
 UNARY = sorted(n for n, r in recordings().items() if not r.stream and r.status == 200)
 SELECTOR_SETS = [
@@ -121,7 +122,7 @@ def test_not_json_raises_value_error():
         unary.reshape_unary_body(b"not json", plan, _FrozenClock())
 
 
-# Keys response.py touches that are not vLLM's body keys: inside the nvext object it writes, or
+# Keys outbound/chunks.py touches that are not vLLM's body keys: inside the nvext object it writes, or
 # inside a read value (usage, error) that a cut never splits.
 _NOT_BODY_KEYS = {
     "completion_token_ids", "engine_data", "timing", "ttft_ms", "total_time_ms", "prefill_wait_time_ms",
@@ -134,7 +135,7 @@ def test_every_key_the_reshaping_reads_is_one_a_cut_never_hides():
     import ast
     from pathlib import Path
 
-    from vllm_nvext import response
+    from vllm_nvext.outbound import chunks as response
 
     keys = set()
     for node in ast.walk(ast.parse(Path(response.__file__).read_text())):
@@ -149,4 +150,4 @@ def test_every_key_the_reshaping_reads_is_one_a_cut_never_hides():
             keys.add(node.args[0].value)
     body_keys = {k for k in keys if isinstance(k, str)} - _NOT_BODY_KEYS
     guarded = {k.decode().strip('":') for k in unary.READ_KEYS}
-    assert body_keys <= guarded, f"response.py reads keys a cut could hide: {sorted(body_keys - guarded)}"
+    assert body_keys <= guarded, f"outbound/chunks.py reads keys a cut could hide: {sorted(body_keys - guarded)}"

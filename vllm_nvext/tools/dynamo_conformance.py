@@ -20,7 +20,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._shapes import choice_logprobs
+from ..outbound.shapes import choice_logprobs
 from ..protocol import (
     COMPLETION_TOKEN_IDS,
     DETAILED_FINISH_REASON,

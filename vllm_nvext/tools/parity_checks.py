@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._shapes import first_difference
 from ..client import TokenIds, TokenIdsError, extract, extract_stream, parse_sse
+from ..outbound.shapes import first_difference
 from ..protocol import COMPLETION_TOKEN_IDS, PATHS, Endpoint
 from . import dynamo_conformance
 

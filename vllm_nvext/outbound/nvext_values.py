@@ -1,7 +1,7 @@
 """Dynamo's response values under `nvext`, as its vLLM worker and frontend write them.
 
 `timing`, `engine_data` (with `kv_cache_hit`) and `detailed_finish_reason`, built from what vLLM
-reports, and the clock the middleware measures with; `response.py` decides where they go.
+reports, and the clock the middleware measures with; `chunks.py` decides where they go.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Pure response side: reshape vLLM's decoded unary bodies and stream chunks as a Plan says.
 
-Bytes and SSE framing live in `stream.py`; this module only sees parsed JSON.
+Bytes and SSE framing live in `stream.py` and `unary.py`; this module only sees parsed JSON.
 
 vLLM placement (docs/protocol.md §1) is what vLLM writes; nvext placement (§3) is a root
 `nvext` object. Only what the middleware caused is removed: a vLLM copy is set back to
@@ -12,9 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ._shapes import choice_logprobs
-from .nvext_values import Clock, detailed_finish_reason, engine_data, kv_cache_hit, timing
-from .protocol import (
+from ..plan import Plan
+from ..protocol import (
     DETAILED_FINISH_REASON,
     ENGINE_DATA,
     PROMPT_LOGPROBS,
@@ -23,7 +22,8 @@ from .protocol import (
     TIMING,
     Endpoint,
 )
-from .request import Plan
+from .nvext_values import Clock, detailed_finish_reason, engine_data, kv_cache_hit, timing
+from .shapes import choice_logprobs
 
 
 def _reported_ids(choice: dict[str, Any]) -> list[int] | None:
@@ -348,6 +348,19 @@ class ChunkReshaper:
             if plan.nvext_trio:
                 nv["completion_token_ids"] = delta_ids
             return False
+        self._finish_choice(obj, choice, nv, state, delta_ids)
+        return True  # the final selectors may move values out of the chunk
+
+    def _finish_choice(
+        self,
+        obj: dict[str, Any],
+        choice: dict[str, Any],
+        nv: dict[str, Any],
+        state: _Choice,
+        delta_ids: list[int] | None,
+    ) -> None:
+        """A choice's finish chunk: its final `nvext` (or, with `await_usage`, held for the usage chunk)."""
+        plan = self.plan
         state.finished = True
         kv = _take_kv(obj, plan) if plan.nvext_trio else None  # vLLM >= 0.33 sends it on the finish chunk
         prompt_logprobs = _take_prompt_logprobs(obj, choice, plan)
@@ -380,7 +393,6 @@ class ChunkReshaper:
                 routed_experts=routed_experts,
             )
         )
-        return True  # the final selectors may move values out of the chunk
 
     def complete_from_usage(self, usage_chunk: Any) -> None:
         """Fill the pending finish chunk's nvext with what vLLM reports on its usage chunk.

@@ -12,7 +12,7 @@ import importlib
 import sys
 from typing import Annotated, Any
 
-from .protocol import Endpoint, RequestError
+from ..protocol import Endpoint, RequestError
 
 _VLLM_MODELS = {
     Endpoint.COMPLETIONS: (

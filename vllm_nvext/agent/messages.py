@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _json
-from ._asgi_request import ASGIApp, Receive, Scope, Send
-from .protocol import COMPLETION_TOKEN_IDS, PROMPT_TOKEN_IDS
+from .. import _json
+from ..asgi import ASGIApp, Receive, Scope, Send
+from ..protocol import COMPLETION_TOKEN_IDS, PROMPT_TOKEN_IDS
 
 logger = logging.getLogger("vllm_nvext")
 
@@ -193,10 +193,8 @@ async def serve(
     try:
         from pydantic import ValidationError
         from starlette.requests import Request
-        from starlette.responses import JSONResponse, StreamingResponse
-        from vllm.entrypoints.anthropic.api_router import translate_error_response
-        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest, AnthropicMessagesResponse
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.anthropic.api_router import translate_error_response  # noqa: F401  (_response's)
+        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
     except ImportError:
         return False
@@ -210,7 +208,6 @@ async def serve(
         await app(scope, receive, send)  # vLLM's own validation answers it
         return True
     ids = CapturedIds()
-    vllm_ids, nvext_trio, nvext_prompt = placements
     # As vLLM's route (`with_cancellation`): a client that goes away cancels the work, nothing outlives it.
     work = asyncio.ensure_future(_handler_copy(handler, ids).create_messages(request, Request(scope, receive)))
     gone = asyncio.ensure_future(_until_disconnect(receive))
@@ -224,19 +221,26 @@ async def serve(
     except Exception as exc:  # as vLLM's route answers it
         logger.exception("Error in create_messages")
         result = create_error_response(exc)
-    response: Any
-    if isinstance(result, ErrorResponse):
-        response = translate_error_response(result)
-    elif isinstance(result, AnthropicMessagesResponse):
-        message = result.model_dump(exclude_none=True)
-        place_ids(message, ids, vllm_ids, nvext_trio, nvext_prompt)
-        response = JSONResponse(content=message)
-    else:
-
-        async def events() -> AsyncIterator[str]:
-            async for event in result:
-                yield place_ids_in_event(event, ids, vllm_ids, nvext_trio, nvext_prompt)
-
-        response = StreamingResponse(content=events(), media_type="text/event-stream")
-    await response(scope, receive, send)
+    await _response(result, ids, placements)(scope, receive, send)
     return True
+
+
+def _response(result: Any, ids: CapturedIds, placements: tuple[bool, bool, bool]) -> Any:
+    """The ASGI response for the handler's result, as vLLM's route makes it, with the ids placed."""
+    from starlette.responses import JSONResponse, StreamingResponse
+    from vllm.entrypoints.anthropic.api_router import translate_error_response
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesResponse
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    if isinstance(result, ErrorResponse):
+        return translate_error_response(result)
+    if isinstance(result, AnthropicMessagesResponse):
+        message = result.model_dump(exclude_none=True)
+        place_ids(message, ids, *placements)
+        return JSONResponse(content=message)
+
+    async def events() -> AsyncIterator[str]:
+        async for event in result:
+            yield place_ids_in_event(event, ids, *placements)
+
+    return StreamingResponse(content=events(), media_type="text/event-stream")

@@ -4,7 +4,7 @@
 bytes into events, decodes each `data:` payload, lets `response.ChunkReshaper` reshape the
 chunk and encodes it again; each shortcut below names the test that proves it gives the same
 bytes as that path. `Splice`, the cheapest, is also what the `send` handed to vLLM serves
-deltas with (`_asgi_response.python_stream_send`, `_speedups.c`). Nothing here knows ASGI.
+deltas with (`send.python_stream_send`, `_speedups.c`). Nothing here knows ASGI.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import logging
 import re
 from typing import Any
 
-from . import _json
+from .. import _json
+from ..plan import Plan
+from ..sse import EventFramer, data_payload
+from .chunks import ChunkReshaper
 from .nvext_values import Clock
-from .request import Plan
-from .response import ChunkReshaper
-from .sse import EventFramer, data_payload
 
 logger = logging.getLogger("vllm_nvext")
 
@@ -66,7 +66,7 @@ class Splice:
     learned delta's structure with another text and other ids, so the general path would give it
     the bytes `render` gives (for the valid JSON vLLM writes). `StreamReshaper` arms one only
     after `render` reproduced, byte for byte, what the general path made of the delta it was
-    learned from; `_asgi_response.stream_send` and the compiled `_speedups.StreamSend` serve the
+    learned from; `send.stream_send` and the compiled `_speedups.StreamSend` serve the
     same deltas with the same checks.
     """
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeGuard
 
-from . import _json
-from .protocol import RequestError
+from .. import _json
+from ..protocol import RequestError
 
 
 def _is_int(v: Any) -> TypeGuard[int]:

@@ -7,15 +7,14 @@ then receives `return_token_ids: true` and no `nvext`. See docs/protocol.md §1 
 from __future__ import annotations
 
 import logging
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
-from . import _json, _vllm_compat
-from ._fields import invocation_route, read_fields
-from ._optin import might_opt_in
-from .config import Mode
-from .nvext_schema import json_type, validate_nvext
-from .protocol import (
+from .. import _json, _vllm_compat
+from ..config import Mode
+from ..plan import Plan
+from ..protocol import (
     COMPLETION_TOKEN_IDS,
     ENGINE_DATA,
     ID_SELECTORS,
@@ -27,6 +26,9 @@ from .protocol import (
     Endpoint,
     RequestError,
 )
+from .fields import invocation_route, read_fields
+from .nvext_schema import json_type, validate_nvext
+from .optin import might_opt_in
 
 logger = logging.getLogger("vllm_nvext")
 
@@ -36,66 +38,6 @@ ECHO_EMBEDS = (
     "nvext-placing mode): vLLM then leaves the echoed prompt out of `text`, and embeddings have no text to put "
     "back. Send `return_token_ids: true` in vLLM placement (the answer stock vLLM gives), or leave out `echo`"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """What to send upstream and how to reshape what comes back, for one request."""
-
-    endpoint: Endpoint
-    # The client gets vLLM's own placement of the ids (docs/protocol.md §1).
-    vllm_ids: bool
-    # The trio under `nvext` (docs/protocol.md §3.4): completion_token_ids, prompt_token_ids, kv_transfer_params.
-    nvext_trio: bool
-    # `nvext.prompt_token_ids` without the rest of the trio.
-    nvext_prompt_ids: bool
-    # Other selectors answered under `nvext` (NVEXT_ONLY_SELECTORS).
-    selectors: frozenset[str]
-    # The middleware turned `return_token_ids` on and the client must not see vLLM's copies.
-    strip_vllm_ids: bool
-    # A completions stream with `echo`: vLLM sends prompt ids by itself: leave those alone.
-    echo: bool
-    # The middleware turned `return_token_ids` on for a completions `echo`: vLLM then drops the
-    # echoed prompt from `text`, and the response side puts it back in front of each choice's first
-    # text. One entry per prompt: its text, or its ids (the middleware has vLLM decode those, as vLLM
-    # echoes them, before the request goes upstream); empty when nothing is to be put back.
-    echo_prompts: tuple[str | tuple[int, ...], ...]
-    # The client asked for logprobs (engine_data.completion_logprobs follows them).
-    logprobs: bool
-    # The rewritten upstream body; None keeps the client's bytes.
-    body: bytes | None
-    # Extra request headers for vLLM (e.g. the data-parallel rank).
-    headers: tuple[tuple[bytes, bytes], ...] = ()
-    # What the client asked in (`vllm`, `nvext` or `both`) and whether it streams: for the metrics.
-    dialect: str = "vllm"
-    stream: bool = False
-    # One prompt and n == 1: every chunk is about choice 0.
-    single_choice: bool = True
-    # Choices per prompt (vLLM's `n`): choice `i` answers prompt `i // n`.
-    n: int = 1
-    # A one-choice stream with `timing` or `engine_data`: vLLM reports its per-request metrics and
-    # cached tokens on the usage chunk right after the finish chunk, which waits for it.
-    await_usage: bool = False
-    # The client sent a root `kv_transfer_params` (an orchestrator's prefill/decode handoff):
-    # vLLM's root `kv_transfer_params` comes back at the root in every mode.
-    root_kv: bool = False
-    # (vLLM's field, the client's field) for each vLLM field set from an nvext field: an error
-    # vLLM raises about the former names the latter (docs/protocol.md §9).
-    error_params: tuple[tuple[str, str], ...] = ()
-    # A chat stream whose ids vLLM withholds (`include_reasoning: false` on a server with a parser):
-    # every chunk says "not reported", the role chunk before any id too (docs/protocol.md §3.4).
-    ids_withheld: bool = False
-
-    @property
-    def reshapes_answer(self) -> bool:
-        """A successful answer changes (error bodies and events are `error_params`' business)."""
-        return bool(
-            self.nvext_trio or self.nvext_prompt_ids or self.selectors or self.strip_vllm_ids or self.echo_prompts
-        )
-
-    @property
-    def reshapes_response(self) -> bool:
-        return self.reshapes_answer or bool(self.error_params)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,43 +126,20 @@ def plan(
     """The Plan for a request that opts in. `dp_rank_header` is the client's first `X-data-parallel-rank`;
     `hides_reasoning_ids`: the server withholds the ids of chat requests with `include_reasoning: false`
     (`_vllm_compat.hides_reasoning_ids`)."""
-    endpoint, data, fields, nvext = request.endpoint, request.data, request.fields, request.nvext
+    endpoint, data, fields = request.endpoint, request.data, request.fields
     return_token_ids = fields.return_token_ids is True
-    requested = set(nvext.get("extra_fields") or [])
-    nvext_ids = requested & ID_SELECTORS
+    requested = set(request.nvext.get("extra_fields") or [])
     # docs/protocol.md §3.4: `return_token_ids: true` is an alias of the completion_token_ids selector.
-    normalized = set(requested)
-    if return_token_ids:
-        normalized.add(COMPLETION_TOKEN_IDS)
-    ids_requested = bool(normalized & ID_SELECTORS)
-
-    vllm_ids, nvext_placement = placements(mode, return_token_ids, bool(nvext_ids), ids_requested)
+    normalized = (requested | {COMPLETION_TOKEN_IDS}) if return_token_ids else requested
+    vllm_ids, nvext_placement = placements(
+        mode, return_token_ids, bool(requested & ID_SELECTORS), bool(normalized & ID_SELECTORS)
+    )
     nvext_trio = nvext_placement and COMPLETION_TOKEN_IDS in normalized
     nvext_prompt_ids = nvext_placement and not nvext_trio and PROMPT_TOKEN_IDS in normalized
     selectors = frozenset(normalized & NVEXT_ONLY_SELECTORS)
     if PROMPT_LOGPROBS in selectors and fields.prompt_logprobs is None:
         selectors = selectors - {PROMPT_LOGPROBS}  # only answered when vLLM's prompt_logprobs is set
-
-    batch = endpoint is Endpoint.CHAT_BATCH
-    if batch:
-        _check_chat_batch(request)
-        messages = data.get("messages")
-        prompts = len(messages) if isinstance(messages, list) and messages else 1
-    else:
-        prompts = _num_prompts(fields) if endpoint is Endpoint.COMPLETIONS else 1
-    n = fields.n if fields.n is not None and fields.n > 0 else 1
-    prompt_param = "messages" if batch else "prompt"
-    if nvext_trio and n * prompts > 1:
-        raise RequestError(
-            f'`nvext.extra_fields=["{COMPLETION_TOKEN_IDS}"]` requires exactly one generated choice',
-            prompt_param if prompts > 1 else "n",
-        )
-    if prompts > 1:
-        asked = selectors | ({PROMPT_TOKEN_IDS} if nvext_prompt_ids else set())
-        single_prompt = [s for s in SINGLE_PROMPT_SELECTORS if s in asked]
-        if single_prompt:
-            name = single_prompt[0]
-            raise RequestError(f'`nvext.extra_fields=["{name}"]` requires a single prompt, got a batch', prompt_param)
+    prompts, n = _choices(request, nvext_trio, selectors | ({PROMPT_TOKEN_IDS} if nvext_prompt_ids else set()))
 
     # timing's ttft_ms is the first chunk carrying a token id: ask for ids to see them.
     needs_ids = vllm_ids or nvext_trio or nvext_prompt_ids or bool(selectors & {ENGINE_DATA, TIMING})
@@ -256,6 +175,32 @@ def plan(
         and endpoint is Endpoint.CHAT
         and getattr(fields, "include_reasoning", True) is False,
     )
+
+
+def _choices(request: Request, nvext_trio: bool, asked: AbstractSet[str]) -> tuple[int, int]:
+    """(prompts, n): vLLM generates prompts * n choices. Refuses the trio on more than one choice and
+    the single-prompt selectors (`asked`) on a batch."""
+    endpoint, fields = request.endpoint, request.fields
+    batch = endpoint is Endpoint.CHAT_BATCH
+    if batch:
+        _check_chat_batch(request)
+        messages = request.data.get("messages")
+        prompts = len(messages) if isinstance(messages, list) and messages else 1
+    else:
+        prompts = _num_prompts(fields) if endpoint is Endpoint.COMPLETIONS else 1
+    n = fields.n if fields.n is not None and fields.n > 0 else 1
+    prompt_param = "messages" if batch else "prompt"
+    if nvext_trio and n * prompts > 1:
+        raise RequestError(
+            f'`nvext.extra_fields=["{COMPLETION_TOKEN_IDS}"]` requires exactly one generated choice',
+            prompt_param if prompts > 1 else "n",
+        )
+    if prompts > 1:
+        single_prompt = [s for s in SINGLE_PROMPT_SELECTORS if s in asked]
+        if single_prompt:
+            name = single_prompt[0]
+            raise RequestError(f'`nvext.extra_fields=["{name}"]` requires a single prompt, got a batch', prompt_param)
+    return prompts, n
 
 
 class _Rewrite:

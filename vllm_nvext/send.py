@@ -19,13 +19,13 @@ from dataclasses import replace
 from time import perf_counter_ns
 
 from . import _json, metrics
-from ._asgi_request import Message, Send, is_event_stream, is_json
-from .nvext_values import Clock
+from .asgi import Message, Send, is_event_stream, is_json
+from .outbound.chunks import rename_error
+from .outbound.nvext_values import Clock
+from .outbound.stream import UNSAFE_TEXT, StreamReshaper
+from .outbound.unary import reshape_unary_body
+from .plan import Plan
 from .protocol import Endpoint
-from .request import Plan
-from .response import rename_error
-from .stream import UNSAFE_TEXT, StreamReshaper
-from .unary import reshape_unary_body
 
 logger = logging.getLogger("vllm_nvext")
 
@@ -39,17 +39,15 @@ Arm = Callable[[bytes, bytes, bytes, bytes, bool, bool, "Callable[[bytes, int, i
                 "Callable[[int], int] | None"], None]  # fmt: skip
 
 
+# Until armed, every message goes to `general` (the `ReshapingSend`). Armed with a stream's
+# `stream.Splice`, it serves the mid-stream deltas the splice serves (the checks of `Splice.locate`,
+# the bytes of `Splice.render`) as a plain function that returns `downstream`'s awaitable: no
+# coroutine of its own. Anything else goes to `general`, which arms or disarms it again. While armed
+# it keeps the metrics countdown (metrics.StreamTally) and times the sampled message itself;
+# `countdown` hands it back.
 def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Message], Awaitable[None]], Arm,
                                                                    Callable[[], None], Callable[[], int]]:  # fmt: skip
-    """The pure-Python `send` handed to vLLM: (send, arm, disarm, countdown).
-
-    Until armed, every message goes to `general` (the `ReshapingSend`). Armed with a stream's
-    `stream.Splice`, it serves the mid-stream deltas the splice serves (the checks of
-    `Splice.locate`, the bytes of `Splice.render`) as a plain function that returns `downstream`'s
-    awaitable: no coroutine of its own. Anything else goes to `general`, which arms or disarms it
-    again. While armed it keeps the metrics countdown (metrics.StreamTally) and times the sampled
-    message itself; `countdown` hands it back.
-    """
+    """The pure-Python `send` handed to vLLM: (send, arm, disarm, countdown); see the comment above."""
     prefix = head = tail = mid = b""
     lp = lh = lt = 0
     strip = trio = armed = False
@@ -207,7 +205,7 @@ class ReshapingSend:
         for name, value in message.get("headers", ()):
             lower = name.lower()
             if lower == b"content-type":
-                # The request side's rule (`_asgi_request.read_as_json`): the first header, read as FastAPI reads it.
+                # The request side's rule (`asgi.read_as_json`): the first header, read as FastAPI reads it.
                 content_type = value if content_type is None else content_type
             elif lower == b"content-encoding":
                 encoded = True

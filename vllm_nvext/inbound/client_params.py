@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from . import _json
+from .. import _json
 
 REQUEST_ID_HEADER = "x-request-id"
 MAX_REQUEST_ID = 128

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import re
 
-from . import _json
+from .. import _json
 
 
 def _spelled(word: str) -> bytes:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import re
 import secrets
 
-from . import _json
+from .. import _json
+from ..plan import Plan
+from ..protocol import ENGINE_DATA, PROMPT_LOGPROBS
+from .chunks import reshape_unary
 from .nvext_values import Clock
-from .protocol import ENGINE_DATA, PROMPT_LOGPROBS
-from .request import Plan
-from .response import reshape_unary
 
 # A key vLLM writes right after the value that is cut, for each value that may be cut.
 # A `,"key":` byte run is always a real key: inside a JSON string every quote is escaped.

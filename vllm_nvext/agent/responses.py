@@ -17,13 +17,20 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from . import _json
-from ._asgi_request import Message, Send
-from .config import Mode
-from .nvext_schema import json_type, validate_nvext
-from .protocol import COMPLETION_TOKEN_IDS, ID_SELECTORS, NVEXT_ONLY_SELECTORS, PROMPT_TOKEN_IDS, Endpoint, RequestError
-from .request import Request, _apply_nvext_fields, _Rewrite, placements
-from .sse import EventFramer
+from .. import _json
+from ..asgi import Message, Send
+from ..config import Mode
+from ..inbound.nvext_schema import json_type, validate_nvext
+from ..inbound.request import Request, _apply_nvext_fields, _Rewrite, placements
+from ..protocol import (
+    COMPLETION_TOKEN_IDS,
+    ID_SELECTORS,
+    NVEXT_ONLY_SELECTORS,
+    PROMPT_TOKEN_IDS,
+    Endpoint,
+    RequestError,
+)
+from ..sse import EventFramer
 
 logger = logging.getLogger("vllm_nvext")
 

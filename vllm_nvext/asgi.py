@@ -1,22 +1,54 @@
-"""ASGI plumbing for the request side: replaying a body, passing a large one through, headers.
+"""ASGI plumbing for the request side: the headers the middleware reads, replaying a body, passing a
+large one through, and the sub-request to one of vLLM's own routes (echo's `/detokenize`).
 
 Nothing here decides anything about either dialect; `middleware.py` wires these together.
 """
 
 from __future__ import annotations
 
+import asyncio
 import email.message
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from . import _vllm_compat
-from ._optin import OptInScan
+from . import _json, _vllm_compat
+from .config import MODE_HEADER
+from .inbound.optin import OptInScan
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# Set on the scope by the first instance, so a second mount (plugin and --middleware) is inert.
+HANDLED = "vllm_nvext.handled"
+_MODE_HEADER = MODE_HEADER.encode()
+
+
+@dataclass(slots=True)
+class RequestHeaders:
+    """The request headers the middleware reads, each as vLLM (starlette) reads it."""
+
+    content_type: bytes | None = None  # the first one
+    content_length: int = -1  # the last one; -1 when absent or not a number
+    dp_rank: bytes | None = None  # the first `x-data-parallel-rank`
+    modes: list[bytes] = field(default_factory=list)  # every `x-nvext-mode` (repeats must agree)
+
+    @classmethod
+    def read(cls, scope: Scope) -> RequestHeaders:
+        headers = cls()
+        for name, value in scope["headers"]:
+            if name == b"content-type":
+                headers.content_type = value if headers.content_type is None else headers.content_type
+            elif name == _MODE_HEADER:
+                headers.modes.append(value)
+            elif name == b"x-data-parallel-rank":
+                headers.dp_rank = value if headers.dp_rank is None else headers.dp_rank
+            elif name == b"content-length":
+                headers.content_length = int(value) if value.isdigit() else -1
+        return headers
 
 
 class Replay:
@@ -115,3 +147,48 @@ def set_header(scope: Scope, name: bytes, value: bytes, *, replace: bool = True)
             return
         headers[:] = [(n, v) for n, v in headers if n != name]
     headers.append((name, value))
+
+
+def first_header(scope: Scope, name: bytes) -> bytes | None:
+    """The first of a repeated request header, the one starlette's `headers.get` gives vLLM."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+async def internal_post(
+    app: ASGIApp, scope: Scope, route: str, model: Any, tokens: tuple[int, ...]
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """POST `{"model", "tokens"}` to one of vLLM's own routes in this process, with the client's credentials."""
+    payload = {"tokens": list(tokens)} if model is None else {"model": model, "tokens": list(tokens)}
+    body = _json.dumps(payload)
+    root = scope.get("root_path", "")
+    headers = [(n, v) for n, v in scope["headers"] if n == b"authorization"]
+    headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    sub: Scope = {
+        **{k: v for k, v in scope.items() if k != HANDLED},
+        "path": root + route,
+        "raw_path": (root + route).encode(),
+        "query_string": b"",
+        "headers": headers,
+    }
+    result: dict[str, Any] = {"status": 500, "headers": [], "body": []}
+    sent = False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if sent:  # vLLM listens for a disconnect while it answers: none comes
+            await asyncio.Event().wait()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            result["status"] = message["status"]
+            result["headers"] = list(message.get("headers", ()))
+        elif message["type"] == "http.response.body":
+            result["body"].append(bytes(message.get("body", b"")))
+
+    await app(sub, receive, send)
+    return result["status"], result["headers"], b"".join(result["body"])
