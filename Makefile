@@ -64,8 +64,9 @@ test-e2e-versions: setup setup-vllm030 setup-vllm031 ## the e2e tests on vLLM 0.
 	$(VENV)/bin/python -m pytest tests/e2e -m e2e_versions $(PYTEST_ARGS)
 
 # The translation tests and the proxy's own through `vllm-nvext proxy` in front of one stock vLLM 0.32
-# server, and the 0.33 translation tests through it in front of the stock 0.33 harness, in a pytest
-# run of its own. The proxy in front of 0.30/0.31 runs in test-e2e-versions (marker e2e_versions).
+# server, the 0.33 translation tests through it in front of the stock 0.33 harness, and hidden-state
+# capture through it in front of a stock connector server, in a pytest run of its own. The proxy in
+# front of 0.30/0.31 runs in test-e2e-versions, in front of vllm-router in test-e2e-scaleout.
 test-e2e-proxy: setup setup-vllm033 ## the e2e tests through vllm-nvext proxy in front of stock vLLM 0.32 and 0.33
 	$(VENV)/bin/python -m pytest tests/e2e -m "e2e_proxy and not e2e_versions and not e2e_scaleout" $(PYTEST_ARGS)
 

