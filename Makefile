@@ -58,22 +58,28 @@ test-e2e: setup setup-vllm033 setup-dynamo ## the main e2e group on real servers
 	$(VENV)/bin/python -m pytest tests/e2e -m "e2e_parser or e2e_connector" $(PYTEST_ARGS)
 
 # vLLM 0.30 and 0.31 on their real engines, in a pytest run of their own (their servers never run
-# beside the main e2e group's), one version at a time.
+# beside the main e2e group's), one version at a time; each version's tests of `translated` also run
+# through `vllm-nvext proxy` in front of its stock server (markers e2e_versions and e2e_proxy).
 test-e2e-versions: setup setup-vllm030 setup-vllm031 ## the e2e tests on vLLM 0.30 and 0.31's real engines
 	$(VENV)/bin/python -m pytest tests/e2e -m e2e_versions $(PYTEST_ARGS)
 
 # The translation tests and the proxy's own through `vllm-nvext proxy` in front of one stock vLLM 0.32
-# server (~2.5 GB, a few minutes), and the translation matrix through it in front of vLLM 0.33's Rust
-# frontend (`vllm-rs` over 0.33's real engine core, scripted ids: ~1.9 GB more), in a pytest run of its own.
-test-e2e-proxy: setup setup-vllm033 ## the translation tests through vllm-nvext proxy in front of stock vLLM 0.32 and of vLLM 0.33's Rust frontend
-	$(VENV)/bin/python -m pytest tests/e2e -m e2e_proxy $(PYTEST_ARGS)
+# server, the 0.33 translation tests through it in front of the stock 0.33 harness, hidden-state
+# capture through it in front of a stock connector server, and the translation matrix through it in
+# front of vLLM 0.33's Rust frontend (`vllm-rs` over 0.33's real engine core, scripted ids: ~1.9 GB
+# while its tests run), in a pytest run of its own. The proxy in front of 0.30/0.31 runs in
+# test-e2e-versions, in front of vllm-router in test-e2e-scaleout.
+test-e2e-proxy: setup setup-vllm033 ## the e2e tests through vllm-nvext proxy in front of stock vLLM 0.32, 0.33 and 0.33's Rust frontend
+	$(VENV)/bin/python -m pytest tests/e2e -m "e2e_proxy and not e2e_versions and not e2e_scaleout" $(PYTEST_ARGS)
 
 # vllm-router's reference venv, outside the repo (~130 MB; ~1 min on a new machine, reused after).
 setup-router: ## the vllm-router 0.1.17 reference venv, outside the repository (~130 MB, reused)
 	bash scripts/setup_router.sh >/dev/null
 
-# Behind vllm-router, then through prefill/decode: two pytest runs of their own (two servers each,
-# never beside the main e2e group's).
+# Behind vllm-router, then through prefill/decode: two pytest runs of their own (four servers each,
+# never beside the main e2e group's). Each also runs through `vllm-nvext proxy` (marker e2e_proxy):
+# the proxy in front of a router in front of two stock servers, a router in front of two proxies
+# each in front of one of them, and the proxy in front of the PD router in front of a stock pair.
 test-e2e-scaleout: setup setup-router ## the e2e tests behind vllm-router, then through prefill/decode
 	$(VENV)/bin/python -m pytest -m e2e_scaleout tests/e2e/test_router.py $(PYTEST_ARGS)
 	$(VENV)/bin/python -m pytest -m e2e_scaleout tests/e2e/test_pd.py $(PYTEST_ARGS)

@@ -318,7 +318,7 @@ static PyType_Spec StreamSend_spec = {
 
 /* ------------------------------------------------------------------ the request side: splice_root
  *
- * The compiled twin of `_json.splice_object` over a whole body (inbound.request._Rewrite.apply): the root
+ * The compiled twin of `_json.splice_object` over a whole body (inbound.request.BodyRewrite.apply): the root
  * members named in `drop` go (every duplicate), `extra` (the added members, already encoded and
  * joined by commas) is appended, and every other byte stays as the client wrote it. The values are
  * skipped, never decoded: a string to its closing quote, an array or object to its matching bracket

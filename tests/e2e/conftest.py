@@ -25,10 +25,11 @@ from tests.support.refs import CURRENT, PROXY_ONLY, RUST033, SEPARATE
 from tests.support.servers import *  # noqa: F403  (every kind's `<name>_server` fixture)
 from tests.support.servers import VERSION_KINDS, VERSION_ROLES, Server
 
-# The mounts of vllm-nvext `translated` runs a test on, per version; the proxy (in front of stock
-# 0.32) in a pytest run of its own (marker e2e_proxy).
+# The mounts of vllm-nvext `translated` runs a test on, per version: `proxy` is `vllm-nvext proxy` in
+# front of that version's stock server (marker e2e_proxy: in the proxy group's run for 0.32 and 0.33,
+# in the versions group's for 0.30 and 0.31).
 MOUNTS: dict[str, tuple[str, ...]] = {CURRENT: ("mw", "plugin", "proxy")}
-OTHER_MOUNTS = ("mw", "plugin")
+OTHER_MOUNTS = ("mw", "plugin", "proxy")
 # vLLM 0.33's Rust frontend loads neither --middleware nor endpoint plugins: the proxy in front alone.
 MOUNTS[RUST033] = ("proxy",)
 

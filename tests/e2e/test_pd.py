@@ -10,7 +10,9 @@ of each handoff is the decode server's own count of prompt tokens that came from
 `external_kv_transfer` (vLLM's `vllm:prompt_tokens_by_source_total`), and the client gets, in its
 own dialect, what one server gives. The router sends neither the client's `x-nvext-mode` nor its
 `Authorization` to the servers; `test_prefill_answer_*` plays an orchestrator that forwards the
-mode header. A pytest run of its own (`make test-e2e-scaleout`).
+mode header. Out of process (marker `e2e_proxy`): `vllm-nvext proxy` in front of the same router
+mode in front of a stock prefill and a stock decode server. A pytest run of its own (`make
+test-e2e-scaleout`).
 """
 
 from __future__ import annotations
@@ -154,6 +156,35 @@ def test_router_pd_hands_the_prompt_over_and_answers_as_one_server(
     cached = _usage(got)["prompt_tokens_details"]["cached_tokens"]
     assert _usage(want)["prompt_tokens_details"]["cached_tokens"] == 0
     assert cached == _handed_over(prompt_tokens, block_size)
+
+
+# --- out of process: vllm-nvext proxy in front of the PD router, in front of stock servers ----------
+
+
+@pytest.fixture(scope="session")
+def proxy_pd(proxy_pd_server) -> Iterator[httpx.Client]:
+    with http_client(proxy_pd_server.url, timeout=300.0) as client:
+        yield client
+
+
+@pytest.mark.e2e_proxy
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("dialect", ["vllm", "nvext", "both"])
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS], ids=["chat", "completions"])
+def test_proxy_in_front_of_router_pd_hands_the_prompt_over_and_answers_as_one_server(
+    proxy_pd, prefill, pd_stock_decode_server, block_size, path, dialect, stream
+):
+    """The proxy translates; the router and both servers are stock, and the handoff still happens."""
+    extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    body = _body(path, f"px{path[4]}{dialect}{int(stream)}w", **DIALECTS[dialect], **extra)
+    want = post(prefill, path, body)  # one server with the middleware mounted, no handoff
+    before = _external(pd_stock_decode_server)
+    got = post(proxy_pd, path, body)
+    assert _external(pd_stock_decode_server) - before == _handed_over(_usage(got)["prompt_tokens"], block_size) > 0, (
+        "the stock decode server took the prompt's KV cache from the stock prefill server"
+    )
+    assert _ids(path, got, dialect) == _ids(path, want, dialect), "the same ids, in the client's dialect"
+    assert _without_usage(got) == _without_usage(want), "the same answer as one server gives, less usage"
 
 
 # --- every mode: the prefill answer keeps its root kv_transfer_params -------------------------------

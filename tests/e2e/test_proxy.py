@@ -3,7 +3,8 @@
 The translation tests run through it as the `proxy` param of `translated`; these are what only a
 proxy can get wrong: streams passed as they come, the upstream's own auth answers, a client that
 goes away aborting the engine's request, an upstream that is down, and every other route byte for
-byte. Marker `e2e_proxy`: `make test-e2e-proxy`, a pytest run of its own.
+byte; and hidden-state capture in front of a stock server with the package's connector (`hs_stock`).
+Marker `e2e_proxy`: `make test-e2e-proxy`, a pytest run of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import httpx
 import pytest
 
+from tests.e2e.test_parity import _example
 from tests.helpers import (
     API_KEY,
     CHAT,
@@ -24,6 +26,8 @@ from tests.helpers import (
     greedy,
     http_client,
     post,
+    rows,
+    run_parity,
     stream_digest,
 )
 from tests.support.servers import listen_port
@@ -144,6 +148,18 @@ def test_clients_that_go_away_mid_stream_leave_nothing_running(proxy, proxy_serv
     assert post(proxy, COMPLETIONS, {**greedy(COMPLETIONS), **DIALECTS[dialect]})["choices"]
     log = proxy_server.log_text()
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
+
+
+def test_hidden_states_are_captured_through_the_proxy(proxy_hs_server):
+    """In front of a stock server with the package's hidden-states connector: the parity check's
+    files load and match, and the capture example checks every file it gets the path of."""
+    status, table, _, _ = run_parity("--url", proxy_hs_server.url, "--hidden-states", "--api-key", API_KEY)
+    assert status == 0, table
+    equal = rows(table, "hidden states equal")
+    assert equal and all("PASS" in line for line in equal), table
+    result = _example("hidden_states_capture.py", proxy_hs_server.url, API_KEY)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all hidden-state files check out" in result.stdout
 
 
 def test_an_upstream_that_is_down_is_a_502_in_vllms_envelope(tmp_path):

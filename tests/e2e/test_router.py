@@ -4,8 +4,11 @@ One server mounts the middleware (`--middleware`), the other the endpoint plugin
 (`VLLM_PLUGINS=nvext`); two routers (`round_robin`, `cache_aware`) front both. The router forwards
 the client's headers (`Authorization`, `x-nvext-mode`, `X-Request-Id`) and a re-serialized body
 (vLLM's defaults such as `echo: false` written out): every answer must be the one the
-`--middleware` server gives when asked directly. A pytest run of its own (`make
-test-e2e-scaleout`): two servers and two routers, never beside the rest of the suite.
+`--middleware` server gives when asked directly. Out of process, the same tests (the `fleet`
+params marked `e2e_proxy`) run through `vllm-nvext proxy` in front of a router in front of two
+stock servers, and through a router in front of two proxies, each in front of one of them. A
+pytest run of its own (`make test-e2e-scaleout`): four servers and four routers, never beside the
+rest of the suite.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -32,8 +37,9 @@ from tests.helpers import (
     strip_volatile,
     without_nvext,
 )
+from tests.support.servers import boot_all as boot
 
-pytestmark = [pytest.mark.e2e, pytest.mark.e2e_scaleout]
+pytestmark = [pytest.mark.e2e, pytest.mark.e2e_scaleout, pytest.mark.reference]  # all behind vllm-router
 
 
 @pytest.fixture(scope="session")
@@ -48,9 +54,49 @@ def router_ca(router_ca_server) -> Iterator[httpx.Client]:
         yield client
 
 
-@pytest.fixture(scope="session", params=["round_robin", "cache_aware"])
-def router(request: pytest.FixtureRequest, router_rr: httpx.Client, router_ca: httpx.Client) -> httpx.Client:
-    return router_rr if request.param == "round_robin" else router_ca
+# What a client talks to -> (that kind, the vLLM servers behind it). Out of process, each server stock:
+# `vllm-nvext proxy` in front of vllm-router, and vllm-router in front of a proxy per server.
+FLEETS = {
+    "round_robin": ("router_rr", ("mw", "plugin")),
+    "cache_aware": ("router_ca", ("mw", "plugin")),
+    "proxy-router": ("proxy_router", ("raw", "raw2")),
+    "router-proxies": ("router_proxies", ("raw", "raw2")),
+}
+
+
+@dataclass(frozen=True)
+class Fleet:
+    url: str
+    client: httpx.Client
+    servers: tuple[Any, ...]  # the vLLM servers behind it, whose counters the tests read
+
+
+@pytest.fixture(scope="session")
+def _fleets_started(request: pytest.FixtureRequest) -> None:
+    """Every fleet the selected tests use starts at once, in the background, at the first one's use."""
+    params = {item.callspec.params.get("fleet") for item in request.session.items if hasattr(item, "callspec")}
+    boot(*(FLEETS[p][0] for p in sorted(params - {None})))
+
+
+@pytest.fixture(
+    scope="session",
+    params=[
+        "round_robin",
+        "cache_aware",
+        pytest.param("proxy-router", marks=[pytest.mark.e2e_proxy]),
+        pytest.param("router-proxies", marks=[pytest.mark.e2e_proxy]),
+    ],
+)
+def fleet(request: pytest.FixtureRequest, _fleets_started: None) -> Iterator[Fleet]:
+    front, behind = FLEETS[request.param]
+    url = request.getfixturevalue(f"{front}_server").url
+    with http_client(url) as client:
+        yield Fleet(url, client, tuple(request.getfixturevalue(f"{name}_server") for name in behind))
+
+
+@pytest.fixture(scope="session")
+def router(fleet: Fleet) -> httpx.Client:
+    return fleet.client
 
 
 def _served(url: str) -> float:
@@ -79,15 +125,15 @@ def _same(path: str, got, want) -> None:
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 @pytest.mark.parametrize("dialect", ["vllm", "nvext", "both"])
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS], ids=["chat", "completions"])
-def test_router_answers_as_one_server(router, mw, mw_server, plugin_server, path, dialect, stream):
+def test_router_answers_as_one_server(router, fleet, mw, path, dialect, stream):
     extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
     body = {**greedy(path), **DIALECTS[dialect], **extra}
     want = post(mw, path, body)
-    before = _served(mw_server.url) + _served(plugin_server.url)
+    before = sum(_served(server.url) for server in fleet.servers)
     answers = [post(router, path, body) for _ in range(2)]
     for got in answers:
         _same(path, got, want)
-    assert _served(mw_server.url) + _served(plugin_server.url) - before == 2, "each request served once"
+    assert sum(_served(server.url) for server in fleet.servers) - before == 2, "each request served once"
 
 
 def test_round_robin_spreads_requests_over_both_servers(router_rr, mw_server, plugin_server):
@@ -151,10 +197,10 @@ def test_mode_header_reaches_the_servers(router, mw, mode, dialect):
 # --- the router passes the servers' refusals through -------------------------------------------------
 
 
-def test_refusals_pass_through_the_router(router_rr_server):
+def test_refusals_pass_through_the_router(fleet):
     body = {**greedy(CHAT), **DIALECTS["vllm"]}
-    assert httpx.post(router_rr_server.url + CHAT, json=body, timeout=60).status_code == 401, "no key, no answer"
-    with http_client(router_rr_server.url) as client:
+    assert httpx.post(fleet.url + CHAT, json=body, timeout=60).status_code == 401, "no key, no answer"
+    with http_client(fleet.url) as client:
         for _ in range(2):  # both servers
             bad = client.post(CHAT, json={**greedy(CHAT), "nvext": {"extra_fields": 3}})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "nvext.extra_fields"
@@ -169,19 +215,19 @@ def _requests_in_engine(url: str) -> float:
     return sum(float(v) for v in re.findall(pattern, text, re.M))
 
 
-def test_client_gone_mid_stream_then_router_and_servers_still_serve(router_rr, mw, mw_server, plugin_server):
+def test_client_gone_mid_stream_then_router_and_servers_still_serve(router, fleet, mw):
     body = {**greedy(COMPLETIONS), "max_tokens": 600, "ignore_eos": True, "stream": True, **DIALECTS["nvext"]}
-    for _ in range(2):  # one stream cut on each server
-        with router_rr.stream("POST", COMPLETIONS, json=body) as resp:
+    for _ in range(2):  # one stream cut on each server (round_robin)
+        with router.stream("POST", COMPLETIONS, json=body) as resp:
             assert resp.status_code == 200
             for chunk in resp.iter_bytes():
                 if b"completion_token_ids" in chunk:
                     break  # leave with the stream open: the client is gone
     deadline = time.monotonic() + 180
-    while _requests_in_engine(mw_server.url) + _requests_in_engine(plugin_server.url) > 0:
+    while sum(_requests_in_engine(server.url) for server in fleet.servers) > 0:
         assert time.monotonic() < deadline, "the cut streams still hold the engines"
         time.sleep(0.5)
     small = {**greedy(COMPLETIONS), **DIALECTS["nvext"], "stream": True}
     want = nvext_stream_ids(post(mw, COMPLETIONS, small))
     for _ in range(2):
-        assert nvext_stream_ids(post(router_rr, COMPLETIONS, small)) == want
+        assert nvext_stream_ids(post(router, COMPLETIONS, small)) == want

@@ -38,9 +38,10 @@ def raw(raw033_server) -> Iterator[httpx.Client]:
         yield client
 
 
-@pytest.fixture(scope="session", params=["mw033", "plugin033"])
+@pytest.fixture(scope="session", params=["mw033", "plugin033", pytest.param("proxy033", marks=[pytest.mark.e2e_proxy])])
 def translated(request: pytest.FixtureRequest) -> Iterator[httpx.Client]:
-    """vLLM 0.33 with vllm-nvext mounted: once via --middleware, once via the endpoint plugin."""
+    """vLLM 0.33 with vllm-nvext: mounted via --middleware, via the endpoint plugin, and `vllm-nvext proxy`
+    in front of the stock harness (`proxy033`, marker `e2e_proxy`: the proxy group's run)."""
     with http_client(request.getfixturevalue(f"{request.param}_server").url) as client:
         yield client
 

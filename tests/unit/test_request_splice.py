@@ -1,6 +1,6 @@
 """The body vLLM gets is the same whether the compiled root splice or the Python path rewrites it.
 
-`inbound.request._Rewrite.apply` hands a body to `_speedups.splice_root` (the root members to drop are
+`inbound.request.BodyRewrite.apply` hands a body to `_speedups.splice_root` (the root members to drop are
 left out, the added ones appended, every other byte kept, values skipped without decoding); the
 Python path (`_json.splice_object` over the decoded text) is the oracle and the fallback for what
 the compiled one hands back (None: a body that is not plain UTF-8, a key spelled with an escape).
@@ -24,7 +24,7 @@ from vllm_nvext import NvextMiddleware, Settings
 from vllm_nvext import middleware as middleware_module
 from vllm_nvext.config import Mode
 from vllm_nvext.inbound import request as request_module
-from vllm_nvext.inbound.request import _Rewrite, read_request
+from vllm_nvext.inbound.request import BodyRewrite, read_request
 from vllm_nvext.protocol import PATHS, Endpoint, RequestError
 
 SLOW = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -53,8 +53,8 @@ def splice_root() -> Any:
     return middleware_module.SPLICE_ROOT
 
 
-def _rewrite(drop: set[str], added: dict[str, str]) -> _Rewrite:
-    rewrite = _Rewrite()
+def _rewrite(drop: set[str], added: dict[str, str]) -> BodyRewrite:
+    rewrite = BodyRewrite()
     for key in drop:
         rewrite.drop(key)
     for key, value in added.items():

@@ -22,7 +22,7 @@ from ..asgi import Message, Send
 from ..config import Mode
 from ..inbound.fields import DecisionFields
 from ..inbound.nvext_schema import json_type, validate_nvext
-from ..inbound.request import Request, _apply_nvext_fields, _Rewrite, placements
+from ..inbound.request import BodyRewrite, Request, apply_nvext_fields, placements
 from ..protocol import (
     COMPLETION_TOKEN_IDS,
     ID_SELECTORS,
@@ -135,14 +135,14 @@ class _OptIn:
     def dialect(self) -> Dialect:
         return (Dialect.BOTH if "nvext" in self.data else Dialect.VLLM) if self.return_token_ids else Dialect.NVEXT
 
-    def rewrite(self, body: bytes, dp_rank_header: bytes | None) -> tuple[_Rewrite, tuple[tuple[bytes, bytes], ...]]:
+    def rewrite(self, body: bytes, dp_rank_header: bytes | None) -> tuple[BodyRewrite, tuple[tuple[bytes, bytes], ...]]:
         """vLLM reads neither `nvext` nor `return_token_ids` here: both go; nvext request fields become vLLM's."""
-        rewrite = _Rewrite()
+        rewrite = BodyRewrite()
         for key in ("nvext", "return_token_ids"):
             if key in self.data:
                 rewrite.drop(key)
         request = Request(Endpoint.CHAT, body, self.data, DecisionFields(), self.nvext)
-        return rewrite, _apply_nvext_fields(rewrite, request, dp_rank_header)
+        return rewrite, apply_nvext_fields(rewrite, request, dp_rank_header)
 
 
 def _opt_in(body: bytes, mode: Mode, route: str) -> _OptIn | None:

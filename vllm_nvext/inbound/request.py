@@ -157,12 +157,12 @@ def plan(
 
     # timing's ttft_ms is the first chunk carrying a token id: ask for ids to see them.
     needs_ids = vllm_ids or nvext_trio or nvext_prompt_ids or bool(selectors & {ENGINE_DATA, TIMING})
-    rewrite = _Rewrite()
+    rewrite = BodyRewrite()
     if "nvext" in data:
         rewrite.drop("nvext")
     if needs_ids and not return_token_ids:
         rewrite.set("return_token_ids", "true")
-    headers = _apply_nvext_fields(rewrite, request, dp_rank_header)
+    headers = apply_nvext_fields(rewrite, request, dp_rank_header)
     echo = endpoint is Endpoint.COMPLETIONS and fields.echo is True
     return Plan(
         endpoint=endpoint,
@@ -221,7 +221,7 @@ def _choices(request: Request, nvext_trio: bool, asked: AbstractSet[str]) -> tup
 SpliceRoot = Callable[[bytes, tuple[bytes, ...], bytes], "bytes | None"]
 
 
-class _Rewrite:
+class BodyRewrite:
     """Root members to drop or set; everything else reaches vLLM as the client wrote it."""
 
     __slots__ = ("dropped", "added", "kv_prompt_ids", "sources")
@@ -270,8 +270,8 @@ class _Rewrite:
         return _json.encode_text(text)
 
 
-def _apply_nvext_fields(
-    rewrite: _Rewrite, request: Request, dp_rank_header: bytes | None
+def apply_nvext_fields(
+    rewrite: BodyRewrite, request: Request, dp_rank_header: bytes | None
 ) -> tuple[tuple[bytes, bytes], ...]:
     """Map the nvext request fields vLLM has an equivalent for; routing-only ones are dropped."""
     nvext, data = request.nvext, request.data
@@ -318,7 +318,7 @@ def _vllm_rank(value: bytes) -> int | None:
         return None
 
 
-def _chat_from_token_ids(rewrite: _Rewrite, request: Request, token_data: list[int]) -> None:
+def _chat_from_token_ids(rewrite: BodyRewrite, request: Request, token_data: list[int]) -> None:
     """Serve a chat request from pre-tokenized ids; the messages are the client's placeholder.
 
     vLLM's chat endpoint takes `kv_transfer_params.prompt_token_ids` as the prompt (the ids a
