@@ -63,6 +63,16 @@ def loads_as_vllm(data: bytes) -> Any:
     return json.loads(data)
 
 
+def object_as_vllm(data: bytes) -> dict[str, Any] | None:
+    """The body as vLLM decodes it when that is a JSON object; None when vLLM refuses it with its own
+    error (not JSON, nested too deep) or it is not an object."""
+    try:
+        decoded = loads_as_vllm(data)
+    except (ValueError, RecursionError):
+        return None
+    return decoded if isinstance(decoded, dict) else None
+
+
 # First bytes of the encodings `json.detect_encoding` tells from UTF-8: a BOM (EF, FE, FF) or a NUL.
 _NOT_UTF8_FIRST = (0, 0xEF, 0xFE, 0xFF)
 

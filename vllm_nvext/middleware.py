@@ -384,11 +384,10 @@ class _Exchange:
 
         Only reached past vLLM's key check (`NvextMiddleware.__call__`).
         """
-        try:
-            data = _json.loads_as_vllm(body)
-        except (ValueError, RecursionError):
+        data = _json.object_as_vllm(body)
+        if data is None:
             return body  # vLLM refuses it with its own error
-        request_id = data.get("request_id") if self.body_request_id and isinstance(data, dict) else None
+        request_id = data.get("request_id") if self.body_request_id else None
         if isinstance(request_id, str) and not client_params.is_plain_name(request_id):
             await self._send_error(RequestError(client_params.not_plain_message("request_id"), "request_id"))
             return None

@@ -105,12 +105,9 @@ def _flag(data: dict[str, Any], name: str) -> bool:
 
 def _read(body: bytes) -> dict[str, Any] | None:
     """The body as vLLM reads it, when it opts in; None passes it through untouched."""
-    try:
-        data = _json.loads_as_vllm(body)
-    except (ValueError, RecursionError):
+    data = _json.object_as_vllm(body)
+    if data is None:
         return None  # vLLM answers with its own 400
-    if not isinstance(data, dict):
-        return None
     if "nvext" not in data and not _flag(data, "return_token_ids"):
         return None
     return data

@@ -66,12 +66,9 @@ def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> R
     """
     if not scanned and not might_opt_in(body):
         return None
-    try:
-        data = _json.loads_as_vllm(body)
-    except (ValueError, RecursionError):
+    data = _json.object_as_vllm(body)
+    if data is None:
         return None  # vLLM answers with its own 400
-    if not isinstance(data, dict):
-        return None
     if endpoint is Endpoint.INVOCATIONS:
         route = invocation_route(data)
         if route is None:
