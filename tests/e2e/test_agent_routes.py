@@ -53,6 +53,17 @@ def _sdk(url: str) -> Any:
     return openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
 
 
+def _sdk_answer(url: str, body: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """The OpenAI SDK's response object for `body` with nvext ids: created, or the stream's final one."""
+    sdk = _sdk(url)
+    if not stream:
+        return dict(sdk.responses.create(**body, extra_body=NVEXT_IDS).to_dict())
+    with sdk.responses.stream(**body, extra_body=NVEXT_IDS) as events:
+        for _ in events:
+            pass
+        return dict(events.get_final_response().to_dict())
+
+
 def test_responses_create_nvext_ids_equal_chat_and_the_rest_is_stock(server_url, raw, chat_ids):
     answer = _sdk(server_url).responses.create(**RESPONSES_BODY, extra_body=NVEXT_IDS).to_dict()
     completion, prompt = chat_ids
@@ -164,14 +175,7 @@ def test_reasoning_tokens_are_in_the_responses_ids(parser_server, stream):
     chat_body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": MAX}
     with httpx.Client(base_url=parser_server.url, timeout=120.0) as client:
         chat = post(client, CHAT, {**chat_body, "temperature": 0, "return_token_ids": True})
-    sdk = _sdk(parser_server.url)
-    if stream:
-        with sdk.responses.stream(**body, extra_body=NVEXT_IDS) as events:
-            for _ in events:
-                pass
-            answer = events.get_final_response().to_dict()
-    else:
-        answer = sdk.responses.create(**body, extra_body=NVEXT_IDS).to_dict()
+    answer = _sdk_answer(parser_server.url, body, stream)
     assert "reasoning" in [item["type"] for item in answer["output"]]
     assert answer["nvext"] == {
         "completion_token_ids": chat["choices"][0]["token_ids"],
@@ -214,14 +218,7 @@ def test_responses_function_call_tokens_are_in_the_ids(tool033_server, tool_chat
         "max_output_tokens": TOOL_MAX,
         "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA}],
     }
-    sdk = _sdk(tool033_server.url)
-    if stream:
-        with sdk.responses.stream(**body, extra_body=NVEXT_IDS) as events:
-            for _ in events:
-                pass
-            answer = events.get_final_response().to_dict()
-    else:
-        answer = sdk.responses.create(**body, extra_body=NVEXT_IDS).to_dict()
+    answer = _sdk_answer(tool033_server.url, body, stream)
     calls = [item for item in answer["output"] if item["type"] == "function_call"]
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", WEATHER_ARGUMENTS)]
     completion, prompt = tool_chat

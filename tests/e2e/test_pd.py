@@ -131,6 +131,26 @@ def _usage(answer: Any) -> dict[str, Any]:
     return (answer[-1] if isinstance(answer, list) else answer)["usage"]
 
 
+def _handed_over_as_one_server(
+    tag: str, front: httpx.Client, prefill: httpx.Client, decode_server: Any, block_size: int, path: str, dialect: str,
+    stream: bool,
+) -> tuple[Any, Any]:  # fmt: skip
+    """One request through `front` (a PD fleet) and the same to `prefill` alone (no handoff): the decode
+    server took the prompt's KV cache from its prefill server, and the client gets the ids and answer one
+    server gives. Returns (the answer through the fleet, the one server's); `tag` starts the prompt."""
+    extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    body = _body(path, f"{tag}{path[4]}{dialect}{int(stream)}w", **DIALECTS[dialect], **extra)
+    want = post(prefill, path, body)
+    before = _external(decode_server)
+    got = post(front, path, body)
+    assert _external(decode_server) - before == _handed_over(_usage(got)["prompt_tokens"], block_size) > 0, (
+        "the decode server took the prompt's KV cache from its prefill server, not from its own compute"
+    )
+    assert _ids(path, got, dialect) == _ids(path, want, dialect), "the same ids, in the client's dialect"
+    assert _without_usage(got) == _without_usage(want), "the same answer as one server gives, less usage"
+    return got, want
+
+
 # --- the whole flow through vllm-router -------------------------------------------------------------
 
 
@@ -140,17 +160,9 @@ def _usage(answer: Any) -> dict[str, Any]:
 def test_router_pd_hands_the_prompt_over_and_answers_as_one_server(
     pd_router, prefill, pd_decode_server, block_size, path, dialect, stream
 ):
-    extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
-    body = _body(path, f"pd{path[4]}{dialect}{int(stream)}w", **DIALECTS[dialect], **extra)
-    want = post(prefill, path, body)  # one server, no handoff
-    before = _external(pd_decode_server)
-    got = post(pd_router, path, body)
+    fleet = (pd_router, prefill, pd_decode_server)
+    got, want = _handed_over_as_one_server("pd", *fleet, block_size, path, dialect, stream)
     prompt_tokens = _usage(got)["prompt_tokens"]
-    assert _external(pd_decode_server) - before == _handed_over(prompt_tokens, block_size) > 0, (
-        "the decode server took the prompt's KV cache from the prefill server, not from its own compute"
-    )
-    assert _ids(path, got, dialect) == _ids(path, want, dialect), "the same ids, in the client's dialect"
-    assert _without_usage(got) == _without_usage(want), "the same answer as one server gives, less usage"
     # vLLM reports the prefill server's prefix-cache hits as the decode's cached prompt tokens; the
     # prefill server had this prompt cached from `want`.
     cached = _usage(got)["prompt_tokens_details"]["cached_tokens"]
@@ -175,16 +187,7 @@ def test_proxy_in_front_of_router_pd_hands_the_prompt_over_and_answers_as_one_se
     proxy_pd, prefill, pd_stock_decode_server, block_size, path, dialect, stream
 ):
     """The proxy translates; the router and both servers are stock, and the handoff still happens."""
-    extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
-    body = _body(path, f"px{path[4]}{dialect}{int(stream)}w", **DIALECTS[dialect], **extra)
-    want = post(prefill, path, body)  # one server with the middleware mounted, no handoff
-    before = _external(pd_stock_decode_server)
-    got = post(proxy_pd, path, body)
-    assert _external(pd_stock_decode_server) - before == _handed_over(_usage(got)["prompt_tokens"], block_size) > 0, (
-        "the stock decode server took the prompt's KV cache from the stock prefill server"
-    )
-    assert _ids(path, got, dialect) == _ids(path, want, dialect), "the same ids, in the client's dialect"
-    assert _without_usage(got) == _without_usage(want), "the same answer as one server gives, less usage"
+    _handed_over_as_one_server("px", proxy_pd, prefill, pd_stock_decode_server, block_size, path, dialect, stream)
 
 
 # --- every mode: the prefill answer keeps its root kv_transfer_params -------------------------------

@@ -515,9 +515,17 @@ def _pd_server(name: str, *args: str, env: dict[str, str] | None = None, fleet: 
     return factory
 
 
-def _pd_workers(prefill: str, decode: str) -> list[str]:
-    prefill_url, decode_url = _urls(prefill, decode)
-    return ["--prefill", prefill_url, "--decode", decode_url]
+def _pd_router(kind: str, name: str, prefill: str, decode: str) -> Any:
+    """Register vllm-router `--vllm-pd-disaggregation` in front of the kinds `prefill` and `decode`. Its
+    PD mode sends its own `Authorization: Bearer $OPENAI_API_KEY` to both servers."""
+
+    def workers() -> list[str]:
+        prefill_url, decode_url = _urls(prefill, decode)
+        return ["--prefill", prefill_url, "--decode", decode_url]
+
+    pd = ("--vllm-pd-disaggregation", "--policy", "round_robin")
+    router = _router(name, *pd, workers=workers, env={"OPENAI_API_KEY": API_KEY})
+    return register(kind, router, reference="setup-router")
 
 
 # The prefill server mounts the middleware; the decode server the plugin, and computes every prompt
@@ -532,19 +540,7 @@ pd_decode_server = register(
         "pd-decode", "--no-enable-prefix-caching", "--enable-prompt-tokens-details", env={"VLLM_PLUGINS": "nvext"}
     ),
 )
-# vllm-router's PD mode sends its own `Authorization: Bearer $OPENAI_API_KEY` to both servers.
-pd_router_server = register(
-    "pd_router",
-    _router(
-        "router-pd",
-        "--vllm-pd-disaggregation",
-        "--policy",
-        "round_robin",
-        workers=lambda: _pd_workers("pd_prefill", "pd_decode"),
-        env={"OPENAI_API_KEY": API_KEY},
-    ),
-    reference="setup-router",
-)
+pd_router_server = _pd_router("pd_router", "router-pd", "pd_prefill", "pd_decode")
 
 
 # Out of process (markers e2e_scaleout and e2e_proxy, in test_pd.py's run): `vllm-nvext proxy` in
@@ -557,16 +553,5 @@ pd_stock_decode_server = register(
     "pd_stock_decode",
     _pd_server("pd-stock-decode", "--no-enable-prefix-caching", "--enable-prompt-tokens-details", fleet="stock"),
 )
-pd_stock_router_server = register(
-    "pd_stock_router",
-    _router(
-        "router-pd-stock",
-        "--vllm-pd-disaggregation",
-        "--policy",
-        "round_robin",
-        workers=lambda: _pd_workers("pd_stock_prefill", "pd_stock_decode"),
-        env={"OPENAI_API_KEY": API_KEY},
-    ),
-    reference="setup-router",
-)
+pd_stock_router_server = _pd_router("pd_stock_router", "router-pd-stock", "pd_stock_prefill", "pd_stock_decode")
 proxy_pd_server = _proxy("proxy_pd", upstream="pd_stock_router", reference="setup-router")
