@@ -167,17 +167,64 @@ def api_keys(scope: MutableMapping[str, Any]) -> list[str]:
     return [t for t in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if t]
 
 
-def auth_refuses(scope: MutableMapping[str, Any]) -> bool:
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class ServerFacts:
+    """What the middleware reads of one server's arguments, read once per server (`server_facts`).
+
+    vLLM builds its key check and its parsers from `app.state.args` once, when it builds the app
+    (`VLLM_API_KEY` too, when `--api-key` is not given); the middleware reads them as often.
+    """
+
+    __slots__ = ("args", "key_digests", "paths_from_request_ids", "hides_reasoning_ids")
+
+    def __init__(self, args: Any, keys: list[str]) -> None:
+        self.args = args
+        self.key_digests = tuple(_digest(k) for k in keys)  # the keys, as the check compares them
+        self.paths_from_request_ids = builds_paths_from_request_ids(args)
+        self.hides_reasoning_ids = hides_reasoning_ids(args)
+
+
+# The last server's (scope's API_KEYS, server args, facts): one process serves one app. Without a
+# server, the facts of the last `VLLM_API_KEY` value (read on every request, as before a server exists).
+_last_server: tuple[Any, Any, ServerFacts | None] = (None, None, None)
+_last_env: tuple[str | None, ServerFacts | None] = (None, None)
+
+
+def server_facts(scope: MutableMapping[str, Any]) -> ServerFacts:
+    """`ServerFacts` of the server whose request this is (the proxy's keys and arguments, or vLLM's
+    `app.state.args`: each the same object for the server's life); without a server the keys are
+    `VLLM_API_KEY`'s as it reads now."""
+    global _last_server, _last_env
+    proxy_keys = scope.get(API_KEYS)
+    args = server_args(scope)
+    if args is None and proxy_keys is None:
+        key = os.environ.get("VLLM_API_KEY")
+        env_key, env_facts = _last_env
+        if env_facts is None or env_key != key:
+            env_facts = ServerFacts(None, [key] if key else [])
+            _last_env = (key, env_facts)
+        return env_facts
+    known_keys, known_args, facts = _last_server
+    if facts is None or known_args is not args or known_keys is not proxy_keys:
+        facts = ServerFacts(args, api_keys(scope))
+        _last_server = (proxy_keys, args, facts)
+    return facts
+
+
+def auth_refuses(scope: MutableMapping[str, Any], facts: ServerFacts | None = None) -> bool:
     """Would vLLM's `--api-key` check refuse this request? (Only matters when mounted outside it.)
 
     A replica of vLLM's `AuthenticationMiddleware`: `OPTIONS` and the paths outside its guarded
     prefixes (after the root path) pass; otherwise a `Bearer` token, compared in constant time with
-    the keys (`api_keys`), must match.
+    the keys (`api_keys`, read once per server: `server_facts`), must match.
     """
     if scope.get("method") == "OPTIONS":
         return False
-    tokens = api_keys(scope)
-    if not tokens:
+    digests = (facts or server_facts(scope)).key_digests
+    if not digests:
         return False
     path: str = scope.get("path", "")
     if not path.removeprefix(scope.get("root_path", "")).startswith(guarded_prefixes()):
@@ -187,8 +234,8 @@ def auth_refuses(scope: MutableMapping[str, Any]) -> bool:
             scheme, _, param = value.decode("latin-1").partition(" ")
             if scheme.lower() != "bearer":
                 return True
-            digest = hashlib.sha256(param.encode()).digest()
-            return not any(secrets.compare_digest(digest, hashlib.sha256(t.encode()).digest()) for t in tokens)
+            digest = _digest(param)
+            return not any(secrets.compare_digest(digest, known) for known in digests)
     return True
 
 

@@ -57,12 +57,23 @@ class Replay:
     __slots__ = ("_messages", "_receive")
 
     def __init__(self, parts: list[bytes], more_body: bool, receive: Receive) -> None:
-        last = len(parts) - 1
-        self._messages: list[Message] = [
-            {"type": "http.request", "body": part, "more_body": more_body or i < last} for i, part in enumerate(parts)
-        ]
-        self._messages.reverse()
+        if len(parts) == 1:  # a whole body (the common case), as the general case builds it
+            self._messages: list[Message] = [{"type": "http.request", "body": parts[0], "more_body": more_body}]
+        else:
+            last = len(parts) - 1
+            self._messages = [
+                {"type": "http.request", "body": part, "more_body": more_body or i < last}
+                for i, part in enumerate(parts)
+            ]
+            self._messages.reverse()
         self._receive = receive
+
+    @classmethod
+    def again(cls, message: Message, receive: Receive) -> Replay:
+        """A `receive` that gives `message` (already received) once more, then the server's `receive`."""
+        replay = cls([], False, receive)
+        replay._messages.append(message)
+        return replay
 
     async def __call__(self) -> Message:
         if self._messages:
@@ -127,11 +138,20 @@ def is_event_stream(content_type: bytes) -> bool:
     return media_type(content_type) == "text/event-stream"
 
 
+# Content-Type value -> `is_json`'s answer, for the values seen (bounded as _MEDIA_TYPES is).
+_JSON_TYPES: dict[bytes, bool] = {}
+
+
 def read_as_json(content_type: bytes | None) -> bool:
     """Whether vLLM's FastAPI route parses the body as JSON (its own rule, on the first header)."""
     if content_type is None:
         return _vllm_compat.untyped_body_is_json()
-    return is_json(content_type)
+    known = _JSON_TYPES.get(content_type)
+    if known is None:
+        known = is_json(content_type)
+        if len(_JSON_TYPES) < _MEDIA_TYPES_MAX:
+            _JSON_TYPES[content_type] = known
+    return known
 
 
 def set_header(scope: Scope, name: bytes, value: bytes, *, replace: bool = True) -> None:

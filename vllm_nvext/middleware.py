@@ -44,7 +44,7 @@ from .asgi import (
 )
 from .config import MODE_HEADER, Mode, Settings
 from .inbound import client_params
-from .inbound.optin import OptInScan
+from .inbound.optin import OptInScan, opts_in_whole
 from .inbound.request import SpliceRoot, read_request
 from .inbound.request import plan as plan_request_for
 from .outbound.nvext_values import Clock
@@ -123,19 +123,20 @@ class NvextMiddleware:
         if endpoint is None:
             endpoint = AGENT_PATHS.get(path)  # /v1/responses, /v1/messages: agent/
         # A server whose kv connector joins request ids into file paths gets plain names only.
-        guard = _vllm_compat.builds_paths_from_request_ids(_vllm_compat.server_args(scope))
+        facts = _vllm_compat.server_facts(scope)
+        guard = facts.paths_from_request_ids
         request_id = first_header(scope, b"x-request-id") if guard else None
         if (
             request_id is not None
             and not client_params.is_plain_name(request_id.decode("latin-1"))
-            and not _vllm_compat.auth_refuses(scope)
+            and not _vllm_compat.auth_refuses(scope, facts)
         ):
-            message = client_params.not_plain_message("X-Request-Id")
-            await _send_error(send, RequestError(message, client_params.REQUEST_ID_HEADER))
+            refusal = RequestError(client_params.not_plain_message("X-Request-Id"), client_params.REQUEST_ID_HEADER)
+            await _send_error(send, refusal)
             return
         if (
             endpoint is None
-            or _vllm_compat.auth_refuses(scope)
+            or _vllm_compat.auth_refuses(scope, facts)
             or (endpoint is AgentRoute.MESSAGES and not self.serve_messages and plugin_serves_messages(scope))
         ):
             # Mounted outside vLLM's key check, a request it refuses reaches it untouched: nothing
@@ -144,10 +145,28 @@ class NvextMiddleware:
             await self.app(scope, receive, send)
             return
         scope[HANDLED] = True
+        body_request_id = guard and request_id is None  # vLLM then takes the body's `request_id`
+        # Only the opt-in keys make a body one to read: one that comes whole and names none goes on
+        # here, as `_Exchange` would pass it on (`_Exchange._read_body`, `optin.opts_in_whole`).
+        if (
+            not body_request_id
+            and not self.settings.strip_kv_remote_address
+            and read_as_json(first_header(scope, b"content-type"))
+        ):
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                body = message.get("body", b"")
+                body = body if type(body) is bytes else bytes(body)
+                if not opts_in_whole(body):
+                    metrics.count_request(endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN)
+                    await self.app(scope, Replay([body], False, receive), send)
+                    return
+            receive = Replay.again(message, receive)  # `_Exchange` reads it as the first
         exchange = _Exchange(
             self.app, self.settings, endpoint, scope, receive, send, self._stream_send, self.serve_messages
         )
-        exchange.body_request_id = guard and request_id is None  # vLLM then takes the body's `request_id`
+        exchange.body_request_id = body_request_id
+        exchange.hides_reasoning_ids = facts.hides_reasoning_ids
         await exchange.run()
 
 
@@ -155,7 +174,7 @@ class _Exchange:
     """One request/response cycle through the middleware."""
 
     __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "clock", "stream_send", "body_request_id",
-                 "serve_messages")  # fmt: skip
+                 "serve_messages", "hides_reasoning_ids")  # fmt: skip
 
     def __init__(
         self,
@@ -178,6 +197,7 @@ class _Exchange:
         self.send = send
         self.clock = Clock()
         self.body_request_id = False  # the body's `request_id` must be a plain name
+        self.hides_reasoning_ids = False  # the server withholds ids (`_vllm_compat.hides_reasoning_ids`)
 
     async def run(self) -> None:
         """One request, top-down: its headers and body, the plan, then vLLM, whose answer is reshaped."""
@@ -199,7 +219,7 @@ class _Exchange:
                 await self._forward(body)
                 return
             mode = self._mode(headers.modes)
-            hides = _vllm_compat.hides_reasoning_ids(_vllm_compat.server_args(self.scope))
+            hides = self.hides_reasoning_ids
             splice = _splice_root(self.settings)
             plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank, hides_reasoning_ids=hides,
                                     splice_root=splice)  # fmt: skip

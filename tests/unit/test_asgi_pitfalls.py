@@ -56,6 +56,25 @@ async def test_after_the_replayed_body_the_app_gets_the_servers_own_receive():
     assert server_messages == []
 
 
+async def test_a_whole_body_that_opts_out_reaches_the_app_then_the_servers_own_receive():
+    rec = recording("chat_stream_ids")
+    body = json.dumps({k: v for k, v in rec.request.items() if k != "return_token_ids"}).encode()
+    disconnect = {"type": "http.disconnect"}
+    server_messages = [{"type": "http.request", "body": memoryview(body), "more_body": False}, disconnect]
+    seen: list[dict[str, Any]] = []
+
+    async def receive():
+        return server_messages.pop(0)
+
+    async def app(scope, app_receive, send):
+        seen.extend([await app_receive(), await app_receive()])
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await NvextMiddleware(app, settings=Settings(mode=Mode.NVEXT))(_scope(rec.path, headers), receive, None)
+    assert seen == [{"type": "http.request", "body": body, "more_body": False}, disconnect]
+    assert type(seen[0]["body"]) is bytes and seen[1] is disconnect
+
+
 async def test_a_client_that_leaves_before_its_body_reaches_no_app():
     rec = recording("chat_unary_ids")
     upstream = Upstream(body=rec.body)

@@ -80,13 +80,18 @@ def test_the_key_check_refuses_exactly_what_vllms_refuses(path, method, root_pat
             assert not ours, "vLLM guards neither /invocations nor OPTIONS"
 
 
+def _no_api_key() -> SimpleNamespace:
+    """A server started without `--api-key` (vLLM reads VLLM_API_KEY as it builds its app)."""
+    return SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(api_key=None)))
+
+
 def test_the_key_comes_from_vllm_api_key_when_the_server_has_no_api_key(monkeypatch):
-    no_args = SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(api_key=None)))
     for path, name in itertools.product(ENDPOINT_PATHS, AUTHORIZATIONS):
         monkeypatch.delenv("VLLM_API_KEY", raising=False)
-        scope = _scope(path, "POST", AUTHORIZATIONS[name], "", no_args)
+        scope = _scope(path, "POST", AUTHORIZATIONS[name], "", _no_api_key())
         assert not _vllm_compat.auth_refuses(scope), "no key configured: nothing is refused"
         monkeypatch.setenv("VLLM_API_KEY", KEY)
+        scope = _scope(path, "POST", AUTHORIZATIONS[name], "", _no_api_key())
         assert _vllm_compat.auth_refuses(scope) == _vllm_refuses(scope, [KEY]), (path, name)
     # --api-key wins over VLLM_API_KEY, as in vLLM.
     with_args = SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(api_key=["sk-cli"])))
@@ -156,3 +161,20 @@ def test_a_keyless_agent_route_request_reaches_vllm_untouched(path, body):
     headers = ((b"content-type", b"application/json"),)
     result = asyncio.run(call(NvextMiddleware(upstream), path, raw, headers=headers, app_state=scope_app))
     assert result.status == 401 and upstream.calls == 1 and upstream.received == raw, "vLLM got the client's bytes"
+
+
+def test_a_servers_keys_are_read_once_as_vllm_reads_them(monkeypatch):
+    """vLLM builds its check with the keys of its start (VLLM_API_KEY included); so does the replica."""
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    server = _no_api_key()
+    refused = _scope(COMPLETIONS, "POST", "Bearer sk-later", "", server)
+    assert _vllm_compat.auth_refuses(refused)
+    monkeypatch.setenv("VLLM_API_KEY", "sk-later")  # after the start: vLLM's check still wants KEY
+    assert _vllm_compat.auth_refuses(refused) == _vllm_refuses(refused, [KEY]) is True
+    assert not _vllm_compat.auth_refuses(_scope(COMPLETIONS, "POST", f"Bearer {KEY}", "", server))
+    restarted = _no_api_key()  # a new server (new args) reads the environment again
+    assert not _vllm_compat.auth_refuses(_scope(COMPLETIONS, "POST", "Bearer sk-later", "", restarted))
+    # Without a server (no `app.state.args`), the environment as it reads now.
+    assert not _vllm_compat.auth_refuses(_scope(COMPLETIONS, "POST", "Bearer sk-later", "", None))
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert not _vllm_compat.auth_refuses(_scope(COMPLETIONS, "POST", "Bearer nothing", "", None))

@@ -45,13 +45,15 @@ def no_json_parse(monkeypatch):
 
 @pytest.mark.parametrize("name", [n for n in recordings() if "plain" in n])
 @pytest.mark.parametrize("mode", list(Mode))
-async def test_request_that_opts_into_nothing_is_byte_identical(name, mode, no_json_parse):
+@pytest.mark.parametrize("request_cuts", [(3, 10), ()], ids=["in pieces", "whole"])
+async def test_request_that_opts_into_nothing_is_byte_identical(name, mode, request_cuts, no_json_parse):
     rec = recording(name)
     app, upstream = _app(rec, cuts=(7, 100), mode=mode)
     body = json.dumps(rec.request).encode()
-    result = await call(app, rec.path, body, request_cuts=(3, 10))
-    assert upstream.received == body
+    result = await call(app, rec.path, body, request_cuts=request_cuts)
+    assert upstream.received == body and upstream.received_headers[-1] == (b"content-length", str(len(body)).encode())
     assert result.body == rec.body and result.status == rec.status
+    assert result.headers == (await call(upstream, rec.path, body)).headers, "vLLM's own answer, headers too"
 
 
 @pytest.mark.parametrize("path", ["/v1/models", "/health", "/v1/embeddings", "/v1/chat/completions/x"])

@@ -20,7 +20,7 @@ from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings
 from vllm_nvext import _json as nvjson
 from vllm_nvext.inbound.fields import field_reader, replica_model
-from vllm_nvext.inbound.optin import OptInScan, might_opt_in
+from vllm_nvext.inbound.optin import OptInScan, might_opt_in, opts_in_whole
 from vllm_nvext.inbound.request import plan_request, read_request
 from vllm_nvext.protocol import PATHS, Endpoint, RequestError
 
@@ -244,6 +244,17 @@ def test_streamed_opt_in_scan_equals_the_whole_body_test(case, cuts):
         scan.feed(body[prev:cut])
         prev = max(prev, cut)
     assert scan.found == might_opt_in(body)
+
+
+@SLOW
+@given(
+    body=hazardous_bodies().map(lambda case: case[0])
+    | st.binary(max_size=40)
+    | st.sampled_from([b"", b"{", b"\xef\xbb", b"\x00{", b"{}\x00", b'"nvext"', b'{"\\u006evext":1}', b"\xff\xfe{\x00"])
+)
+def test_a_whole_body_opts_in_as_the_scan_of_its_one_piece_decides(body):
+    """The middleware's test for a body that comes in one message is the scan's, for any bytes."""
+    assert opts_in_whole(body) is OptInScan().feed(body)
 
 
 @SLOW

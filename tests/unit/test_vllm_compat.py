@@ -124,3 +124,18 @@ def test_the_keys_come_from_the_scope_then_vllms_args_then_the_environment(monke
     monkeypatch.delenv("VLLM_API_KEY")
     assert _vllm_compat.api_keys({}) == []
     assert _vllm_compat.auth_refuses(_scope(COMPLETIONS)) is False, "no key: nothing is refused"
+
+
+def test_a_servers_facts_are_read_once_per_server_object():
+    """The proxy's keys and arguments, like vLLM's `app.state.args`, are one object for a server's life."""
+    args = type("Args", (), {"api_key": None, "reasoning_parser": "qwen3", "kv_transfer_config": None})
+    keys = ("k",)
+    scope = {_vllm_compat.API_KEYS: keys, _vllm_compat.SERVER_ARGS: args}
+    facts = _vllm_compat.server_facts(scope)
+    assert facts.hides_reasoning_ids and not facts.paths_from_request_ids and len(facts.key_digests) == 1
+    assert _vllm_compat.server_facts(dict(scope)) is facts, "the same server: read once"
+    other = _vllm_compat.server_facts({**scope, _vllm_compat.API_KEYS: ("k", "j")})
+    assert other is not facts and len(other.key_digests) == 2, "another server: read again"
+    app = type("App", (), {"state": type("State", (), {"args": type("Args", (), {"api_key": ["a"]})})})
+    assert len(_vllm_compat.server_facts({"app": app}).key_digests) == 1
+    assert not _vllm_compat.server_facts({"app": app}).hides_reasoning_ids

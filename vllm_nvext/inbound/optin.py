@@ -43,6 +43,11 @@ def might_opt_in(body: bytes) -> bool:
     return _json.needs_decoding(body) or _mentions_key(body)
 
 
+def opts_in_whole(body: bytes) -> bool:
+    """`OptInScan().feed(body)` for a body that comes in one piece (no keys besides the opt-in ones)."""
+    return (len(body) >= 4 and _json.needs_decoding(body)) or _mentions_key(body)
+
+
 @functools.cache
 def _key_tokens(words: tuple[str, ...]) -> re.Pattern[bytes]:
     return re.compile(b"|".join(_spelled(word) for word in words))
