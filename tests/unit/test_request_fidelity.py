@@ -19,9 +19,11 @@ from hypothesis import strategies as st
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings
 from vllm_nvext import _json as nvjson
-from vllm_nvext.inbound.fields import field_reader, replica_model
+from vllm_nvext.inbound import fields as fields_module
+from vllm_nvext.inbound import request as request_module
+from vllm_nvext.inbound.fields import DECISION_FIELDS, DecisionFields, field_reader, read_fields, replica_model
 from vllm_nvext.inbound.optin import OptInScan, might_opt_in, opts_in_whole
-from vllm_nvext.inbound.request import plan_request, read_request
+from vllm_nvext.inbound.request import plan, plan_request, read_request
 from vllm_nvext.protocol import PATHS, Endpoint, RequestError
 
 vllm_completion = pytest.importorskip("vllm.entrypoints.openai.completion.protocol")
@@ -518,3 +520,78 @@ def test_dumps_text_writes_what_json_dumps_writes(value):
         assert str(got.value) == str(exc)
         return
     assert nvjson.dumps_text(value) == want
+
+
+# --- what read_fields and plan keep: the same as made anew ----------------------------------
+
+
+def _outcome(make: Any) -> Any:
+    try:
+        return make()
+    except RequestError as exc:
+        return ("refused", exc.message, exc.param, exc.status)
+
+
+def _made_anew(make: Any) -> Any:
+    """`make()` with nothing kept: read_fields validates, plan plans."""
+    fields_module._READ.clear()
+    fields_module._KEPT.clear()
+    request_module._PLANS.clear()
+    return _outcome(make)
+
+
+SCALARS = st.none() | st.booleans() | st.integers(-3, 3) | st.integers(2**63, 2**70) | st.sampled_from(
+    ["", "1", "2", "true", "false", "yes", "0", "x", "1.0", " 1", "-1", "None"])  # fmt: skip
+
+
+@SLOW
+@given(
+    data=st.dictionaries(st.sampled_from(sorted(DECISION_FIELDS | {"model", "max_tokens"})), SCALARS, max_size=6),
+    endpoint=st.sampled_from([COMPLETIONS, CHAT, Endpoint.CHAT_BATCH]),
+    names=st.sampled_from([None, ("return_token_ids",)]),
+)
+def test_a_kept_reading_is_the_reading_made_anew(data, endpoint, names):
+    """Scalar decision fields are read once and kept: the kept reading is what vLLM's reading gives."""
+    first = _outcome(lambda: read_fields(data, endpoint, names))
+    again = _outcome(lambda: read_fields(dict(data), endpoint, names))
+    assert again == first == _made_anew(lambda: read_fields(data, endpoint, names))
+    if isinstance(first, DecisionFields):
+        assert again is first, "kept: the same reading"
+
+
+@pytest.mark.parametrize(("one", "other"), [(True, 1), ("1", 1), (0, False), ("true", True), (2, "2")])
+def test_values_equal_in_python_but_of_other_types_are_read_apart(one, other):
+    def validated(value: Any) -> Any:
+        try:
+            return DecisionFields(**field_reader(CHAT).model_validate({"n": value, "echo": value}).__dict__)
+        except ValidationError:
+            return "refused"
+
+    for value in (other, one, other, one):
+        read = _outcome(lambda v=value: read_fields({"n": v, "echo": v}, CHAT))
+        assert (read[0] if isinstance(read, tuple) else read) == validated(value), value
+
+
+@SLOW
+@given(case=hazardous_bodies(), mode=st.sampled_from(list(Mode)), hides=st.booleans())
+def test_a_kept_plan_is_the_plan_made_anew(case, mode, hides):
+    """vLLM-dialect plans are kept per reading of the fields: each is the plan made anew."""
+    body, endpoint = case
+
+    def make() -> Any:
+        request = read_request(body, endpoint)
+        return None if request is None else plan(request, mode, hides_reasoning_ids=hides)
+
+    first = _outcome(make)
+    assert _outcome(make) == first == _made_anew(make)
+
+
+def test_a_vllm_dialect_plan_is_kept_per_mode_and_server():
+    body = json.dumps({**BASE[CHAT], "return_token_ids": True, "stream": True, "include_reasoning": False}).encode()
+    request = read_request(body, CHAT)
+    assert request is not None
+    kept_plan = plan(request, Mode.AUTO)
+    assert plan(read_request(body, CHAT), Mode.AUTO) is kept_plan  # type: ignore[arg-type]
+    assert plan(request, Mode.NVEXT) == _made_anew(lambda: plan(request, Mode.NVEXT)) != kept_plan
+    hidden = plan(request, Mode.AUTO, hides_reasoning_ids=True)
+    assert hidden.ids_withheld and not kept_plan.ids_withheld

@@ -134,14 +134,76 @@ def read_fields(data: dict[str, Any], endpoint: Endpoint, names: tuple[str, ...]
     reader = field_reader(endpoint)
     if names is not None:
         data = {k: data[k] for k in names if k in data}
-    from pydantic import ValidationError
-
+    key = _scalar_key(reader, data)
+    if key is not None:
+        known = _READ.get(key)
+        if known is not None:
+            return known
     try:
-        return DecisionFields(**reader.model_validate(data).__dict__)
-    except ValidationError as exc:
+        fields = DecisionFields(**reader.model_validate(data).__dict__)
+    except _validation_error() as exc:
         error = exc.errors(include_url=False)[0]
         name = str(error["loc"][0]) if error["loc"] else None
         raise RequestError(f"`{name}` is invalid for vLLM: {error['msg']}", name) from None
+    if key is not None:
+        if len(_READ) >= _READ_MAX:
+            _READ.clear()  # made-up values cannot grow it
+            _KEPT.clear()
+        _READ[key] = fields
+        _KEPT[id(fields)] = fields
+    return fields
+
+
+def kept(fields: DecisionFields) -> bool:
+    """Is `fields` one `read_fields` keeps and hands out again for the same scalar fields?"""
+    return _KEPT.get(id(fields)) is fields
+
+
+# What `read_fields` read, by (reader, each of the reader's fields in the body with its type and
+# value) for bodies whose decision fields are all scalars (what clients send: `stream: true`,
+# `n: 1`, `return_token_ids: true`): the reader's fields are validated one by one, with no model
+# validator, so the same fields and values read the same; a value that fails is never kept.
+_READ: dict[tuple[Any, ...], DecisionFields] = {}
+_READ_MAX = 4096
+_KEPT: dict[int, DecisionFields] = {}  # _READ's values by id
+_SCALARS = (type(None), bool, int, str)
+_KEY_STR_MAX = 64
+_plain_fields: dict[Any, tuple[str, ...] | None] = {}
+
+
+def _scalar_key(reader: Any, data: dict[str, Any]) -> tuple[Any, ...] | None:
+    """`_READ`'s key for `data`; None when a field holds something else (a prompt of ids, an object)."""
+    names = _plain_fields.get(reader, ())
+    if names == ():
+        names = _plain_fields[reader] = _field_names(reader)
+    if names is None:
+        return None
+    key: list[Any] = [reader]
+    for name in names:
+        if name in data:
+            value = data[name]
+            kind = type(value)
+            if kind not in _SCALARS or (kind is str and len(value) > _KEY_STR_MAX):
+                return None
+            key += (name, kind, value)
+    return tuple(key)
+
+
+def _field_names(reader: Any) -> tuple[str, ...] | None:
+    """The reader's fields, each read from the body under its name alone; None when one reads another key."""
+    fields = reader.model_fields
+    if reader.model_config.get("populate_by_name") or any(
+        info.alias is not None or info.validation_alias is not None for info in fields.values()
+    ):
+        return None
+    return tuple(fields)
+
+
+def _validation_error() -> Any:
+    """pydantic's ValidationError (pydantic is imported on the first request)."""
+    from pydantic import ValidationError
+
+    return ValidationError
 
 
 def _vllm_model_for_invocations(endpoint: Endpoint) -> Any:

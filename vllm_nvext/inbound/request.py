@@ -29,7 +29,7 @@ from ..protocol import (
     Placement,
     RequestError,
 )
-from .fields import DecisionFields, invocation_route, read_fields
+from .fields import DecisionFields, invocation_route, kept, read_fields
 from .nvext_schema import json_type, validate_nvext
 from .optin import might_opt_in
 
@@ -138,6 +138,35 @@ def plan(
     `hides_reasoning_ids`: the server withholds the ids of chat requests with `include_reasoning: false`
     (`_vllm_compat.hides_reasoning_ids`); `splice_root`: the compiled splice that may rewrite the body
     (None: the Python path, as `Settings.pure_python` asks)."""
+    endpoint, data, fields = request.endpoint, request.data, request.fields
+    if "nvext" in data or endpoint is Endpoint.CHAT_BATCH or not kept(fields):
+        return _plan(request, mode, dp_rank_header, hides_reasoning_ids, splice_root)
+    # vLLM's own dialect: the body reaches vLLM as sent (`return_token_ids` is true, no `nvext`),
+    # so the plan follows from the fields alone: one per fields object `read_fields` keeps
+    # (tests/unit/test_request.py::test_a_kept_plan_is_the_plan_made_anew).
+    key = (id(fields), endpoint, mode, hides_reasoning_ids)
+    known = _PLANS.get(key)
+    if known is not None and known[0] is fields:
+        return known[1]
+    made = _plan(request, mode, dp_rank_header, hides_reasoning_ids, splice_root)
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    _PLANS[key] = (fields, made)  # holds `fields`, so its id names no other object while kept
+    return made
+
+
+# vLLM-dialect plans by (the fields' id, endpoint, mode, hides_reasoning_ids): (fields, plan).
+_PLANS: dict[tuple[int, Endpoint, Mode, bool], tuple[DecisionFields, Plan]] = {}
+_PLANS_MAX = 1024
+
+
+def _plan(
+    request: Request,
+    mode: Mode,
+    dp_rank_header: bytes | None,
+    hides_reasoning_ids: bool,
+    splice_root: SpliceRoot | None,
+) -> Plan:
     endpoint, data, fields = request.endpoint, request.data, request.fields
     return_token_ids = fields.return_token_ids is True
     requested = set(request.nvext.get("extra_fields") or [])
