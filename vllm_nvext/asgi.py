@@ -12,9 +12,10 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _json, _vllm_compat
+from . import _json, _vllm_compat, metrics
 from .config import MODE_HEADER
 from .inbound.optin import OptInScan
+from .protocol import RequestError, error_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -212,3 +213,26 @@ async def internal_post(
 
     await app(sub, receive, send)
     return result["status"], result["headers"], b"".join(result["body"])
+
+
+async def send_error(send: Send, error: RequestError, payload: bytes | None = None) -> None:
+    """Answer a refusal (vLLM's OpenAI error envelope); `payload`: the error body when it is not that
+    envelope (the Anthropic route's)."""
+    metrics.count_refusal(error.param, error.status)
+    if payload is None:
+        payload = error_body(error.message, error.param, error.status)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": error.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+def too_large(cap: int) -> RequestError:
+    return RequestError(f"Request body exceeds the {cap}-byte limit of vllm-nvext", None, 413)

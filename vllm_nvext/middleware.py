@@ -40,7 +40,9 @@ from .asgi import (
     first_header,
     internal_post,
     read_as_json,
+    send_error,
     set_header,
+    too_large,
 )
 from .config import MODE_HEADER, Mode, Settings
 from .inbound import client_params
@@ -49,7 +51,7 @@ from .inbound.request import SpliceRoot, read_request
 from .inbound.request import plan as plan_request_for
 from .outbound.nvext_values import Clock
 from .plan import Plan
-from .protocol import ENDPOINT_PATHS, Dialect, Endpoint, RequestError, error_body
+from .protocol import ENDPOINT_PATHS, Dialect, Endpoint, RequestError
 from .send import STREAM_SENDS, ReshapingSend, StreamSendFactory, stream_path
 
 logger = logging.getLogger("vllm_nvext")
@@ -132,7 +134,7 @@ class NvextMiddleware:
             and not _vllm_compat.auth_refuses(scope, facts)
         ):
             refusal = RequestError(client_params.not_plain_message("X-Request-Id"), client_params.REQUEST_ID_HEADER)
-            await _send_error(send, refusal)
+            await send_error(send, refusal)
             return
         if (
             endpoint is None
@@ -146,28 +148,31 @@ class NvextMiddleware:
             return
         scope[HANDLED] = True
         body_request_id = guard and request_id is None  # vLLM then takes the body's `request_id`
-        # Only the opt-in keys make a body one to read: one that comes whole and names none goes on
-        # here, as `_Exchange` would pass it on (`_Exchange._read_body`, `optin.opts_in_whole`).
+        clock = Clock()  # when the request came, before its body (nvext `timing`)
+        whole = None  # the body, when it came in one message and opts in
         if (
             not body_request_id
             and not self.settings.strip_kv_remote_address
             and read_as_json(first_header(scope, b"content-type"))
         ):
+            # Only the opt-in keys make this body one to read: one that comes whole is scanned here
+            # (`optin.opts_in_whole`, the verdict of `_Exchange._read_body`'s scan), and goes on to
+            # vLLM at once when it names none.
             message = await receive()
             if message["type"] == "http.request" and not message.get("more_body", False):
                 body = message.get("body", b"")
-                body = body if type(body) is bytes else bytes(body)
-                if not opts_in_whole(body):
+                whole = body if type(body) is bytes else bytes(body)
+                if not opts_in_whole(whole):
                     metrics.count_request(endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN)
-                    await self.app(scope, Replay([body], False, receive), send)
+                    await self.app(scope, Replay([whole], False, receive), send)
                     return
-            receive = Replay.again(message, receive)  # `_Exchange` reads it as the first
-        exchange = _Exchange(
-            self.app, self.settings, endpoint, scope, receive, send, self._stream_send, self.serve_messages
-        )
+            else:
+                receive = Replay.again(message, receive)  # `_Exchange` reads it as the first of many
+        exchange = _Exchange(self.app, self.settings, endpoint, scope, receive, send, self._stream_send, clock)
+        exchange.serve_messages = self.serve_messages
         exchange.body_request_id = body_request_id
         exchange.hides_reasoning_ids = facts.hides_reasoning_ids
-        await exchange.run()
+        await exchange.run(whole)
 
 
 class _Exchange:
@@ -185,27 +190,35 @@ class _Exchange:
         receive: Receive,
         send: Send,
         stream_send: StreamSendFactory,
-        serve_messages: bool = False,
+        clock: Clock,
     ) -> None:
         self.app = app
         self.stream_send = stream_send
-        self.serve_messages = serve_messages
+        self.serve_messages = False  # the plugin mount serves /v1/messages with ids itself
         self.settings = settings
         self.endpoint = endpoint
         self.scope = scope
         self.receive = receive
         self.send = send
-        self.clock = Clock()
+        self.clock = clock
         self.body_request_id = False  # the body's `request_id` must be a plain name
         self.hides_reasoning_ids = False  # the server withholds ids (`_vllm_compat.hides_reasoning_ids`)
 
-    async def run(self) -> None:
-        """One request, top-down: its headers and body, the plan, then vLLM, whose answer is reshaped."""
+    async def run(self, whole: bytes | None = None) -> None:
+        """One request, top-down: its headers and body, the plan, then vLLM, whose answer is reshaped.
+
+        `whole`: the body, already received in one message and found to opt in (JSON by its type).
+        """
         headers = RequestHeaders.read(self.scope)
-        if not read_as_json(headers.content_type):
+        read: tuple[bytes, bool] | None = (whole, True) if whole is not None else None
+        if whole is not None and len(whole) > self.settings.max_body_bytes:
+            read = None  # `_read_body` refuses it so
+            await self._refuse(too_large(self.settings.max_body_bytes))
+        elif whole is None and not read_as_json(headers.content_type):
             await self._forward(None)  # vLLM does not read this body as JSON
             return
-        read = await self._read_body(headers.content_length)
+        elif whole is None:
+            read = await self._read_body(headers.content_length)
         if read is None:
             return  # answered, passed through, or the client went away
         body, opts_in = read
@@ -254,7 +267,7 @@ class _Exchange:
             size += len(chunk)
             parts.append(chunk)
             if scan.feed(chunk) and size > cap:
-                await self._refuse(_too_large(cap))
+                await self._refuse(too_large(cap))
                 return None
             if more and not scan.found and max(size, declared_length) > cap:
                 metrics.count_request(self.endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN)
@@ -394,7 +407,7 @@ class _Exchange:
 
         await self.app(self.scope, receive, send)
         if receive.aborted and not started:
-            await self._send_error(_too_large(self.settings.max_body_bytes))
+            await self._send_error(too_large(self.settings.max_body_bytes))
 
     async def _refuse(self, error: RequestError, payload: bytes | None = None) -> None:
         await self._send_error(error, payload)
@@ -419,26 +432,4 @@ class _Exchange:
         return body
 
     async def _send_error(self, error: RequestError, payload: bytes | None = None) -> None:
-        await _send_error(self.send, error, payload)
-
-
-async def _send_error(send: Send, error: RequestError, payload: bytes | None = None) -> None:
-    """`payload`: the error body when it is not vLLM's OpenAI envelope (the Anthropic route's)."""
-    metrics.count_refusal(error.param, error.status)
-    if payload is None:
-        payload = error_body(error.message, error.param, error.status)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": error.status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": payload, "more_body": False})
-
-
-def _too_large(cap: int) -> RequestError:
-    return RequestError(f"Request body exceeds the {cap}-byte limit of vllm-nvext", None, 413)
+        await send_error(self.send, error, payload)

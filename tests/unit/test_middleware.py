@@ -174,13 +174,21 @@ async def test_invalid_mode_header_is_a_400_naming_it():
     _assert_length_header(result)
 
 
-async def test_body_over_the_cap_is_a_413():
+@pytest.mark.parametrize("request_cuts", [(500,), ()], ids=["in pieces", "whole"])
+async def test_body_over_the_cap_is_a_413(request_cuts):
     rec = recording("chat_unary_ids")
     app, upstream = _app(rec, max_body_bytes=1000)
     body = json.dumps({"return_token_ids": True, "prompt": "x" * 2000}).encode()
-    result = await call(app, rec.path, body, request_cuts=(500,))
+    result = await call(app, rec.path, body, request_cuts=request_cuts)
     assert result.status == 413 and upstream.calls == 0
     assert "1000" in json.loads(result.body)["error"]["message"]
+    at_the_cap = json.dumps({**rec.request, "return_token_ids": True}).encode()
+    app, upstream = _app(rec, max_body_bytes=len(at_the_cap))
+    assert (await call(app, rec.path, at_the_cap, request_cuts=request_cuts)).status == 200
+    assert upstream.calls == 1
+    app, upstream = _app(rec, max_body_bytes=len(at_the_cap) - 1)
+    assert (await call(app, rec.path, at_the_cap, request_cuts=request_cuts)).status == 413
+    assert upstream.calls == 0
 
 
 async def test_n_greater_than_one_in_nvext_placement_is_refused_in_vllm_envelope():

@@ -100,7 +100,8 @@ def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> R
         nvext = {}
     elif not isinstance(nvext, dict):
         raise RequestError(f"`nvext` must be an object, got {json_type(nvext)}", "nvext")
-    validate_nvext(nvext)
+    if nvext:
+        validate_nvext(nvext)  # nothing to refuse in an empty one
     return Request(endpoint, body, data, fields, nvext)
 
 
