@@ -163,10 +163,15 @@ def set_header(scope: Scope, name: bytes, value: bytes, *, replace: bool = True)
     headers = scope["headers"]
     if not isinstance(headers, list):
         headers = scope["headers"] = list(headers)
-    if any(n == name for n, _ in headers):
-        if not replace:
-            return
-        headers[:] = [(n, v) for n, v in headers if n != name]
+    for i, (n, _) in enumerate(headers):
+        if n == name:
+            if not replace:
+                return
+            if any(n == name for n, _ in headers[i + 1 :]):
+                headers[:] = [(n, v) for n, v in headers if n != name]
+            else:
+                del headers[i]  # the one there was (a client's Content-Length)
+            break
     headers.append((name, value))
 
 

@@ -47,8 +47,9 @@ from .asgi import (
 from .config import MODE_HEADER, Mode, Settings
 from .inbound import client_params
 from .inbound.optin import OptInScan, opts_in_whole
-from .inbound.request import SpliceRoot, read_request
 from .inbound.request import plan as plan_request_for
+from .inbound.request import read_request
+from .inbound.rewrite import SpliceRoot
 from .outbound.nvext_values import Clock
 from .plan import Plan
 from .protocol import ENDPOINT_PATHS, Dialect, Endpoint, RequestError

@@ -10,9 +10,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from tests.recorded import recording
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings
+from vllm_nvext.asgi import set_header
 
 NVEXT_IDS = {"extra_fields": ["completion_token_ids"]}
 
@@ -164,3 +168,22 @@ async def test_crlf_stream_in_vllm_placement_passes_byte_for_byte():
     upstream = Upstream(status=rec.status, content_type=rec.content_type, body=body, cuts=(5, 50, 51))
     app = NvextMiddleware(upstream, settings=Settings(mode=Mode.VLLM))
     assert (await call(app, rec.path, request)).body == body
+
+
+NAMES = st.sampled_from([b"content-length", b"content-type", b"x-data-parallel-rank", b"host"])
+
+
+@given(
+    headers=st.lists(st.tuples(NAMES, st.sampled_from([b"1", b"2", b""])), max_size=6),
+    name=NAMES,
+    replace=st.booleans(),
+    as_tuple=st.booleans(),
+)
+def test_a_set_header_leaves_the_others_in_order_and_its_own_last(headers, name, replace, as_tuple):
+    """vLLM reads the first of a repeated header: a replaced one is there once, after the others."""
+    scope = {"headers": tuple(headers) if as_tuple else list(headers)}
+    set_header(scope, name, b"new", replace=replace)
+    if not replace and any(n == name for n, _ in headers):
+        assert scope["headers"] == list(headers), "a header the client sent is kept"
+    else:
+        assert scope["headers"] == [(n, v) for n, v in headers if n != name] + [(name, b"new")]

@@ -152,3 +152,15 @@ async def test_the_pure_python_setting_keeps_the_request_side_in_python(splice_r
     assert result.status == 200 and upstream.received is not None, result.body
     assert json.loads(upstream.received) == {"model": "tiny", "messages": body["messages"], "return_token_ids": True}
     assert bool(seen) is not pure_python, "the pure-Python setting reaches the request side"
+
+
+def test_each_rewrite_splices_its_own_members_when_the_kinds_repeat(splice_root):
+    """The compiled splice's arguments are kept per rewrite kind: the same kind again, or the same
+    names with other values, splice exactly what the Python path writes."""
+    body = b'{"model":"m","nvext":{"cache_salt":"a"},"cache_salt":"x","return_token_ids":false}'
+    for salt in ('"a"', '"b"', '"a"', '"\\u00e9"'):
+        for drop in ({"nvext"}, {"nvext", "return_token_ids"}, {"nvext"}):
+            rewrite = _rewrite(drop, {"cache_salt": salt, "return_token_ids": "true"})
+            spliced = rewrite.apply(body, splice_root)
+            assert spliced == _rewrite(drop, {"cache_salt": salt, "return_token_ids": "true"}).apply(body)
+            assert json.loads(spliced)["cache_salt"] == json.loads(salt)

@@ -7,7 +7,6 @@ then receives `return_token_ids: true` and no `nvext`. See docs/protocol.md §1 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, cast
@@ -32,6 +31,8 @@ from ..protocol import (
 from .fields import DecisionFields, invocation_route, kept, read_fields
 from .nvext_schema import json_type, validate_nvext
 from .optin import might_opt_in
+from .rewrite import BodyRewrite as BodyRewrite  # re-exported: the agent routes rewrite bodies too
+from .rewrite import SpliceRoot
 
 logger = logging.getLogger("vllm_nvext")
 
@@ -115,6 +116,7 @@ def plan_request(body: bytes, endpoint: Endpoint, mode: Mode, *, dp_rank_header:
 
 
 _VLLM, _NVEXT, _BOTH = frozenset({Placement.VLLM}), frozenset({Placement.NVEXT}), frozenset(Placement)
+_TIMED = frozenset({ENGINE_DATA, TIMING})  # selectors answered from vLLM's per-request metrics
 
 
 def placements(mode: Mode, return_token_ids: bool, nvext_ids: bool, ids_requested: bool) -> frozenset[Placement]:
@@ -183,7 +185,7 @@ def _plan(
     prompts, n = _choices(request, nvext_trio, selectors | ({PROMPT_TOKEN_IDS} if nvext_prompt_ids else set()))
 
     # timing's ttft_ms is the first chunk carrying a token id: ask for ids to see them.
-    needs_ids = vllm_ids or nvext_trio or nvext_prompt_ids or bool(selectors & {ENGINE_DATA, TIMING})
+    needs_ids = vllm_ids or nvext_trio or nvext_prompt_ids or bool(selectors & _TIMED)
     rewrite = BodyRewrite()
     if "nvext" in data:
         rewrite.drop("nvext")
@@ -209,7 +211,7 @@ def _plan(
         stream=fields.stream is True,
         single_choice=n * prompts == 1,
         n=n,
-        finish_waits_for_usage=fields.stream is True and n * prompts == 1 and bool(selectors & {TIMING, ENGINE_DATA}),
+        finish_waits_for_usage=fields.stream is True and n * prompts == 1 and bool(selectors & _TIMED),
         kv_stays_at_root=fields.kv_transfer_params is not None,
         error_params=tuple(rewrite.sources.items()),
         ids_withheld=hides_reasoning_ids and endpoint is Endpoint.CHAT and fields.include_reasoning is False,
@@ -240,61 +242,6 @@ def _choices(request: Request, nvext_trio: bool, asked: AbstractSet[str]) -> tup
             name = single_prompt[0]
             raise RequestError(f'`nvext.extra_fields=["{name}"]` requires a single prompt, got a batch', prompt_param)
     return prompts, n
-
-
-# The compiled root splice (`_speedups.splice_root`, handed in by the ASGI layer): the body with the
-# root members named (UTF-8 bytes) left out and the added ones (encoded, joined by commas) appended;
-# None leaves the body to the Python path.
-SpliceRoot = Callable[[bytes, tuple[bytes, ...], bytes], "bytes | None"]
-
-
-class BodyRewrite:
-    """Root members to drop or set; everything else reaches vLLM as the client wrote it."""
-
-    __slots__ = ("dropped", "added", "kv_prompt_ids", "sources")
-
-    def __init__(self) -> None:
-        self.dropped: set[str] = set()
-        self.added: dict[str, str] = {}
-        self.kv_prompt_ids: list[int] | None = None
-        self.sources: dict[str, str] = {}  # vLLM's field -> the nvext field it was set from
-
-    def drop(self, key: str) -> None:
-        self.dropped.add(key)
-
-    def set(self, key: str, encoded: str, source: str | None = None) -> None:
-        self.dropped.add(key)
-        self.added[key] = encoded
-        if source is not None:
-            self.sources[key] = source
-
-    def apply(self, body: bytes, splice_root: SpliceRoot | None = None) -> bytes | None:
-        """The body vLLM gets, None: the client's bytes. `splice_root` (compiled) splices it when it
-        can, with the Python path's bytes (tests/unit/test_request_splice.py)."""
-        if not self.dropped and self.kv_prompt_ids is None:
-            return None
-        if splice_root is not None and self.kv_prompt_ids is None:
-            extra = ",".join(f"{_json.dumps_text(key)}:{value}" for key, value in self.added.items())
-            drop = tuple(_json.encode_text(key) for key in self.dropped)
-            spliced = splice_root(body, drop, _json.encode_text(extra))
-            if spliced is not None:
-                return spliced
-        text = _json.text_of(body)
-        start = len(text) - len(text.lstrip(" \t\n\r"))
-        if self.kv_prompt_ids is not None:
-            members, _ = _json.object_members(text, start)
-            kv = [m for m in members if m.key == "kv_transfer_params"]
-            ids = _json.dumps_text(self.kv_prompt_ids)
-            if kv and text[kv[-1].value_start] == "{":  # the last duplicate is the one vLLM reads
-                value = text[kv[-1].value_start : kv[-1].end]
-                self.set(
-                    "kv_transfer_params",
-                    _json.splice_object(value, 0, frozenset({PROMPT_TOKEN_IDS}), [(PROMPT_TOKEN_IDS, ids)]),
-                )
-            else:
-                self.set("kv_transfer_params", f'{{"{PROMPT_TOKEN_IDS}":{ids}}}')
-        text = _json.splice_object(text, start, frozenset(self.dropped), list(self.added.items()))
-        return _json.encode_text(text)
 
 
 def apply_nvext_fields(
