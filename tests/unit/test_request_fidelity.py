@@ -595,3 +595,24 @@ def test_a_vllm_dialect_plan_is_kept_per_mode_and_server():
     assert plan(request, Mode.NVEXT) == _made_anew(lambda: plan(request, Mode.NVEXT)) != kept_plan
     hidden = plan(request, Mode.AUTO, hides_reasoning_ids=True)
     assert hidden.ids_withheld and not kept_plan.ids_withheld
+
+
+def test_what_is_kept_stays_bounded_whatever_clients_send(monkeypatch):
+    """Made-up values (a `cache_salt`, an `n`) cannot grow what the request side keeps."""
+    monkeypatch.setattr(fields_module, "_READ_MAX", 4)
+    monkeypatch.setattr(request_module, "_PLANS_MAX", 4)
+    for n in range(1, 12):
+        body = json.dumps({**BASE[COMPLETIONS], "return_token_ids": True, "n": n, "logprobs": n}).encode()
+        request = read_request(body, COMPLETIONS)
+        assert request is not None and request.fields.n == n
+        assert plan(request, Mode.AUTO).n == n
+        assert len(fields_module._READ) <= 4 and len(fields_module._KEPT) <= 4 and len(request_module._PLANS) <= 4
+
+
+def test_a_reader_that_reads_other_keys_is_never_kept():
+    """A field read under an alias would make the kept key wrong: such a reader always validates."""
+    from pydantic import ConfigDict, Field, create_model
+
+    aliased = create_model("Aliased", __config__=ConfigDict(extra="ignore"), n=(int, Field(1, alias="count")))
+    assert fields_module._scalar_key(aliased, {"count": 2}) is None
+    assert fields_module._scalar_key(replica_model(CHAT), {"n": 2}) is not None

@@ -24,6 +24,7 @@ from vllm_nvext import NvextMiddleware, Settings
 from vllm_nvext import middleware as middleware_module
 from vllm_nvext.config import Mode
 from vllm_nvext.inbound import request as request_module
+from vllm_nvext.inbound import rewrite as rewrite_module
 from vllm_nvext.inbound.request import BodyRewrite, read_request
 from vllm_nvext.protocol import PATHS, Endpoint, RequestError
 
@@ -164,3 +165,12 @@ def test_each_rewrite_splices_its_own_members_when_the_kinds_repeat(splice_root)
             spliced = rewrite.apply(body, splice_root)
             assert spliced == _rewrite(drop, {"cache_salt": salt, "return_token_ids": "true"}).apply(body)
             assert json.loads(spliced)["cache_salt"] == json.loads(salt)
+
+
+def test_the_kept_splice_arguments_stay_bounded_whatever_clients_send(splice_root):
+    body = b'{"model":"m","nvext":{}}'
+    for i in range(300):
+        salt = json.dumps(f"salt-{i}")
+        spliced = _rewrite({"nvext"}, {"cache_salt": salt}).apply(body, splice_root)
+        assert json.loads(spliced) == {"model": "m", "cache_salt": f"salt-{i}"}
+    assert len(rewrite_module._SPLICE_ARGS) <= 256
