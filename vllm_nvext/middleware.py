@@ -211,14 +211,15 @@ class _Exchange:
         `whole`: the body, already received in one message and found to opt in (JSON by its type).
         """
         headers = RequestHeaders.read(self.scope)
-        read: tuple[bytes, bool] | None = (whole, True) if whole is not None else None
-        if whole is not None and len(whole) > self.settings.max_body_bytes:
-            read = None  # `_read_body` refuses it so
-            await self._refuse(too_large(self.settings.max_body_bytes))
-        elif whole is None and not read_as_json(headers.content_type):
+        read: tuple[bytes, bool] | None
+        if whole is not None:
+            read = (whole, True) if len(whole) <= self.settings.max_body_bytes else None
+            if read is None:
+                await self._refuse(too_large(self.settings.max_body_bytes))  # as `_read_body` refuses it
+        elif not read_as_json(headers.content_type):
             await self._forward(None)  # vLLM does not read this body as JSON
             return
-        elif whole is None:
+        else:
             read = await self._read_body(headers.content_length)
         if read is None:
             return  # answered, passed through, or the client went away
