@@ -3,7 +3,10 @@
 - `PurePythonNvextMiddleware`: NvextMiddleware on its pure-Python stream path (what an install
   without the compiled extension, or VLLM_NVEXT_PURE_PYTHON=1, runs);
 - `FloorMiddleware`: a pure-ASGI middleware that does nothing but call the app: the floor any
-  ASGI middleware costs.
+  ASGI middleware costs;
+- `CalibrationMiddleware`: the floor plus a fixed Python loop per request (a few hundred µs):
+  how much more a small piece of Python costs inside vLLM's app than warm, to read the
+  middleware's own in-app/warm ratio against.
 """
 
 from __future__ import annotations
@@ -23,4 +26,23 @@ class FloorMiddleware:
         self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
+CALIBRATION_ITERATIONS = 10_000
+
+
+def _loop(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += i
+    return total
+
+
+class CalibrationMiddleware:
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        _loop(CALIBRATION_ITERATIONS)
         await self.app(scope, receive, send)

@@ -104,6 +104,7 @@ MIDDLEWARES = {
     "default": MIDDLEWARE,
     "python": "benchmarks._middlewares.PurePythonNvextMiddleware",
     "floor": "benchmarks._middlewares.FloorMiddleware",
+    "calibration": "benchmarks._middlewares.CalibrationMiddleware",
 }
 
 ARMS = (
@@ -112,7 +113,13 @@ ARMS = (
     Arm("ids nvext, pure Python", "ids", "nvext", "python"),
     Arm("opt-out", "plain", "plain"),
     Arm("floor (do-nothing ASGI)", "ids", "ids", "floor"),
+    # The floor plus a fixed Python loop: its in-app "added" over its warm figure is what the app
+    # does to a small, tight piece of Python, against the middleware's own ratio of the two.
+    Arm("calibration (Python loop)", "ids", "ids", "calibration"),
 )
+REFERENCE_ARMS = ("floor", "calibration")  # read beside the targets, never targets themselves
+# The cross-process table's arms: its middleware server runs NvextMiddleware as installed.
+SERVER_ARMS = tuple(arm for arm in ARMS if arm.middleware == "default")
 
 
 def request_body(case: Case, opt: str) -> bytes:
@@ -461,11 +468,12 @@ def warm_fixed_costs(answers: dict[tuple[str, str], Exchange], bodies: dict[tupl
     No vLLM code runs between the middleware's steps here, so its code and data stay in the caches:
     a lower bound of what it adds inside a real server (where vLLM's work between two events evicts them).
     """
-    from benchmarks._middlewares import FloorMiddleware, PurePythonNvextMiddleware
+    from benchmarks._middlewares import CalibrationMiddleware, FloorMiddleware, PurePythonNvextMiddleware
     from vllm_nvext import NvextMiddleware
 
     classes: dict[str, Callable[[Any], Any]] = {
         "default": NvextMiddleware, "python": PurePythonNvextMiddleware, "floor": FloorMiddleware,
+        "calibration": CalibrationMiddleware,
     }  # fmt: skip
 
     async def sink(message: dict[str, Any]) -> None:
@@ -529,8 +537,8 @@ def in_process_table(results: dict[tuple[str, str], Pairs], rounds: int,
                 f"{percentile(ratios, 25):.3f}..{percentile(ratios, 75):.3f}", fmt(warm_us, 1), f"{floor:.4f}x",
             ])  # fmt: skip
             label = f"{case.name} {arm.label} {ratio:.4f}x (95% CI {lo:.4f}..{hi:.4f}; warm floor {floor:.4f}x)"
-            if arm.middleware == "floor":
-                continue  # the floor is the reference the targets are read against, not a target
+            if arm.middleware in REFERENCE_ARMS:
+                continue  # the floor and the calibration are references the targets are read against
             if arm.mw_opt == "plain":
                 name = TARGET_OPT_OUT
             elif case.per_token:
@@ -657,13 +665,13 @@ def cross_process(rounds: int, per_run: dict[str, int]) -> None:
                 return _process_cpu_s(server.proc.pid) - c0
 
         for case in cases:  # warm-up
-            for arm in ARMS:
+            for arm in SERVER_ARMS:
                 run_once("stock", case, arm.stock_opt, 2)
                 run_once("mw", case, arm.mw_opt, 2)
         t0 = time.perf_counter()
         for r in range(rounds):
             for case in cases:
-                for arm in ARMS:
+                for arm in SERVER_ARMS:
                     n = per_run[case.name]
                     sides = [("stock", arm.stock_opt), ("mw", arm.mw_opt)]
                     for side, opt in sides if r % 2 == 0 else sides[::-1]:
@@ -672,7 +680,7 @@ def cross_process(rounds: int, per_run: dict[str, int]) -> None:
         rows = []
         for case in cases:
             per = case.max_tokens if case.per_token else 1
-            for arm in ARMS:
+            for arm in SERVER_ARMS:
                 s, m = cpu[case.name, arm.label, "stock"], cpu[case.name, arm.label, "mw"]
                 paired = [b / a for a, b in zip(s, m, strict=True) if a > 0]
                 rows.append([

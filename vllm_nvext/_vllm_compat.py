@@ -187,9 +187,12 @@ class ServerFacts:
         self.hides_reasoning_ids = hides_reasoning_ids(args)
 
 
-# The last server's (scope's API_KEYS, server args, facts): one process serves one app. Without a
-# server, the facts of the last `VLLM_API_KEY` value (read on every request, as before a server exists).
-_last_server: tuple[Any, Any, ServerFacts | None] = (None, None, None)
+# The servers' facts by the identity of (scope's API_KEYS, server args), each entry holding both
+# objects (so an id names no other object while kept): one process usually serves one app, a few
+# when several are built in one process (tests, benchmarks). Without a server, the facts of the
+# last `VLLM_API_KEY` value (read on every request, as before a server exists).
+_servers: dict[tuple[int, int], tuple[Any, Any, ServerFacts]] = {}
+_SERVERS_MAX = 8
 _last_env: tuple[str | None, ServerFacts | None] = (None, None)
 
 
@@ -197,7 +200,7 @@ def server_facts(scope: MutableMapping[str, Any]) -> ServerFacts:
     """`ServerFacts` of the server whose request this is (the proxy's keys and arguments, or vLLM's
     `app.state.args`: each the same object for the server's life); without a server the keys are
     `VLLM_API_KEY`'s as it reads now."""
-    global _last_server, _last_env
+    global _last_env
     proxy_keys = scope.get(API_KEYS)
     args = server_args(scope)
     if args is None and proxy_keys is None:
@@ -207,10 +210,13 @@ def server_facts(scope: MutableMapping[str, Any]) -> ServerFacts:
             env_facts = ServerFacts(None, [key] if key else [])
             _last_env = (key, env_facts)
         return env_facts
-    known_keys, known_args, facts = _last_server
-    if facts is None or known_args is not args or known_keys is not proxy_keys:
-        facts = ServerFacts(args, api_keys(scope))
-        _last_server = (proxy_keys, args, facts)
+    known = _servers.get((id(proxy_keys), id(args)))
+    if known is not None and known[0] is proxy_keys and known[1] is args:
+        return known[2]
+    facts = ServerFacts(args, api_keys(scope))
+    if len(_servers) >= _SERVERS_MAX:
+        _servers.clear()
+    _servers[id(proxy_keys), id(args)] = (proxy_keys, args, facts)
     return facts
 
 

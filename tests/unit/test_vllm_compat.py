@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -139,3 +140,23 @@ def test_a_servers_facts_are_read_once_per_server_object():
     app = type("App", (), {"state": type("State", (), {"args": type("Args", (), {"api_key": ["a"]})})})
     assert len(_vllm_compat.server_facts({"app": app}).key_digests) == 1
     assert not _vllm_compat.server_facts({"app": app}).hides_reasoning_ids
+
+
+def test_servers_built_in_one_process_each_keep_their_own_facts():
+    """Apps built side by side in one process (tests, benchmarks) alternate without mixing or re-reading facts."""
+
+    def server(key: str, parser: str | None) -> dict[str, Any]:
+        args = type("Args", (), {"api_key": [key], "reasoning_parser": parser, "kv_transfer_config": None})
+        return {"app": type("App", (), {"state": type("State", (), {"args": args})})}
+
+    scopes = [server(f"key{i}", "qwen3" if i % 2 else None) for i in range(3)]
+    first = [_vllm_compat.server_facts(scope) for scope in scopes]
+    for _ in range(2):
+        again = [_vllm_compat.server_facts(scope) for scope in scopes]
+        assert all(a is b for a, b in zip(again, first, strict=True)), "each server's facts, read once"
+    assert [f.hides_reasoning_ids for f in first] == [False, True, False]
+    assert len({f.key_digests for f in first}) == 3, "no server answers with another's keys"
+    for i in range(40):
+        facts = _vllm_compat.server_facts(server(f"k{i}", None))
+        assert facts.key_digests == _vllm_compat.ServerFacts(None, [f"k{i}"]).key_digests
+    assert len(_vllm_compat._servers) <= _vllm_compat._SERVERS_MAX, "what is kept stays bounded"
