@@ -201,7 +201,7 @@ class ReshapingSend:
                 return
             self.plan = replace(self.plan, echo_prompts=decoded)
         content_type: bytes | None = None
-        encoded = False
+        encoded = sized = False
         for name, value in message.get("headers", ()):
             lower = name.lower()
             if lower == b"content-type":
@@ -209,8 +209,9 @@ class ReshapingSend:
                 content_type = value if content_type is None else content_type
             elif lower == b"content-encoding":
                 encoded = True
-        json_body = content_type is not None and is_json(content_type)
-        event_stream = content_type is not None and is_event_stream(content_type)
+            elif lower == b"content-length":
+                sized = True
+        json_body, event_stream = _body_kind(content_type)
         if status >= 400 and self.plan.error_params and not encoded and json_body:
             self._kind = self._ERROR
             self._start = message
@@ -223,7 +224,8 @@ class ReshapingSend:
             self._kind = self._STREAM
             self._stream = StreamReshaper(self.plan, self.clock)
             self._tally = metrics.StreamTally() if metrics.enabled() else None
-            message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]
+            if sized:
+                message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]
         elif json_body:
             self._kind = self._UNARY
             self._start = message
@@ -268,6 +270,22 @@ class ReshapingSend:
             events = tally.messages(left) - stream.framed + stream.framed_events
             seconds = tally.seconds(left)
             metrics.count_reshaping(self.route, metrics.STREAM, events, seconds, stream.unchanged)
+
+
+_BODY_KINDS: dict[bytes, tuple[bool, bool]] = {}
+_BODY_KINDS_MAX = 64  # vLLM writes a handful of content types; more are read each time
+
+
+def _body_kind(content_type: bytes | None) -> tuple[bool, bool]:
+    """(JSON, event stream) for a response's Content-Type, as `asgi.is_json` and `asgi.is_event_stream` read it."""
+    if content_type is None:
+        return False, False
+    kind = _BODY_KINDS.get(content_type)
+    if kind is None:
+        kind = (is_json(content_type), is_event_stream(content_type))
+        if len(_BODY_KINDS) < _BODY_KINDS_MAX:
+            _BODY_KINDS[content_type] = kind
+    return kind
 
 
 def _renamed_error(body: bytes, plan: Plan) -> bytes | None:

@@ -155,7 +155,7 @@ class StreamReshaper:
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
         self.chunks = ChunkReshaper(plan, clock)
-        self._framer = EventFramer()
+        self._framer: EventFramer | None = None  # made for the first message that is not one whole event
         self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
         self._trio = plan.nvext_trio
         self._renames = bool(plan.error_params)  # the general path may rename an error in a chunk
@@ -180,7 +180,7 @@ class StreamReshaper:
     @property
     def buffered(self) -> int:
         """Bytes held back: at most one partial event."""
-        return self._framer.buffered
+        return 0 if self._framer is None else self._framer.buffered
 
     def feed(self, body: bytes) -> bytes:
         """The bytes the client gets for one body message of vLLM's stream (held-back bytes excepted)."""
@@ -202,9 +202,14 @@ class StreamReshaper:
                 logger.exception("vllm-nvext could not reshape a stream event; forwarded unchanged")
                 self.unchanged += 1
                 return body
-        events = self._framer.feed(body)
-        self._held = self._framer.buffered > 0
         self.framed += 1
+        if not body and not self._held:
+            return b""  # the stream's closing empty message, usually: what framing it gives
+        framer = self._framer
+        if framer is None:
+            framer = self._framer = EventFramer()
+        events = framer.feed(body)
+        self._held = framer.buffered > 0
         if not events:
             return b""
         self.framed_events += len(events)
@@ -212,8 +217,9 @@ class StreamReshaper:
 
     def flush(self) -> bytes:
         """Whatever is held back at the end of the stream (an unterminated tail), as it came."""
+        framer = self._framer
+        tail = framer.flush() if self._held and framer is not None else b""  # nothing held: the framer holds nothing
         self._held = False
-        tail = self._framer.flush()
         return tail if self._waiting is None else self._release() + tail
 
     def _unchanged_usage_chunk(self, event: bytes) -> bool:
@@ -240,6 +246,8 @@ class StreamReshaper:
         Everything else, the first and final chunks among them, is decoded. Cheapest of all, an
         armed `Splice` (same bytes: tests/unit/test_stream_layouts.py and test_stream_send.py).
         """
+        if event == b"data: [DONE]\n\n":  # first: no shortcut below takes it (none matches a non-JSON event)
+            return None if self._waiting is None else self._release() + event
         if self._fast and self._waiting is None:
             splice = self.splice
             if splice is not None:
@@ -247,6 +255,8 @@ class StreamReshaper:
                 if start >= 0:
                     self.chunks.delta_ids(event, start, len(event) - len(splice.tail))
                     return splice.render(event, start)
+            if self._unchanged_usage_chunk(event):
+                return None  # before the delta checks: `"choices":[]` holds no delta
             tail = self._tail
             if tail and event.endswith(tail):
                 end = len(event) - len(tail)
@@ -278,10 +288,6 @@ class StreamReshaper:
                     if self._armings and (splice is None or not event.startswith(splice.prefix)):
                         return self._arm(event, start, end)  # the first delta, or the layout changed
                 return self._delta(event, start, end)
-            if self._unchanged_usage_chunk(event):
-                return None
-        if event == b"data: [DONE]\n\n":
-            return None if self._waiting is None else self._release() + event
         return self._decoded_event(event)
 
     def _arm(self, event: bytes, start: int, end: int) -> bytes:
