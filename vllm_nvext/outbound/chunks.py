@@ -302,6 +302,17 @@ class ChunkReshaper:
             if self.engine:
                 self.ids.extend(_json.loads(event[start:end]))
 
+    def finish_first_choice(self, event: bytes, start: int, end: int) -> bytes | None:
+        """What `reshape` records from choice 0's finish chunk (ids listed at event[start:end], nothing else
+        read; see finish.serves), and the encoded `nvext` it adds; None, nothing recorded, once finished."""
+        state = self._choices[0]
+        if state.finished:
+            return None
+        self.delta_ids(event, start, end)
+        state.finished = True
+        prompt = b"" if self.prompt_ids is None else b',"prompt_token_ids":' + _json.dumps(self.prompt_ids)
+        return b'{"completion_token_ids":' + event[start:end] + prompt + b"}"
+
     def withhold_ids(self) -> None:
         """The byte-level path saw `token_ids: null` on the only choice (see `_reported_ids`)."""
         self._choices[0].withheld = True

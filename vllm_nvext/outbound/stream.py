@@ -18,6 +18,7 @@ from .. import _json
 from ..plan import Plan
 from ..sse import EventFramer, data_payload
 from .chunks import ChunkReshaper
+from .finish import finish_chunk, serves
 from .nvext_values import Clock
 
 logger = logging.getLogger("vllm_nvext")
@@ -71,7 +72,7 @@ class Splice:
     same deltas with the same checks.
     """
 
-    __slots__ = ("prefix", "head", "tail", "strip", "trio", "mid")
+    __slots__ = ("prefix", "head", "tail", "strip", "trio", "mid", "finish_head")
 
     def __init__(self, prefix: bytes, head: bytes, tail: bytes, strip: bool, trio: bool) -> None:
         self.prefix = prefix
@@ -83,6 +84,8 @@ class Splice:
         # and the nvext key (trio); rendered as event[:start or end] + mid [+ ids + "}}\n\n"].
         null = b"null" if strip else b""
         self.mid = null + tail[:-_CHUNK_END] + _NVEXT_IDS if trio else null + tail
+        at = head.find(_FINISH_KEY)  # the bytes before a finish reason (finish.finish_chunk); None: not known
+        self.finish_head = head[:at] if at >= 0 else None
 
     def locate(self, event: bytes) -> int:
         """Where the ids of a delta this splice serves start; -1 for any other event."""
@@ -151,13 +154,14 @@ class StreamReshaper:
     """
 
     __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "_root", "splice", "_armings", "_head", "_tail",
-                 "_held", "_waiting", "framed", "framed_events", "unchanged", "_renames")  # fmt: skip
+                 "_held", "_waiting", "framed", "framed_events", "unchanged", "_renames", "_finishes")  # fmt: skip
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
         self.chunks = ChunkReshaper(plan, clock)
         self._framer: EventFramer | None = None  # made for the first message that is not one whole event
         self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
         self._trio = plan.nvext_trio
+        self._finishes = serves(plan)  # the finish chunk may take the byte-level path (finish.py)
         self._renames = bool(plan.error_params)  # the general path may rename an error in a chunk
         self._fast = False  # the byte-level path serves deltas once the first chunk was decoded
         # The bytes up to `"choices":[` of the chunk that armed the byte-level path: vLLM writes the
@@ -257,6 +261,10 @@ class StreamReshaper:
                     return splice.render(event, start)
             if self._unchanged_usage_chunk(event):
                 return None  # before the delta checks: `"choices":[]` holds no delta
+            if splice is not None and self._finishes and splice.finish_head is not None:
+                out = finish_chunk(event, splice.prefix, splice.finish_head, len(self._root), self._strip, self.chunks)
+                if out is not None:
+                    return out
             tail = self._tail
             if tail and event.endswith(tail):
                 end = len(event) - len(tail)

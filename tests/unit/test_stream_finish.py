@@ -1,0 +1,107 @@
+"""The byte-level finish chunk (outbound/finish.py) gives the general path's bytes, or leaves it to it.
+
+A single-choice stream that asks for the token-id trio alone gets its finish chunk without a
+decode: vLLM's copy of the ids back to null and the chunk's `nvext` (the chunk's ids, the prompt's
+ids) at its end, every other byte as vLLM wrote it. Every recorded stream is compared in
+test_stream_layouts.py and test_stream_send.py; here, finish chunks laid out with every kind of
+value a key may hold, and a second finish chunk for the same choice.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.recorded import VLLM_VERSIONS, recordings
+from tests.unit.test_stream_layouts import SPLICED, _both_paths, _events, _first_difference, _plan
+from vllm_nvext import Mode
+from vllm_nvext.outbound.nvext_values import Clock
+from vllm_nvext.outbound.stream import StreamReshaper
+
+NAMES = ["chat_stream_ids_long", "completions_stream_ids_long", "chat_stream_ids", "completions_stream_ids"]
+
+
+def _recording(name: str, vllm: str) -> Any:
+    return recordings()[name if vllm == "0.32" else f"vllm-{vllm}/{name}"]
+
+
+def _finish_at(events: list[bytes]) -> int:
+    return next(i for i, e in enumerate(events) if b'"finish_reason":"' in e)
+
+
+@pytest.mark.parametrize("vllm", SPLICED)
+@pytest.mark.parametrize("name", NAMES)
+def test_the_finish_chunk_is_not_decoded_and_carries_the_trio(name, vllm, json_decodes):
+    rec = _recording(name, vllm)
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    events = _events(rec.body)
+    reshaper = StreamReshaper(plan, Clock())
+    outs = [reshaper.feed(e) for e in events]
+    finish = _finish_at(events)
+    assert events[finish][6:-2] not in json_decodes, "the finish chunk was decoded"
+    chunk = orjson.loads(outs[finish][6:])
+    vllm_ids = orjson.loads(events[finish][6:])["choices"][0]["token_ids"]
+    prompt = rec.events()[0].get("prompt_token_ids") or rec.events()[0]["choices"][0].get("prompt_token_ids")
+    assert chunk["nvext"] == {"completion_token_ids": vllm_ids, "prompt_token_ids": prompt}
+    assert chunk["choices"][0]["token_ids"] is None, "vLLM's copy of the ids reached the client"
+
+
+VALUES: st.SearchStrategy[Any] = st.one_of(
+    st.none(),
+    st.integers(-(2**66), 2**66),
+    st.text(max_size=6),
+    st.text(alphabet=st.sampled_from(["a", "-", ".", " ", "/", "~"]), max_size=8),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.booleans(),
+    st.sampled_from([{}, [], [1], {"a": None}]),
+)
+KEYS = ["stop_reason", "weight_versions", "system_fingerprint", "x_y", "prompt_token_ids", "kv_transfer_params",
+        "routed_experts", "logprobs", "nvext", "token_ids", "finish_reason", "index"]  # fmt: skip
+IDS: st.SearchStrategy[Any] = st.one_of(
+    st.lists(st.integers(0, 2**70), max_size=4), st.none(), st.just([0, 10**15 - 1, 10**15])
+)
+
+
+def _dumps(obj: Any) -> bytes:
+    try:
+        return orjson.dumps(obj)
+    except TypeError:  # ids beyond 64 bits: as the general path would encode them
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_finish_chunk_laid_out_any_way_gives_the_general_paths_bytes(data):
+    vllm = data.draw(st.sampled_from(SPLICED), label="vllm")
+    rec = _recording(data.draw(st.sampled_from(NAMES), label="name"), vllm)
+    plan = _plan(rec, data.draw(st.sampled_from([Mode.NVEXT, Mode.BOTH, Mode.AUTO])), ["completion_token_ids"])
+    events = _events(rec.body)
+    finish = _finish_at(events)
+    chunk = orjson.loads(events[finish][6:])
+    choice = chunk["choices"][0]
+    for owner in (choice, chunk):
+        for key in data.draw(st.lists(st.sampled_from(KEYS), max_size=3, unique=True), label="keys"):
+            owner[key] = data.draw(VALUES, label=key)
+    if data.draw(st.booleans(), label="other ids"):
+        choice["token_ids"] = data.draw(IDS, label="ids")
+    choice["finish_reason"] = data.draw(st.sampled_from(["length", "stop", "tool_calls", "x y", ""]), label="reason")
+    events[finish] = b"data: " + _dumps(chunk) + b"\n\n"
+    got, want, _ = _both_paths(plan, events)
+    assert got == want, _first_difference(got, want)
+
+
+@pytest.mark.parametrize("vllm", VLLM_VERSIONS)
+def test_a_second_finish_chunk_for_the_same_choice_is_treated_as_the_general_path_treats_it(vllm):
+    rec = _recording("chat_stream_ids_long", vllm)
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    events = _events(rec.body)
+    finish = _finish_at(events)
+    events.insert(finish + 1, events[finish])
+    got, want, _ = _both_paths(plan, events)
+    assert got == want, _first_difference(got, want)
+    assert got.count(b'"prompt_token_ids":[') == 1, "the prompt's ids must be reported once, on the first finish"

@@ -1,0 +1,77 @@
+"""The byte-level finish chunk of a single-choice stream: the general path's bytes without decoding it.
+
+`stream.StreamReshaper` hands it the finish chunk of an armed stream (`stream.Splice`) whose plan
+asks for the token-id trio and nothing else on the finish chunk (`serves`): the general path
+(`chunks.ChunkReshaper`) then only sets vLLM's copy of the ids back to null (`strip`) and adds
+`"nvext":{"completion_token_ids":...,"prompt_token_ids":...}` at the end of the chunk, and
+re-encodes every other value as vLLM wrote it. So the chunk is served only when every byte it
+keeps is one orjson writes the same way: the delta's learned prefix and a text of the splice's
+kind (`stream.UNSAFE_TEXT`), then only `null`, plain ASCII strings and small integers under keys
+the general path leaves alone, and a list of small non-negative ids. Anything else is decoded.
+Same bytes: tests/unit/test_stream_layouts.py, test_stream.py and test_stream_send.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..plan import Plan
+from .chunks import ChunkReshaper
+
+# A key the general path neither reads nor writes here (choice level or root), with a value
+# orjson writes as vLLM does: null, a string of printable ASCII without escapes, a small integer.
+_KEPT_KEY = (
+    rb',"(?:(?!(?:token_ids|finish_reason|choices|nvext)")[a-z_]+":null'
+    rb'|(?!(?:token_ids|finish_reason|choices|nvext|prompt_token_ids|kv_transfer_params|index)")[a-z_]+":'
+    rb'(?:"[ !#-\[\]-~]*"|0|-?[1-9][0-9]{0,14}))'
+)
+_ID = rb"(?:0|[1-9][0-9]{0,14})"
+# From the finish reason to the end of the event: group 1 the ids, group 2 what follows them.
+_FINISH_TAIL = re.compile(
+    rb'"finish_reason":"[a-z_]+"(?:' + _KEPT_KEY + rb')*,"token_ids":(\[(?:' + _ID + rb"(?:," + _ID + rb")*)?\])"
+    rb"((?:" + _KEPT_KEY + rb")*\}\](?:" + _KEPT_KEY + rb")*\}\n\n)\Z"
+)
+_FIRST_CHOICE = b'{"index":0,'
+_CHUNK_END = len(b"}\n\n")
+
+
+def serves(plan: Plan) -> bool:
+    """The plan's finish chunk changes only as `finish_chunk` changes it (the trio, nothing else asked)."""
+    return (
+        plan.nvext_trio
+        and plan.single_choice
+        and not plan.nvext_only_selectors
+        and not plan.echo_prompts
+        and not plan.finish_waits_for_usage
+    )
+
+
+def finish_chunk(
+    event: bytes, prefix: bytes, finish_head: bytes, root_end: int, strip: bool, chunks: ChunkReshaper
+) -> bytes | None:
+    """The client's bytes for the finish chunk `event` of choice 0, or None (nothing recorded) to decode it.
+
+    `prefix`: the armed splice's bytes up to a delta's text; `finish_head`: its bytes from the
+    text's closing quote to `"finish_reason":`; `root_end`: where `choices`' first element starts.
+    """
+    text = len(prefix)
+    close = event.find(b'"', text)  # the splice's texts hold no quote: the first one closes it
+    if (
+        close < 0
+        or not event.startswith(prefix)
+        or not event.startswith(_FIRST_CHOICE, root_end)
+        or event.find(b"\n", text, close) >= 0
+        or event.find(b"\r", text, close) >= 0
+        or event[close - 1] == 92  # a backslash: the quote is escaped
+        or not event.startswith(finish_head, close)
+    ):
+        return None
+    m = _FINISH_TAIL.match(event, close + len(finish_head))
+    if m is None:
+        return None
+    start, end = m.span(1)
+    nvext = chunks.finish_first_choice(event, start, end)
+    if nvext is None:
+        return None
+    kept = event[:start] + b"null" + event[end:-_CHUNK_END] if strip else event[:-_CHUNK_END]
+    return kept + b',"nvext":' + nvext + b"}\n\n"
