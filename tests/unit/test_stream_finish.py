@@ -1,10 +1,11 @@
-"""The byte-level finish chunk (outbound/finish.py) gives the general path's bytes, or leaves it to it.
+"""The single-choice shortcuts (outbound/finish.py) give the general path's bytes, or leave it to it.
 
 A single-choice stream that asks for the token-id trio alone gets its finish chunk without a
 decode: vLLM's copy of the ids back to null and the chunk's `nvext` (the chunk's ids, the prompt's
 ids) at its end, every other byte as vLLM wrote it. Every recorded stream is compared in
-test_stream_layouts.py and test_stream_send.py; here, finish chunks laid out with every kind of
-value a key may hold, and a second finish chunk for the same choice.
+test_stream_layouts.py and test_stream_send.py; here, first, delta and finish chunks laid out
+with every kind of value a key may hold (decoded ones take `finish.reshape_single`), and a second
+finish chunk for the same choice.
 """
 
 from __future__ import annotations
@@ -76,21 +77,26 @@ def _dumps(obj: Any) -> bytes:
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_a_finish_chunk_laid_out_any_way_gives_the_general_paths_bytes(data):
+def test_a_chunk_laid_out_any_way_gives_the_general_paths_bytes(data):
     vllm = data.draw(st.sampled_from(SPLICED), label="vllm")
     rec = _recording(data.draw(st.sampled_from(NAMES), label="name"), vllm)
     plan = _plan(rec, data.draw(st.sampled_from([Mode.NVEXT, Mode.BOTH, Mode.AUTO])), ["completion_token_ids"])
     events = _events(rec.body)
-    finish = _finish_at(events)
-    chunk = orjson.loads(events[finish][6:])
+    at = data.draw(st.sampled_from([0, 1, _finish_at(events)]), label="chunk")  # the first, a delta, the finish
+    chunk = orjson.loads(events[at][6:])
     choice = chunk["choices"][0]
-    for owner in (choice, chunk):
+    owners = [choice, chunk] + ([choice["delta"]] if isinstance(choice.get("delta"), dict) else [])
+    for owner in owners:
         for key in data.draw(st.lists(st.sampled_from(KEYS), max_size=3, unique=True), label="keys"):
             owner[key] = data.draw(VALUES, label=key)
     if data.draw(st.booleans(), label="other ids"):
         choice["token_ids"] = data.draw(IDS, label="ids")
-    choice["finish_reason"] = data.draw(st.sampled_from(["length", "stop", "tool_calls", "x y", ""]), label="reason")
-    events[finish] = b"data: " + _dumps(chunk) + b"\n\n"
+    if data.draw(st.booleans(), label="other prompt ids"):
+        (chunk if "prompt_token_ids" in chunk else choice)["prompt_token_ids"] = data.draw(IDS, label="prompt ids")
+    if at:
+        reasons = ["length", "stop", "tool_calls", "x y", ""] if at > 1 else [None, "stop"]
+        choice["finish_reason"] = data.draw(st.sampled_from(reasons), label="reason")
+    events[at] = b"data: " + _dumps(chunk) + b"\n\n"
     got, want, _ = _both_paths(plan, events)
     assert got == want, _first_difference(got, want)
 

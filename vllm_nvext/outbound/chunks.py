@@ -321,6 +321,10 @@ class ChunkReshaper:
         """The finish chunk waiting for the usage chunk goes out as it stands (no usage chunk came)."""
         self.pending = None
 
+    def choice_state(self, index: Any) -> _Choice:
+        """The state of the choice with this `index` (0 when it is not an integer), as `reshape` picks it."""
+        return self._choice(index if isinstance(index, int) and not isinstance(index, bool) else 0)
+
     def _choice(self, index: int) -> _Choice:
         state = self._choices.get(index)
         if state is None:
@@ -365,8 +369,7 @@ class ChunkReshaper:
         )
         if delta_ids and self.ttft_ms is None:
             self.ttft_ms = self.clock.elapsed_ms()
-        index = choice.get("index")
-        state = self._choice(index if isinstance(index, int) and not isinstance(index, bool) else 0)
+        state = self.choice_state(choice.get("index"))
         if delta_ids is None:
             state.withheld = True
         elif self.engine:

@@ -9,14 +9,19 @@ keeps is one orjson writes the same way: the delta's learned prefix and a text o
 kind (`stream.UNSAFE_TEXT`), then only `null`, plain ASCII strings and small integers under keys
 the general path leaves alone, and a list of small non-negative ids. Anything else is decoded.
 Same bytes: tests/unit/test_stream_layouts.py, test_stream.py and test_stream_send.py.
+
+`reshape_single` is the general path's reshape of a decoded single-choice chunk under such a
+plan in fewer steps (the first chunk, and every chunk of a stream no splice serves).
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from ..plan import Plan
-from .chunks import ChunkReshaper
+from ..protocol import Endpoint
+from .chunks import ChunkReshaper, _strip_vllm_ids, _take_kv
 
 # A key the general path neither reads nor writes here (choice level or root), with a value
 # orjson writes as vLLM does: null, a string of printable ASCII without escapes, a small integer.
@@ -75,3 +80,36 @@ def finish_chunk(
         return None
     kept = event[:start] + b"null" + event[end:-_CHUNK_END] if strip else event[:-_CHUNK_END]
     return kept + b',"nvext":' + nvext + b"}\n\n"
+
+
+def reshape_single(chunks: ChunkReshaper, obj: Any) -> bool | None:
+    """`chunks.reshape(obj)` for a decoded chunk with one choice under a plan `serves` accepts, in fewer
+    steps; None (nothing done) for any other chunk. Same bytes: the stream tests above, whose general
+    path (`stream.DecodingStreamReshaper`) runs `ChunkReshaper.reshape` itself."""
+    choices = obj.get("choices") if type(obj) is dict else None
+    if type(choices) is not list or len(choices) != 1 or type(choices[0]) is not dict:
+        return None
+    choice = choices[0]
+    plan = chunks.plan
+    if chunks.prompt_ids is None:
+        owner = choice if plan.endpoint is Endpoint.COMPLETIONS else obj
+        chunks.prompt_ids = owner.get("prompt_token_ids")
+    delta = choice.get("token_ids")
+    ids = delta if isinstance(delta, list) else None if "token_ids" in choice or plan.ids_withheld else []
+    if ids and chunks.ttft_ms is None:
+        chunks.ttft_ms = chunks.clock.elapsed_ms()
+    state = chunks.choice_state(choice.get("index"))
+    if ids is None:
+        state.withheld = True
+    nv: dict[str, Any] = {"completion_token_ids": ids}
+    if choice.get("finish_reason") is not None and not state.finished:
+        state.finished = True
+        kv = _take_kv(obj, plan)
+        if kv is not None:
+            nv["kv_transfer_params"] = kv
+        if chunks.prompt_ids is not None:
+            nv["prompt_token_ids"] = chunks.prompt_ids
+    if plan.strip_vllm_ids:
+        _strip_vllm_ids(obj, choices, plan)
+    obj["nvext"] = nv
+    return True

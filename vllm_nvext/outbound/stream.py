@@ -18,7 +18,7 @@ from .. import _json
 from ..plan import Plan
 from ..sse import EventFramer, data_payload
 from .chunks import ChunkReshaper
-from .finish import finish_chunk, serves
+from .finish import finish_chunk, reshape_single, serves
 from .nvext_values import Clock
 
 logger = logging.getLogger("vllm_nvext")
@@ -161,7 +161,7 @@ class StreamReshaper:
         self._framer: EventFramer | None = None  # made for the first message that is not one whole event
         self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
         self._trio = plan.nvext_trio
-        self._finishes = serves(plan)  # the finish chunk may take the byte-level path (finish.py)
+        self._finishes = serves(plan)  # single-choice shortcuts for the trio (finish.py)
         self._renames = bool(plan.error_params)  # the general path may rename an error in a chunk
         self._fast = False  # the byte-level path serves deltas once the first chunk was decoded
         # The bytes up to `"choices":[` of the chunk that armed the byte-level path: vLLM writes the
@@ -364,7 +364,9 @@ class StreamReshaper:
         if obj is _NOT_JSON:
             return released + event
         chunks = self.chunks
-        changed = chunks.reshape(obj)
+        changed = reshape_single(chunks, obj) if self._finishes else None  # the same in fewer steps, or None
+        if changed is None:
+            changed = chunks.reshape(obj)
         if chunks.pending is not None:
             self._waiting = (before, obj, after)  # a finish chunk that waits for the usage chunk
             return released
@@ -384,7 +386,7 @@ class StreamReshaper:
         if end < 0 or event[_JSON_AT : _JSON_AT + 1] != b"{":
             return False
         root = event[: end + len(_CHOICES)]
-        if any(key in root for key in _ROOT_REWRITTEN):
+        if _ROOT_REWRITTEN[0] in root or _ROOT_REWRITTEN[1] in root:
             return False
         self._root = root
         return True
@@ -422,6 +424,10 @@ class DecodingStreamReshaper(StreamReshaper):
     """
 
     __slots__ = ()
+
+    def __init__(self, plan: Plan, clock: Clock) -> None:
+        super().__init__(plan, clock)
+        self._finishes = False  # no single-choice shortcut (finish.py) either
 
     def reshape_event(self, event: bytes) -> bytes | None:
         return self._decoded_event(event)
