@@ -21,6 +21,7 @@ from time import perf_counter_ns
 from . import _json, metrics
 from .asgi import Message, Send, is_event_stream, is_json
 from .outbound.chunks import rename_error
+from .outbound.finish import Scanner
 from .outbound.nvext_values import Clock
 from .outbound.stream import UNSAFE_TEXT, StreamReshaper
 from .outbound.unary import reshape_unary_body
@@ -112,7 +113,7 @@ class ReshapingSend:
     """The `send` handed to vLLM when the response has to be reshaped."""
 
     __slots__ = ("plan", "clock", "send", "route", "decode_echo", "_kind", "_start", "_parts", "_stream", "_tally",
-                 "_left", "app_send", "_arm", "_disarm", "_countdown", "_armed")  # fmt: skip
+                 "_left", "app_send", "_arm", "_disarm", "_countdown", "_armed", "_scan")  # fmt: skip
 
     _PASS, _UNARY, _STREAM, _ERROR, _DROP = 0, 1, 2, 3, 4
 
@@ -142,6 +143,7 @@ class ReshapingSend:
         # The send to hand vLLM: serves armed streams' deltas itself, everything else through this object.
         make = STREAM_SENDS[stream_path(False)] if stream_send is None else stream_send
         self.app_send, self._arm, self._disarm, self._countdown = make(self, send)
+        self._scan = COMPILED_SCAN if make is STREAM_SENDS.get("c") else None  # the compiled path's chunk scanner
         self._armed = False  # app_send is armed: its countdown is the one that counts
 
     async def __call__(self, message: Message) -> None:
@@ -222,7 +224,7 @@ class ReshapingSend:
             self._kind = self._PASS  # only vLLM's errors could change (error events come in streams)
         elif event_stream:
             self._kind = self._STREAM
-            self._stream = StreamReshaper(self.plan, self.clock)
+            self._stream = StreamReshaper(self.plan, self.clock, self._scan)
             self._tally = metrics.StreamTally() if metrics.enabled() else None
             if sized:
                 message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]
@@ -317,6 +319,18 @@ STREAM_SENDS: dict[str, StreamSendFactory] = {"python": python_stream_send}
 _compiled = _compiled_stream_send()
 if _compiled is not None:
     STREAM_SENDS["c"] = _compiled
+
+
+def _compiled_scan() -> Scanner | None:
+    """`_speedups.plain_chunk` (outbound/finish.first_chunk's scanner); None when the extension is not built."""
+    try:
+        from ._speedups import plain_chunk
+    except ImportError:
+        return None
+    return plain_chunk  # type: ignore[no-any-return]
+
+
+COMPILED_SCAN = _compiled_scan()
 
 
 def stream_path(pure_python: bool) -> str:

@@ -11,6 +11,7 @@ finish chunk for the same choice.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import orjson
@@ -19,10 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.recorded import VLLM_VERSIONS, recordings
-from tests.unit.test_stream_layouts import SPLICED, _both_paths, _events, _first_difference, _plan
+from tests.unit.test_stream_layouts import SPLICED, _events, _first_difference, _plan
 from vllm_nvext import Mode
 from vllm_nvext.outbound.nvext_values import Clock
-from vllm_nvext.outbound.stream import StreamReshaper
+from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
+from vllm_nvext.send import COMPILED_SCAN
 
 NAMES = ["chat_stream_ids_long", "completions_stream_ids_long", "chat_stream_ids", "completions_stream_ids"]
 
@@ -31,20 +33,38 @@ def _recording(name: str, vllm: str) -> Any:
     return recordings()[name if vllm == "0.32" else f"vllm-{vllm}/{name}"]
 
 
+def _scanner(compiled: bool) -> Any:
+    """The compiled scanner (`_speedups.plain_chunk`) that lets a plain first chunk skip its decode, or None."""
+    if compiled and COMPILED_SCAN is None:
+        if os.environ.get("VLLM_NVEXT_REQUIRE_EXTENSION"):
+            pytest.fail("the compiled stream path is not built (python setup.py build_ext --inplace)")
+        pytest.skip("the compiled stream path is not built in this install")
+    return COMPILED_SCAN if compiled else None
+
+
+def _both(plan: Any, events: list[bytes], compiled: bool) -> tuple[bytes, bytes]:
+    fast, general = StreamReshaper(plan, Clock(), _scanner(compiled)), DecodingStreamReshaper(plan, Clock())
+    got = b"".join(fast.feed(e) for e in events) + fast.flush()
+    return got, b"".join(general.feed(e) for e in events) + general.flush()
+
+
 def _finish_at(events: list[bytes]) -> int:
     return next(i for i, e in enumerate(events) if b'"finish_reason":"' in e)
 
 
 @pytest.mark.parametrize("vllm", SPLICED)
 @pytest.mark.parametrize("name", NAMES)
-def test_the_finish_chunk_is_not_decoded_and_carries_the_trio(name, vllm, json_decodes):
+def test_the_first_and_finish_chunks_are_not_decoded_and_carry_the_trio(name, vllm, json_decodes):
     rec = _recording(name, vllm)
     plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
     events = _events(rec.body)
-    reshaper = StreamReshaper(plan, Clock())
+    reshaper = StreamReshaper(plan, Clock(), _scanner(True))
     outs = [reshaper.feed(e) for e in events]
     finish = _finish_at(events)
     assert events[finish][6:-2] not in json_decodes, "the finish chunk was decoded"
+    assert events[0][6:-2] not in json_decodes, "the first chunk was decoded"
+    first_ids = rec.events()[0]["choices"][0].get("token_ids", [])
+    assert orjson.loads(outs[0][6:])["nvext"] == {"completion_token_ids": first_ids}
     chunk = orjson.loads(outs[finish][6:])
     vllm_ids = orjson.loads(events[finish][6:])["choices"][0]["token_ids"]
     prompt = rec.events()[0].get("prompt_token_ids") or rec.events()[0]["choices"][0].get("prompt_token_ids")
@@ -75,9 +95,10 @@ def _dumps(obj: Any) -> bytes:
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "c"])
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_a_chunk_laid_out_any_way_gives_the_general_paths_bytes(data):
+def test_a_chunk_laid_out_any_way_gives_the_general_paths_bytes(compiled, data):
     vllm = data.draw(st.sampled_from(SPLICED), label="vllm")
     rec = _recording(data.draw(st.sampled_from(NAMES), label="name"), vllm)
     plan = _plan(rec, data.draw(st.sampled_from([Mode.NVEXT, Mode.BOTH, Mode.AUTO])), ["completion_token_ids"])
@@ -97,17 +118,43 @@ def test_a_chunk_laid_out_any_way_gives_the_general_paths_bytes(data):
         reasons = ["length", "stop", "tool_calls", "x y", ""] if at > 1 else [None, "stop"]
         choice["finish_reason"] = data.draw(st.sampled_from(reasons), label="reason")
     events[at] = b"data: " + _dumps(chunk) + b"\n\n"
-    got, want, _ = _both_paths(plan, events)
+    got, want = _both(plan, events, compiled)
     assert got == want, _first_difference(got, want)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "c"])
 @pytest.mark.parametrize("vllm", VLLM_VERSIONS)
-def test_a_second_finish_chunk_for_the_same_choice_is_treated_as_the_general_path_treats_it(vllm):
+def test_a_second_finish_chunk_for_the_same_choice_is_treated_as_the_general_path_treats_it(vllm, compiled):
     rec = _recording("chat_stream_ids_long", vllm)
     plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
     events = _events(rec.body)
     finish = _finish_at(events)
     events.insert(finish + 1, events[finish])
-    got, want, _ = _both_paths(plan, events)
+    got, want = _both(plan, events, compiled)
     assert got == want, _first_difference(got, want)
     assert got.count(b'"prompt_token_ids":[') == 1, "the prompt's ids must be reported once, on the first finish"
+
+
+JSON: st.SearchStrategy[Any] = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**64), 2**64), st.floats(allow_nan=False), st.text(max_size=5)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=3), inner, max_size=3)),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(value=st.dictionaries(st.sampled_from(["a", "choices", "nvext", "b_c", "é"]), JSON, max_size=4))
+def test_the_scanner_accepts_only_json_that_orjson_writes_back_byte_for_byte(value):
+    payload = _dumps(value)
+    if _scanner(True)(b"data: " + payload + b"\n\n") is not None:
+        assert orjson.dumps(orjson.loads(payload)) == payload
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b'{"a":1,"a":2}', b'{"a":1.0}', b'{"a":-0}', b'{"a":1e5}', b'{"a": 1}', b'{"a":"\\/"}', b'{"a":"\\u00e9"}',
+     b'{"a":"\xc3\xa9"}', b'{"a":01}', b'{"a":1234567890123456}', b'{"a":[1,]}', b'{"a":nul}', b'{"a":1}x',
+     b'{"choices":{}}', b'{"choices":[1]}', b'[1]', b'{"a":' + b"[" * 20 + b"]" * 20 + b"}"],
+)  # fmt: skip
+def test_the_scanner_refuses_what_a_decode_would_write_otherwise(payload):
+    assert _scanner(True)(b"data: " + payload + b"\n\n") is None

@@ -10,6 +10,13 @@ kind (`stream.UNSAFE_TEXT`), then only `null`, plain ASCII strings and small int
 the general path leaves alone, and a list of small non-negative ids. Anything else is decoded.
 Same bytes: tests/unit/test_stream_layouts.py, test_stream.py and test_stream_send.py.
 
+`first_chunk` serves, with the compiled scanner (`_speedups.plain_chunk`, which `send.py` hands
+`stream.StreamReshaper` on the compiled path), a decoded chunk's
+general-path bytes without the decode: a chunk of choice 0 that does not finish it (the role
+chunk with vLLM's prompt ids, every chunk of a stream no splice serves) whose JSON is plain
+(every value one orjson writes as vLLM does, no key twice), so vLLM's copies of the ids go back
+to null in place and `"nvext":{"completion_token_ids":...}` goes at its end.
+
 `reshape_single` is the general path's reshape of a decoded single-choice chunk under such a
 plan in fewer steps (the first chunk, and every chunk of a stream no splice serves).
 """
@@ -17,8 +24,10 @@ plan in fewer steps (the first chunk, and every chunk of a stream no splice serv
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
+from .. import _json
 from ..plan import Plan
 from ..protocol import Endpoint
 from .chunks import ChunkReshaper, _strip_vllm_ids, _take_kv
@@ -37,6 +46,7 @@ _FINISH_TAIL = re.compile(
     rb"((?:" + _KEPT_KEY + rb")*\}\](?:" + _KEPT_KEY + rb")*\}\n\n)\Z"
 )
 _FIRST_CHOICE = b'{"index":0,'
+_LIST = ord("[")
 _CHUNK_END = len(b"}\n\n")
 
 
@@ -113,3 +123,43 @@ def reshape_single(chunks: ChunkReshaper, obj: Any) -> bool | None:
         _strip_vllm_ids(obj, choices, plan)
     obj["nvext"] = nv
     return True
+
+
+# `_speedups.plain_chunk`: None, or (choices, root prompt ids, root nvext, index, ids, prompt ids, finish
+# reason), the first the number of choices (-1: no `choices`), each other the (start, end) of a value (-1, -1).
+Scanner = Callable[[bytes], "tuple[int, ...] | None"]
+
+
+def first_chunk(event: bytes, plan: Plan, chunks: ChunkReshaper, scan: Scanner) -> bytes | None:
+    """The client's bytes for a plain chunk of choice 0 that does not finish it; None (nothing recorded): decode it."""
+    spans = scan(event)
+    if spans is None:
+        return None
+    choices, root_prompt, root_end, nvext, _, index, index_end, ids, ids_end, prompt, prompt_end, fin, fin_end = spans
+    if choices != 1 or nvext >= 0 or event[index:index_end] != b"0" or event[fin:fin_end] not in (b"", b"null"):
+        return None
+    completions = plan.endpoint is Endpoint.COMPLETIONS
+    if not completions:
+        prompt, prompt_end = root_prompt, root_end
+    delta = event[ids:ids_end] if ids >= 0 else b"null" if plan.ids_withheld else b"[]"
+    prompt_value = event[prompt:prompt_end]
+    if (delta[0] != _LIST and delta != b"null") or (prompt_value[:1] not in (b"[", b"") and prompt_value != b"null"):
+        return None  # another value where the general path reads ids: decoded
+    if chunks.prompt_ids is None and prompt >= 0:
+        chunks.prompt_ids = _json.loads(prompt_value)
+    if delta == b"null":
+        chunks.withhold_ids()
+    else:
+        chunks.delta_ids(event, ids, ids_end)  # the first token's time
+    strip_ids = plan.strip_vllm_ids and ids >= 0 and delta != b"null"
+    strip_prompt = plan.strip_vllm_ids and prompt >= 0 and prompt_value != b"null"
+    if strip_prompt and completions and plan.vllm_sends_prompt_ids:
+        strip_prompt = False
+    tail = b',"nvext":{"completion_token_ids":' + delta + b"}}\n\n"
+    if strip_ids and strip_prompt:
+        a, a_end, b, b_end = (ids, ids_end, prompt, prompt_end) if ids < prompt else (prompt, prompt_end, ids, ids_end)
+        return b"".join((event[:a], b"null", event[a_end:b], b"null", event[b_end:-_CHUNK_END], tail))
+    if strip_ids or strip_prompt:
+        a, a_end = (ids, ids_end) if strip_ids else (prompt, prompt_end)
+        return b"".join((event[:a], b"null", event[a_end:-_CHUNK_END], tail))
+    return event[:-_CHUNK_END] + tail

@@ -18,7 +18,7 @@ from .. import _json
 from ..plan import Plan
 from ..sse import EventFramer, data_payload
 from .chunks import ChunkReshaper
-from .finish import finish_chunk, reshape_single, serves
+from .finish import Scanner, finish_chunk, first_chunk, reshape_single, serves
 from .nvext_values import Clock
 
 logger = logging.getLogger("vllm_nvext")
@@ -154,10 +154,12 @@ class StreamReshaper:
     """
 
     __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "_root", "splice", "_armings", "_head", "_tail",
-                 "_held", "_waiting", "framed", "framed_events", "unchanged", "_renames", "_finishes")  # fmt: skip
+                 "_held", "_waiting", "framed", "framed_events", "unchanged", "_renames", "_finishes",
+                 "_scan")  # fmt: skip
 
-    def __init__(self, plan: Plan, clock: Clock) -> None:
+    def __init__(self, plan: Plan, clock: Clock, scan: Scanner | None = None) -> None:
         self.chunks = ChunkReshaper(plan, clock)
+        self._scan = scan if serves(plan) else None  # lets a plain chunk skip its decode (finish.first_chunk)
         self._framer: EventFramer | None = None  # made for the first message that is not one whole event
         self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
         self._trio = plan.nvext_trio
@@ -261,10 +263,8 @@ class StreamReshaper:
                     return splice.render(event, start)
             if self._unchanged_usage_chunk(event):
                 return None  # before the delta checks: `"choices":[]` holds no delta
-            if splice is not None and self._finishes and splice.finish_head is not None:
-                out = finish_chunk(event, splice.prefix, splice.finish_head, len(self._root), self._strip, self.chunks)
-                if out is not None:
-                    return out
+            if splice is not None and (out := self._plain_finish(event, splice)) is not None:
+                return out
             tail = self._tail
             if tail and event.endswith(tail):
                 end = len(event) - len(tail)
@@ -296,7 +296,22 @@ class StreamReshaper:
                     if self._armings and (splice is None or not event.startswith(splice.prefix)):
                         return self._arm(event, start, end)  # the first delta, or the layout changed
                 return self._delta(event, start, end)
+        elif self._scan is not None and self._waiting is None and (out := self._plain_first(event, self._scan)):
+            return out
         return self._decoded_event(event)
+
+    def _plain_finish(self, event: bytes, splice: Splice) -> bytes | None:
+        """The general path's bytes for a finish chunk (finish.finish_chunk); None: not served."""
+        if not self._finishes or splice.finish_head is None:
+            return None
+        return finish_chunk(event, splice.prefix, splice.finish_head, len(self._root), self._strip, self.chunks)
+
+    def _plain_first(self, event: bytes, scan: Scanner) -> bytes | None:
+        """The general path's bytes for a plain chunk without a decode (finish.first_chunk); None: not served."""
+        out = first_chunk(event, self.chunks.plan, self.chunks, scan)
+        if out is not None:  # what the general path learns from a decoded chunk
+            self._fast = not self.chunks.decode_every_chunk and self._learn_root(event)
+        return out
 
     def _arm(self, event: bytes, start: int, end: int) -> bytes:
         """Serve a mid-stream delta by the byte-level path, and arm the splice it teaches if that reproduces it.
@@ -428,6 +443,7 @@ class DecodingStreamReshaper(StreamReshaper):
     def __init__(self, plan: Plan, clock: Clock) -> None:
         super().__init__(plan, clock)
         self._finishes = False  # no single-choice shortcut (finish.py) either
+        self._scan = None
 
     def reshape_event(self, event: bytes) -> bytes | None:
         return self._decoded_event(event)
