@@ -1,8 +1,8 @@
 /* The compiled twin of `send.python_stream_send`: the `send` handed to vLLM for a
  * reshaped response. Until armed it hands every message to `general` (the ReshapingSend);
  * armed with a stream's `stream.Splice` it serves the mid-stream deltas the splice serves, with
- * the same checks (`Splice.locate`) and the same bytes (`Splice.render`), and returns
- * `downstream`'s awaitable. The pure-Python twin is the oracle: tests/unit/test_stream_send.py
+ * the same checks (`Splice.locate`) and the same bytes (`Splice.render`), and `data: [DONE]` as it
+ * came, and returns `downstream`'s awaitable. The pure-Python twin is the oracle: tests/unit/test_stream_send.py
  * runs both against the general path on every recorded stream and on hypothesis layouts.
  *
  * Built on the limited API (abi3, CPython >= 3.10): one wheel per platform serves every version.
@@ -179,8 +179,11 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
     const char *b = PyBytes_AsString(body);
     Py_ssize_t n = PyBytes_Size(body);
     Py_ssize_t start = locate(self, b, n);
-    if (start < 0)
+    if (start < 0) {
+        if (n == 14 && memcmp(b, "data: [DONE]\n\n", 14) == 0)
+            goto count; /* the end of the stream goes out as it came (nothing waits while armed) */
         goto general;
+    }
     Py_ssize_t end = n - PyBytes_Size(self->tail);
     Py_INCREF(body); /* the message's body is replaced below */
     if (self->on_ids != Py_None) {
@@ -224,6 +227,7 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
     Py_DECREF(out);
     if (failed)
         return NULL;
+count:
     if (t0) {
         long long t1 = clock_ns();
         if (t1 < 0)

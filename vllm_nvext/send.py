@@ -42,10 +42,10 @@ Arm = Callable[[bytes, bytes, bytes, bytes, bool, bool, "Callable[[bytes, int, i
 
 # Until armed, every message goes to `general` (the `ReshapingSend`). Armed with a stream's
 # `stream.Splice`, it serves the mid-stream deltas the splice serves (the checks of `Splice.locate`,
-# the bytes of `Splice.render`) as a plain function that returns `downstream`'s awaitable: no
-# coroutine of its own. Anything else goes to `general`, which arms or disarms it again. While armed
-# it keeps the metrics countdown (metrics.StreamTally) and times the sampled message itself;
-# `countdown` hands it back.
+# the bytes of `Splice.render`), and `data: [DONE]` as it came (nothing waits while armed), as a
+# plain function that returns `downstream`'s awaitable: no coroutine of its own. Anything else goes
+# to `general`, which arms or disarms it again. While armed it keeps the metrics countdown
+# (metrics.StreamTally) and times the sampled message itself; `countdown` hands it back.
 def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Message], Awaitable[None]], Arm,
                                                                    Callable[[], None], Callable[[], int]]:  # fmt: skip
     """The pure-Python `send` handed to vLLM: (send, arm, disarm, countdown); see the comment above."""
@@ -67,25 +67,28 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
                 end = len(body) - lt
                 start = body.rfind(b"[")  # the tail holds none (stream.Splice)
                 h = start - lh
-                if (
+                if not (
                     h >= lp
                     and body.startswith(head, h)
                     and unsafe(body, lp, h) is None
                     and body[end - 1] == 93  # ]
                     and not body[start + 1 : end - 1].strip(_ID_BYTES)
                 ):
-                    if on_ids is not None:
-                        on_ids(body, start, end)
-                    if trio:
-                        ids = body[start:end]
-                        message["body"] = b"".join((body[:start] if strip else body[:end], mid, ids, b"}}\n\n"))
-                    elif strip:
-                        message["body"] = body[:start] + mid
-                    if t0 and tally_add is not None:
-                        left = tally_add(clock() - t0)
-                    else:
-                        left -= 1
-                    return downstream(message)
+                    return general(message)
+                if on_ids is not None:
+                    on_ids(body, start, end)
+                if trio:
+                    ids = body[start:end]
+                    message["body"] = b"".join((body[:start] if strip else body[:end], mid, ids, b"}}\n\n"))
+                elif strip:
+                    message["body"] = body[:start] + mid
+            elif body != b"data: [DONE]\n\n":  # which goes out as it came (nothing waits while armed)
+                return general(message)
+            if t0 and tally_add is not None:
+                left = tally_add(clock() - t0)
+            else:
+                left -= 1
+            return downstream(message)
         return general(message)
 
     def arm(p: bytes, h: bytes, t: bytes, m: bytes, s: bool, tr: bool, ids: Callable[[bytes, int, int], None] | None,
