@@ -1,8 +1,8 @@
 /* The compiled twin of `send.python_stream_send`: the `send` handed to vLLM for a
  * reshaped response. Until armed it hands every message to `general` (the ReshapingSend);
  * armed with a stream's `stream.Splice` it serves the mid-stream deltas the splice serves, with
- * the same checks (`Splice.locate`) and the same bytes (`Splice.render`), and `data: [DONE]` as it
- * came, and returns `downstream`'s awaitable. The pure-Python twin is the oracle: tests/unit/test_stream_send.py
+ * the same checks (`Splice.locate`) and the same bytes (`Splice.render`), and `data: [DONE]` and the
+ * usage chunk as they came (`send._is_usage`), and returns `downstream`'s awaitable. The pure-Python twin is the oracle: tests/unit/test_stream_send.py
  * runs both against the general path on every recorded stream and on hypothesis layouts.
  *
  * Built on the limited API (abi3, CPython >= 3.10): one wheel per platform serves every version.
@@ -24,6 +24,7 @@ typedef struct {
     PyObject *prefix, *head, *tail, *mid; /* bytes, as stream.Splice holds them */
     PyObject *on_ids;     /* None, or called with (event, start, end) for each delta served */
     PyObject *tally_add;  /* None (metrics off), or metrics.StreamTally.add */
+    PyObject *root;       /* bytes: the root of a usage chunk that goes out as it came (empty: none does) */
     int armed, strip, trio;
     long long left;       /* the metrics countdown: the message at 1 is timed */
 } StreamSend;
@@ -40,6 +41,7 @@ StreamSend_traverse(StreamSend *self, visitproc visit, void *arg)
     Py_VISIT(self->mid);
     Py_VISIT(self->on_ids);
     Py_VISIT(self->tally_add);
+    Py_VISIT(self->root);
     return 0;
 }
 
@@ -55,6 +57,7 @@ StreamSend_clear(StreamSend *self)
     Py_CLEAR(self->mid);
     Py_CLEAR(self->on_ids);
     Py_CLEAR(self->tally_add);
+    Py_CLEAR(self->root);
     return 0;
 }
 
@@ -132,6 +135,28 @@ locate(StreamSend *self, const char *b, Py_ssize_t n)
     return start;
 }
 
+/* The usage chunk `stream.StreamReshaper` forwards as it came: one whole event, the root, `]`, no
+   `"choices":` after it. */
+static int
+is_usage(StreamSend *self, const char *b, Py_ssize_t n)
+{
+    Py_ssize_t lr = PyBytes_Size(self->root);
+    if (lr == 0 || n < lr + 3 || b[lr] != ']' || memcmp(b, PyBytes_AsString(self->root), lr) != 0)
+        return 0;
+    const char *nl = memchr(b, '\n', n);
+    if (nl == NULL || nl - b != n - 2 || b[n - 1] != '\n' || memchr(b, '\r', n) != NULL)
+        return 0;
+    for (Py_ssize_t i = lr; i + 10 <= n; i++) {
+        const char *q = memchr(b + i, '"', n - i);
+        if (q == NULL)
+            break;
+        i = q - b;
+        if (i + 10 <= n && memcmp(q, "\"choices\":", 10) == 0)
+            return 0;
+    }
+    return 1;
+}
+
 static PyObject *
 StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
 {
@@ -180,8 +205,8 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
     Py_ssize_t n = PyBytes_Size(body);
     Py_ssize_t start = locate(self, b, n);
     if (start < 0) {
-        if (n == 14 && memcmp(b, "data: [DONE]\n\n", 14) == 0)
-            goto count; /* the end of the stream goes out as it came (nothing waits while armed) */
+        if ((n == 14 && memcmp(b, "data: [DONE]\n\n", 14) == 0) || is_usage(self, b, n))
+            goto count; /* the end of the stream, the usage chunk: out as they came (nothing waits while armed) */
         goto general;
     }
     Py_ssize_t end = n - PyBytes_Size(self->tail);
@@ -251,14 +276,14 @@ general:
 static PyObject *
 StreamSend_arm(StreamSend *self, PyObject *args)
 {
-    PyObject *prefix, *head, *tail, *mid, *on_ids, *tally_add;
+    PyObject *prefix, *head, *tail, *mid, *on_ids, *tally_add, *root;
     int strip, trio;
     long long left;
-    if (!PyArg_ParseTuple(args, "SSSSppOLO:arm", &prefix, &head, &tail, &mid, &strip, &trio, &on_ids, &left,
-                          &tally_add))
+    if (!PyArg_ParseTuple(args, "SSSSppOLOS:arm", &prefix, &head, &tail, &mid, &strip, &trio, &on_ids, &left,
+                          &tally_add, &root))
         return NULL;
     if (!PyBytes_CheckExact(prefix) || !PyBytes_CheckExact(head) || !PyBytes_CheckExact(tail)
-        || !PyBytes_CheckExact(mid)) {
+        || !PyBytes_CheckExact(mid) || !PyBytes_CheckExact(root)) {
         PyErr_SetString(PyExc_TypeError, "arm: the splice's parts must be bytes");
         return NULL;
     }
@@ -272,6 +297,7 @@ StreamSend_arm(StreamSend *self, PyObject *args)
     SET_REF(self->mid, mid);
     SET_REF(self->on_ids, on_ids);
     SET_REF(self->tally_add, tally_add);
+    SET_REF(self->root, root);
     self->strip = strip;
     self->trio = trio;
     self->left = left;

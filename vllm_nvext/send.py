@@ -34,23 +34,23 @@ _PASS_STATUSES = frozenset({204, 206, 304})
 _ID_BYTES = b"0123456789,"
 _UNTIMED = 1 << 62  # the countdown to the next timed message when metrics are off: never reached
 
-# The splice's parts, as `stream.Splice` holds them, the on-ids callback, the metrics countdown and
-# the tally's `add` (None: metrics off).
+# The splice's parts, as `stream.Splice` holds them, the on-ids callback, the metrics countdown, the
+# tally's `add` (None: metrics off) and the root of a usage chunk that goes out as it came (b"": none does).
 Arm = Callable[[bytes, bytes, bytes, bytes, bool, bool, "Callable[[bytes, int, int], None] | None", int,
-                "Callable[[int], int] | None"], None]  # fmt: skip
+                "Callable[[int], int] | None", bytes], None]  # fmt: skip
 
 
 # Until armed, every message goes to `general` (the `ReshapingSend`). Armed with a stream's
 # `stream.Splice`, it serves the mid-stream deltas the splice serves (the checks of `Splice.locate`,
-# the bytes of `Splice.render`), and `data: [DONE]` as it came (nothing waits while armed), as a
-# plain function that returns `downstream`'s awaitable: no coroutine of its own. Anything else goes
-# to `general`, which arms or disarms it again. While armed it keeps the metrics countdown
+# the bytes of `Splice.render`), and `data: [DONE]` and the usage chunk as they came (nothing waits
+# while armed), as a plain function that returns `downstream`'s awaitable: no coroutine of its own.
+# Anything else goes to `general`, which arms or disarms it again. While armed it keeps the metrics countdown
 # (metrics.StreamTally) and times the sampled message itself; `countdown` hands it back.
 def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Message], Awaitable[None]], Arm,
                                                                    Callable[[], None], Callable[[], int]]:  # fmt: skip
     """The pure-Python `send` handed to vLLM: (send, arm, disarm, countdown); see the comment above."""
-    prefix = head = tail = mid = b""
-    lp = lh = lt = 0
+    prefix = head = tail = mid = root = b""
+    lp = lh = lt = lr = 0
     strip = trio = armed = False
     on_ids: Callable[[bytes, int, int], None] | None = None
     tally_add: Callable[[int], int] | None = None
@@ -82,7 +82,7 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
                     message["body"] = b"".join((body[:start] if strip else body[:end], mid, ids, b"}}\n\n"))
                 elif strip:
                     message["body"] = body[:start] + mid
-            elif body != b"data: [DONE]\n\n":  # which goes out as it came (nothing waits while armed)
+            elif type(body) is not bytes or (body != b"data: [DONE]\n\n" and not _is_usage(body, root, lr)):
                 return general(message)
             if t0 and tally_add is not None:
                 left = tally_add(clock() - t0)
@@ -92,10 +92,10 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
         return general(message)
 
     def arm(p: bytes, h: bytes, t: bytes, m: bytes, s: bool, tr: bool, ids: Callable[[bytes, int, int], None] | None,
-            countdown: int, add: Callable[[int], int] | None) -> None:  # fmt: skip
-        nonlocal prefix, head, tail, mid, lp, lh, lt, strip, trio, armed, on_ids, left, tally_add
+            countdown: int, add: Callable[[int], int] | None, r: bytes) -> None:  # fmt: skip
+        nonlocal prefix, head, tail, mid, root, lp, lh, lt, lr, strip, trio, armed, on_ids, left, tally_add
         prefix, head, tail, mid, strip, trio, on_ids, left, tally_add = p, h, t, m, s, tr, ids, countdown, add
-        lp, lh, lt = len(p), len(h), len(t)
+        root, lp, lh, lt, lr = r, len(p), len(h), len(t), len(r)
         armed = True
 
     def disarm() -> None:
@@ -106,6 +106,20 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
         return left
 
     return send, arm, disarm, countdown
+
+
+def _is_usage(body: bytes, root: bytes, lr: int) -> bool:
+    """The usage chunk `stream.StreamReshaper` forwards as it came: one whole event, the root (b"": none does),
+    `]`, no `"choices":` after it."""
+    return (
+        lr > 0
+        and body.startswith(root)
+        and body[lr : lr + 1] == b"]"
+        and body.endswith(b"\n\n")
+        and body.find(b"\n") == len(body) - 2
+        and body.find(b"\r") < 0
+        and body.find(b'"choices":', lr) < 0
+    )
 
 
 # The echoed prompts of a plan, decoded; None when the client went away meanwhile.
@@ -177,8 +191,9 @@ class ReshapingSend:
                 on_ids = stream.on_ids
                 tally = self._tally
                 countdown, add = (_UNTIMED, None) if tally is None else (self._left, tally.add)
+                usage_root = b"" if self.plan.error_params else stream.root  # stream.StreamReshaper's usage shortcut
                 self._arm(splice.prefix, splice.head, splice.tail, splice.mid, splice.strip, splice.trio, on_ids,
-                          countdown, add)  # fmt: skip
+                          countdown, add, usage_root)  # fmt: skip
                 self._armed = True
             elif self._armed:
                 self._disarm()

@@ -153,7 +153,7 @@ class StreamReshaper:
     sent it, and at most one partial event is held back.
     """
 
-    __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "_root", "splice", "_armings", "_head", "_tail",
+    __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "root", "splice", "_armings", "_head", "_tail",
                  "_held", "_waiting", "framed", "framed_events", "unchanged", "_renames", "_finishes",
                  "_scan")  # fmt: skip
 
@@ -168,7 +168,7 @@ class StreamReshaper:
         self._fast = False  # the byte-level path serves deltas once the first chunk was decoded
         # The bytes up to `"choices":[` of the chunk that armed the byte-level path: vLLM writes the
         # same root keys before `choices` on every chunk of a stream, and a delta must repeat them.
-        self._root = b""
+        self.root = b""
         self.splice: Splice | None = None  # serves mid-stream deltas once armed (see Splice)
         self._armings = ARMINGS
         self._head = b""  # the bytes from finish_reason to the ids, and after them, of the last delta matched
@@ -232,7 +232,7 @@ class StreamReshaper:
         """Shortcut: a chunk whose only `choices` is empty (the usage chunk) goes out as vLLM wrote
         it: the general path changes only errors in it, and only with error_params. Same bytes as
         decoding: tests/unit/test_stream_layouts.py and test_stream_send.py."""
-        root = self._root
+        root = self.root
         return (
             event[len(root) : len(root) + 1] == b"]"
             and not self._renames
@@ -273,10 +273,10 @@ class StreamReshaper:
                 if (
                     pos > _JSON_AT
                     and event.startswith(self._head, pos)
-                    and event.startswith(self._root)
+                    and event.startswith(self.root)
                     and not event[start + 1 : end - 1].translate(None, _ID_BYTES)
                     and event[end - 1 : end] == b"]"
-                    and event.find(_FINISH_KEY, len(self._root)) == pos  # the only choice of this chunk
+                    and event.find(_FINISH_KEY, len(self.root)) == pos  # the only choice of this chunk
                 ):
                     if self._armings and (splice is None or not event.startswith(splice.prefix)):
                         return self._arm(event, start, end)  # the first delta, or the layout changed
@@ -285,7 +285,7 @@ class StreamReshaper:
             # first == last occurrence: exactly one choice in this chunk
             m = (
                 _DELTA_TAIL.match(event, pos)
-                if pos > 0 and event.startswith(self._root) and event.find(_FINISH_KEY, len(self._root)) == pos
+                if pos > 0 and event.startswith(self.root) and event.find(_FINISH_KEY, len(self.root)) == pos
                 else None
             )
             if m is not None:
@@ -304,7 +304,7 @@ class StreamReshaper:
         """The general path's bytes for a finish chunk (finish.finish_chunk); None: not served."""
         if not self._finishes or splice.finish_head is None:
             return None
-        return finish_chunk(event, splice.prefix, splice.finish_head, len(self._root), self._strip, self.chunks)
+        return finish_chunk(event, splice.prefix, splice.finish_head, len(self.root), self._strip, self.chunks)
 
     def _plain_first(self, event: bytes, scan: Scanner) -> bytes | None:
         """The general path's bytes for a plain chunk without a decode (finish.first_chunk); None: not served."""
@@ -403,7 +403,7 @@ class StreamReshaper:
         root = event[: end + len(_CHOICES)]
         if _ROOT_REWRITTEN[0] in root or _ROOT_REWRITTEN[1] in root:
             return False
-        self._root = root
+        self.root = root
         return True
 
     def _release(self) -> bytes:
