@@ -158,3 +158,18 @@ def test_the_scanner_accepts_only_json_that_orjson_writes_back_byte_for_byte(val
 )  # fmt: skip
 def test_the_scanner_refuses_what_a_decode_would_write_otherwise(payload):
     assert _scanner(True)(b"data: " + payload + b"\n\n") is None
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "c"])
+@pytest.mark.parametrize("value", [None, 0, {"remote_block_ids": [1]}])
+@pytest.mark.parametrize("key", ["kv_transfer_params", "prompt_token_ids"])
+def test_a_key_the_finish_moves_before_choices_is_moved_as_the_general_path_moves_it(key, value, compiled):
+    # vLLM writes kv_transfer_params after `choices`; a layout that writes it (or the prompt's ids) before
+    # `choices` on every chunk must still see it moved into the finish chunk's nvext (docs/protocol.md §3.4)
+    rec = _recording("chat_stream_ids_long", "0.32")
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    name = b'"' + key.encode() + b'":'
+    member = name + orjson.dumps(value) + b","
+    events = [e if name in e else e.replace(b'"choices":[', member + b'"choices":[', 1) for e in _events(rec.body)]
+    got, want = _both(plan, events, compiled)
+    assert got == want, _first_difference(got, want)

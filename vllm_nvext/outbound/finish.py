@@ -46,6 +46,16 @@ _FINISH_TAIL = re.compile(
     rb"((?:" + _KEPT_KEY + rb")*\}\](?:" + _KEPT_KEY + rb")*\}\n\n)\Z"
 )
 _FIRST_CHOICE = b'{"index":0,'
+# Keys the general path moves or nulls on a finish chunk when they hold a value: not before the text either.
+_MOVED = (b'"kv_transfer_params":', b'"prompt_token_ids":')
+
+
+def _held(prefix: bytes, key: bytes) -> bool:
+    """`key` holds something other than null in `prefix` (a key's quotes are never a string's)."""
+    at = prefix.find(key)
+    return at >= 0 and not prefix.startswith(b"null", at + len(key))
+
+
 _LIST = ord("[")
 _CHUNK_END = len(b"}\n\n")
 
@@ -82,7 +92,7 @@ def finish_chunk(
     ):
         return None
     m = _FINISH_TAIL.match(event, close + len(finish_head))
-    if m is None:
+    if m is None or any(_held(prefix, key) for key in _MOVED):
         return None
     start, end = m.span(1)
     nvext = chunks.finish_first_choice(event, start, end)
