@@ -2,7 +2,8 @@
  * reshaped response. Until armed it hands every message to `general` (the ReshapingSend);
  * armed with a stream's `stream.Splice` it serves the mid-stream deltas the splice serves, with
  * the same checks (`Splice.locate`) and the same bytes (`Splice.render`), and `data: [DONE]` and the
- * usage chunk as they came (`send._is_usage`), and returns `downstream`'s awaitable. The pure-Python twin is the oracle: tests/unit/test_stream_send.py
+ * usage chunk as they came (`send._is_usage`), and a finish chunk `finish.served_finish` gives bytes
+ * for, and returns `downstream`'s awaitable. The pure-Python twin is the oracle: tests/unit/test_stream_send.py
  * runs both against the general path on every recorded stream and on hypothesis layouts.
  *
  * Built on the limited API (abi3, CPython >= 3.10): one wheel per platform serves every version.
@@ -25,6 +26,7 @@ typedef struct {
     PyObject *on_ids;     /* None, or called with (event, start, end) for each delta served */
     PyObject *tally_add;  /* None (metrics off), or metrics.StreamTally.add */
     PyObject *root;       /* bytes: the root of a usage chunk that goes out as it came (empty: none does) */
+    PyObject *on_finish;  /* None, or finish.served_finish for this stream: a finish chunk's bytes, or None */
     int armed, strip, trio;
     long long left;       /* the metrics countdown: the message at 1 is timed */
 } StreamSend;
@@ -42,6 +44,7 @@ StreamSend_traverse(StreamSend *self, visitproc visit, void *arg)
     Py_VISIT(self->on_ids);
     Py_VISIT(self->tally_add);
     Py_VISIT(self->root);
+    Py_VISIT(self->on_finish);
     return 0;
 }
 
@@ -58,6 +61,7 @@ StreamSend_clear(StreamSend *self)
     Py_CLEAR(self->on_ids);
     Py_CLEAR(self->tally_add);
     Py_CLEAR(self->root);
+    Py_CLEAR(self->on_finish);
     return 0;
 }
 
@@ -207,7 +211,21 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
     if (start < 0) {
         if ((n == 14 && memcmp(b, "data: [DONE]\n\n", 14) == 0) || is_usage(self, b, n))
             goto count; /* the end of the stream, the usage chunk: out as they came (nothing waits while armed) */
-        goto general;
+        Py_ssize_t lp = PyBytes_Size(self->prefix);
+        if (self->on_finish == Py_None || n < lp || memcmp(b, PyBytes_AsString(self->prefix), lp) != 0)
+            goto general;
+        PyObject *finished = PyObject_CallFunctionObjArgs(self->on_finish, body, NULL);
+        if (finished == NULL)
+            return NULL;
+        if (!PyBytes_CheckExact(finished)) { /* None: the general path decides */
+            Py_DECREF(finished);
+            goto general;
+        }
+        int unset = PyDict_SetItem(message, s_body, finished);
+        Py_DECREF(finished);
+        if (unset)
+            return NULL;
+        goto count; /* a finish chunk (finish.finish_chunk) */
     }
     Py_ssize_t end = n - PyBytes_Size(self->tail);
     Py_INCREF(body); /* the message's body is replaced below */
@@ -276,11 +294,11 @@ general:
 static PyObject *
 StreamSend_arm(StreamSend *self, PyObject *args)
 {
-    PyObject *prefix, *head, *tail, *mid, *on_ids, *tally_add, *root;
+    PyObject *prefix, *head, *tail, *mid, *on_ids, *tally_add, *root, *on_finish;
     int strip, trio;
     long long left;
-    if (!PyArg_ParseTuple(args, "SSSSppOLOS:arm", &prefix, &head, &tail, &mid, &strip, &trio, &on_ids, &left,
-                          &tally_add, &root))
+    if (!PyArg_ParseTuple(args, "SSSSppOLOSO:arm", &prefix, &head, &tail, &mid, &strip, &trio, &on_ids, &left,
+                          &tally_add, &root, &on_finish))
         return NULL;
     if (!PyBytes_CheckExact(prefix) || !PyBytes_CheckExact(head) || !PyBytes_CheckExact(tail)
         || !PyBytes_CheckExact(mid) || !PyBytes_CheckExact(root)) {
@@ -298,6 +316,7 @@ StreamSend_arm(StreamSend *self, PyObject *args)
     SET_REF(self->on_ids, on_ids);
     SET_REF(self->tally_add, tally_add);
     SET_REF(self->root, root);
+    SET_REF(self->on_finish, on_finish);
     self->strip = strip;
     self->trio = trio;
     self->left = left;

@@ -16,14 +16,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from functools import partial
 from time import perf_counter_ns
 
 from . import _json, metrics
 from .asgi import Message, Send, is_event_stream, is_json
 from .outbound.chunks import rename_error
-from .outbound.finish import Scanner
+from .outbound.finish import Scanner, served_finish, serves
 from .outbound.nvext_values import Clock
-from .outbound.stream import UNSAFE_TEXT, StreamReshaper
+from .outbound.stream import UNSAFE_TEXT, Splice, StreamReshaper
 from .outbound.unary import reshape_unary_body
 from .plan import Plan
 from .protocol import Endpoint
@@ -35,9 +36,10 @@ _ID_BYTES = b"0123456789,"
 _UNTIMED = 1 << 62  # the countdown to the next timed message when metrics are off: never reached
 
 # The splice's parts, as `stream.Splice` holds them, the on-ids callback, the metrics countdown, the
-# tally's `add` (None: metrics off) and the root of a usage chunk that goes out as it came (b"": none does).
+# tally's `add` (None: metrics off), the root of a usage chunk that goes out as it came (b"": none does)
+# and what serves a finish chunk (finish.served_finish; None: none is served; the compiled send only).
 Arm = Callable[[bytes, bytes, bytes, bytes, bool, bool, "Callable[[bytes, int, int], None] | None", int,
-                "Callable[[int], int] | None", bytes], None]  # fmt: skip
+                "Callable[[int], int] | None", bytes, "Callable[[bytes], bytes | None] | None"], None]  # fmt: skip
 
 
 # Until armed, every message goes to `general` (the `ReshapingSend`). Armed with a stream's
@@ -92,7 +94,7 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
         return general(message)
 
     def arm(p: bytes, h: bytes, t: bytes, m: bytes, s: bool, tr: bool, ids: Callable[[bytes, int, int], None] | None,
-            countdown: int, add: Callable[[int], int] | None, r: bytes) -> None:  # fmt: skip
+            countdown: int, add: Callable[[int], int] | None, r: bytes, finish: object) -> None:  # fmt: skip
         nonlocal prefix, head, tail, mid, root, lp, lh, lt, lr, strip, trio, armed, on_ids, left, tally_add
         prefix, head, tail, mid, strip, trio, on_ids, left, tally_add = p, h, t, m, s, tr, ids, countdown, add
         root, lp, lh, lt, lr = r, len(p), len(h), len(t), len(r)
@@ -193,7 +195,7 @@ class ReshapingSend:
                 countdown, add = (_UNTIMED, None) if tally is None else (self._left, tally.add)
                 usage_root = b"" if self.plan.error_params else stream.root  # stream.StreamReshaper's usage shortcut
                 self._arm(splice.prefix, splice.head, splice.tail, splice.mid, splice.strip, splice.trio, on_ids,
-                          countdown, add, usage_root)  # fmt: skip
+                          countdown, add, usage_root, self._finish_server(stream, splice))  # fmt: skip
                 self._armed = True
             elif self._armed:
                 self._disarm()
@@ -210,6 +212,12 @@ class ReshapingSend:
             await self._on_unary_body(message)
         else:
             await self.send(message)
+
+    def _finish_server(self, stream: StreamReshaper, splice: Splice) -> Callable[[bytes], bytes | None] | None:
+        """What serves the finish chunk of an armed stream from the compiled send (finish.finish_chunk's bytes)."""
+        if not serves(self.plan) or splice.finish_head is None:
+            return None
+        return partial(served_finish, splice.prefix, splice.finish_head, len(stream.root), splice.strip, stream.chunks)
 
     async def _on_start(self, message: Message) -> None:
         status = message["status"]

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from tests.recorded import VLLM_VERSIONS, recordings
 from tests.unit.test_stream_layouts import SPLICED, _events, _first_difference, _plan
 from vllm_nvext import Mode
+from vllm_nvext.outbound.finish import served_finish
 from vllm_nvext.outbound.nvext_values import Clock
 from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
 from vllm_nvext.send import COMPILED_SCAN
@@ -173,3 +174,23 @@ def test_a_key_the_finish_moves_before_choices_is_moved_as_the_general_path_move
     events = [e if name in e else e.replace(b'"choices":[', member + b'"choices":[', 1) for e in _events(rec.body)]
     got, want = _both(plan, events, compiled)
     assert got == want, _first_difference(got, want)
+
+
+def test_a_finish_chunk_the_compiled_send_cannot_serve_goes_to_the_general_path():
+    """`finish.served_finish` never raises into vLLM's stream: anything unexpected hands the chunk back (None)."""
+    rec = _recording("chat_stream_ids_long", "0.33")
+    events = _events(rec.body)
+    reshaper = StreamReshaper(_plan(rec, Mode.NVEXT, ["completion_token_ids"]), Clock())
+    for event in events[:3]:
+        reshaper.feed(event)
+    splice = reshaper.splice
+    assert splice is not None and splice.finish_head is not None
+
+    class Broken:
+        def finish_first_choice(self, event: bytes, start: int, end: int) -> bytes:
+            raise RuntimeError("a bug")
+
+    finish = events[_finish_at(events)]
+    args = (splice.prefix, splice.finish_head, len(reshaper.root), True)
+    assert served_finish(*args, reshaper.chunks, finish) is not None, "the recorded finish chunk is served"
+    assert served_finish(*args, Broken(), finish) is None  # type: ignore[arg-type]

@@ -173,3 +173,14 @@ def first_chunk(event: bytes, plan: Plan, chunks: ChunkReshaper, scan: Scanner) 
         a, a_end = (ids, ids_end) if strip_ids else (prompt, prompt_end)
         return b"".join((event[:a], b"null", event[a_end:-_CHUNK_END], tail))
     return event[:-_CHUNK_END] + tail
+
+
+def served_finish(
+    prefix: bytes, finish_head: bytes, root_end: int, strip: bool, chunks: ChunkReshaper, event: bytes
+) -> bytes | None:
+    """`finish_chunk` for the compiled send (`_speedups.StreamSend`), which serves a finish chunk it gives
+    bytes for itself; None (anything unexpected included) hands the chunk to the general path."""
+    try:
+        return finish_chunk(event, prefix, finish_head, root_end, strip, chunks)
+    except Exception:  # the general path tries it again, and forwards the chunk unchanged if it fails again
+        return None
