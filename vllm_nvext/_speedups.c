@@ -1,8 +1,9 @@
 /* The compiled twin of `send.python_stream_send`: the `send` handed to vLLM for a
  * reshaped response. Until armed it hands every message to `general` (the ReshapingSend);
  * armed with a stream's `stream.Splice` it serves the mid-stream deltas the splice serves, with
- * the same checks (`Splice.locate`) and the same bytes (`Splice.render`), and returns
- * `downstream`'s awaitable. The pure-Python twin is the oracle: tests/unit/test_stream_send.py
+ * the same checks (`Splice.locate`) and the same bytes (`Splice.render`), and `data: [DONE]` and the
+ * usage chunk as they came (`send._is_usage`), and a finish chunk `finish.served_finish` gives bytes
+ * for, and returns `downstream`'s awaitable. The pure-Python twin is the oracle: tests/unit/test_stream_send.py
  * runs both against the general path on every recorded stream and on hypothesis layouts.
  *
  * Built on the limited API (abi3, CPython >= 3.10): one wheel per platform serves every version.
@@ -24,6 +25,8 @@ typedef struct {
     PyObject *prefix, *head, *tail, *mid; /* bytes, as stream.Splice holds them */
     PyObject *on_ids;     /* None, or called with (event, start, end) for each delta served */
     PyObject *tally_add;  /* None (metrics off), or metrics.StreamTally.add */
+    PyObject *root;       /* bytes: the root of a usage chunk that goes out as it came (empty: none does) */
+    PyObject *on_finish;  /* None, or finish.served_finish for this stream: a finish chunk's bytes, or None */
     int armed, strip, trio;
     long long left;       /* the metrics countdown: the message at 1 is timed */
 } StreamSend;
@@ -40,6 +43,8 @@ StreamSend_traverse(StreamSend *self, visitproc visit, void *arg)
     Py_VISIT(self->mid);
     Py_VISIT(self->on_ids);
     Py_VISIT(self->tally_add);
+    Py_VISIT(self->root);
+    Py_VISIT(self->on_finish);
     return 0;
 }
 
@@ -55,6 +60,8 @@ StreamSend_clear(StreamSend *self)
     Py_CLEAR(self->mid);
     Py_CLEAR(self->on_ids);
     Py_CLEAR(self->tally_add);
+    Py_CLEAR(self->root);
+    Py_CLEAR(self->on_finish);
     return 0;
 }
 
@@ -132,6 +139,28 @@ locate(StreamSend *self, const char *b, Py_ssize_t n)
     return start;
 }
 
+/* The usage chunk `stream.StreamReshaper` forwards as it came: one whole event, the root, `]`, no
+   `"choices":` after it. */
+static int
+is_usage(StreamSend *self, const char *b, Py_ssize_t n)
+{
+    Py_ssize_t lr = PyBytes_Size(self->root);
+    if (lr == 0 || n < lr + 3 || b[lr] != ']' || memcmp(b, PyBytes_AsString(self->root), lr) != 0)
+        return 0;
+    const char *nl = memchr(b, '\n', n);
+    if (nl == NULL || nl - b != n - 2 || b[n - 1] != '\n' || memchr(b, '\r', n) != NULL)
+        return 0;
+    for (Py_ssize_t i = lr; i + 10 <= n; i++) {
+        const char *q = memchr(b + i, '"', n - i);
+        if (q == NULL)
+            break;
+        i = q - b;
+        if (i + 10 <= n && memcmp(q, "\"choices\":", 10) == 0)
+            return 0;
+    }
+    return 1;
+}
+
 static PyObject *
 StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
 {
@@ -179,8 +208,25 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
     const char *b = PyBytes_AsString(body);
     Py_ssize_t n = PyBytes_Size(body);
     Py_ssize_t start = locate(self, b, n);
-    if (start < 0)
-        goto general;
+    if (start < 0) {
+        if ((n == 14 && memcmp(b, "data: [DONE]\n\n", 14) == 0) || is_usage(self, b, n))
+            goto count; /* the end of the stream, the usage chunk: out as they came (nothing waits while armed) */
+        Py_ssize_t lp = PyBytes_Size(self->prefix);
+        if (self->on_finish == Py_None || n < lp || memcmp(b, PyBytes_AsString(self->prefix), lp) != 0)
+            goto general;
+        PyObject *finished = PyObject_CallFunctionObjArgs(self->on_finish, body, NULL);
+        if (finished == NULL)
+            return NULL;
+        if (!PyBytes_CheckExact(finished)) { /* None: the general path decides */
+            Py_DECREF(finished);
+            goto general;
+        }
+        int unset = PyDict_SetItem(message, s_body, finished);
+        Py_DECREF(finished);
+        if (unset)
+            return NULL;
+        goto count; /* a finish chunk (finish.finish_chunk) */
+    }
     Py_ssize_t end = n - PyBytes_Size(self->tail);
     Py_INCREF(body); /* the message's body is replaced below */
     if (self->on_ids != Py_None) {
@@ -224,6 +270,7 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
     Py_DECREF(out);
     if (failed)
         return NULL;
+count:
     if (t0) {
         long long t1 = clock_ns();
         if (t1 < 0)
@@ -247,14 +294,14 @@ general:
 static PyObject *
 StreamSend_arm(StreamSend *self, PyObject *args)
 {
-    PyObject *prefix, *head, *tail, *mid, *on_ids, *tally_add;
+    PyObject *prefix, *head, *tail, *mid, *on_ids, *tally_add, *root, *on_finish;
     int strip, trio;
     long long left;
-    if (!PyArg_ParseTuple(args, "SSSSppOLO:arm", &prefix, &head, &tail, &mid, &strip, &trio, &on_ids, &left,
-                          &tally_add))
+    if (!PyArg_ParseTuple(args, "SSSSppOLOSO:arm", &prefix, &head, &tail, &mid, &strip, &trio, &on_ids, &left,
+                          &tally_add, &root, &on_finish))
         return NULL;
     if (!PyBytes_CheckExact(prefix) || !PyBytes_CheckExact(head) || !PyBytes_CheckExact(tail)
-        || !PyBytes_CheckExact(mid)) {
+        || !PyBytes_CheckExact(mid) || !PyBytes_CheckExact(root)) {
         PyErr_SetString(PyExc_TypeError, "arm: the splice's parts must be bytes");
         return NULL;
     }
@@ -268,6 +315,8 @@ StreamSend_arm(StreamSend *self, PyObject *args)
     SET_REF(self->mid, mid);
     SET_REF(self->on_ids, on_ids);
     SET_REF(self->tally_add, tally_add);
+    SET_REF(self->root, root);
+    SET_REF(self->on_finish, on_finish);
     self->strip = strip;
     self->trio = trio;
     self->left = left;
@@ -508,10 +557,223 @@ fallback:
     Py_RETURN_NONE;
 }
 
+
+/* ------------------------------------------------------------------ the stream side: plain_chunk
+ *
+ * Whether a `data: {...}\n\n` event is plain JSON that orjson writes back byte for byte (no
+ * whitespace; strings of printable ASCII without escapes; integers of at most 15 digits, no
+ * fraction or exponent; null, true, false; no key twice in an object; at most 16 levels), and
+ * where the values the general path reads sit: root `choices` (how many elements, all objects),
+ * `prompt_token_ids` and `nvext`; in the first choice `index`, `token_ids`, `prompt_token_ids`
+ * and `finish_reason`. outbound/finish.py's `first_chunk` builds the general path's bytes from it;
+ * tests/unit/test_stream_finish.py and the stream tests compare them with the general path.
+ */
+
+enum { PC_CHOICES, PC_NCHOICES, PC_ROOT_PROMPT, PC_NVEXT = PC_ROOT_PROMPT + 2, PC_INDEX = PC_NVEXT + 2,
+       PC_IDS = PC_INDEX + 2, PC_PROMPT = PC_IDS + 2, PC_FINISH = PC_PROMPT + 2, PC_SIZE = PC_FINISH + 2 };
+enum { LEVEL_OTHER, LEVEL_ROOT, LEVEL_CHOICE };
+#define PC_MAX_KEYS 64
+#define PC_MAX_DEPTH 16
+
+static Py_ssize_t pc_value(const char *b, Py_ssize_t i, Py_ssize_t n, int depth, int level, Py_ssize_t *spans);
+
+static Py_ssize_t
+pc_string(const char *b, Py_ssize_t i, Py_ssize_t n)
+{
+    for (i++; i < n; i++) {
+        unsigned char c = (unsigned char)b[i];
+        if (c == '"')
+            return i + 1;
+        if (c < 0x20 || c > 0x7e || c == '\\')
+            return -1;
+    }
+    return -1;
+}
+
+static Py_ssize_t
+pc_number(const char *b, Py_ssize_t i, Py_ssize_t n)
+{
+    Py_ssize_t first;
+    if (b[i] == '-')
+        i++;
+    if (i >= n)
+        return -1;
+    first = i;
+    if (b[i] == '0') {
+        if (first != i || (i > 0 && b[i - 1] == '-'))
+            return -1; /* -0: orjson writes 0 */
+        i++;
+    }
+    else if (b[i] >= '1' && b[i] <= '9') {
+        while (i < n && b[i] >= '0' && b[i] <= '9')
+            i++;
+        if (i - first > 15)
+            return -1;
+    }
+    else
+        return -1;
+    if (i < n && ((b[i] >= '0' && b[i] <= '9') || b[i] == '.' || b[i] == 'e' || b[i] == 'E'))
+        return -1;
+    return i;
+}
+
+static int
+pc_key_is(const char *b, Py_ssize_t start, Py_ssize_t end, const char *name)
+{
+    size_t len = strlen(name);
+    return (size_t)(end - start - 2) == len && memcmp(b + start + 1, name, len) == 0;
+}
+
+static Py_ssize_t
+pc_object(const char *b, Py_ssize_t i, Py_ssize_t n, int depth, int level, Py_ssize_t *spans)
+{
+    Py_ssize_t keys[2 * PC_MAX_KEYS];
+    int count = 0;
+    i++;
+    if (i < n && b[i] == '}')
+        return i + 1;
+    while (i < n) {
+        if (b[i] != '"' || count == PC_MAX_KEYS)
+            return -1;
+        Py_ssize_t key_end = pc_string(b, i, n);
+        if (key_end < 0 || key_end >= n || b[key_end] != ':')
+            return -1;
+        for (int k = 0; k < count; k++) {
+            if (keys[2 * k + 1] - keys[2 * k] == key_end - i && memcmp(b + keys[2 * k], b + i, key_end - i) == 0)
+                return -1; /* a key twice: a decode keeps one */
+        }
+        keys[2 * count] = i;
+        keys[2 * count + 1] = key_end;
+        count++;
+        Py_ssize_t value = key_end + 1;
+        if (value >= n)
+            return -1;
+        int slot = -1, inner = LEVEL_OTHER;
+        if (level == LEVEL_ROOT) {
+            if (pc_key_is(b, i, key_end, "choices"))
+                slot = PC_CHOICES; /* its elements: see pc_value */
+            else if (pc_key_is(b, i, key_end, "prompt_token_ids"))
+                slot = PC_ROOT_PROMPT;
+            else if (pc_key_is(b, i, key_end, "nvext"))
+                slot = PC_NVEXT;
+        }
+        else if (level == LEVEL_CHOICE) {
+            if (pc_key_is(b, i, key_end, "index"))
+                slot = PC_INDEX;
+            else if (pc_key_is(b, i, key_end, "token_ids"))
+                slot = PC_IDS;
+            else if (pc_key_is(b, i, key_end, "prompt_token_ids"))
+                slot = PC_PROMPT;
+            else if (pc_key_is(b, i, key_end, "finish_reason"))
+                slot = PC_FINISH;
+        }
+        Py_ssize_t end;
+        if (slot == PC_CHOICES) {
+            if (b[value] != '[')
+                return -1;
+            end = pc_value(b, value, n, depth + 1, LEVEL_CHOICE, spans); /* counts its elements */
+        }
+        else
+            end = pc_value(b, value, n, depth + 1, inner, spans);
+        if (end < 0)
+            return -1;
+        if (slot >= 0 && slot != PC_CHOICES) {
+            spans[slot] = value;
+            spans[slot + 1] = end;
+        }
+        if (end >= n)
+            return -1;
+        if (b[end] == '}')
+            return end + 1;
+        if (b[end] != ',')
+            return -1;
+        i = end + 1;
+    }
+    return -1;
+}
+
+/* The index past the value at b[i] (-1: not plain); `level` LEVEL_CHOICE on an array: root `choices`. */
+static Py_ssize_t
+pc_value(const char *b, Py_ssize_t i, Py_ssize_t n, int depth, int level, Py_ssize_t *spans)
+{
+    if (i >= n || depth > PC_MAX_DEPTH)
+        return -1;
+    char c = b[i];
+    if (c == '"')
+        return pc_string(b, i, n);
+    if (c == '{')
+        return pc_object(b, i, n, depth, level, spans);
+    if (c == '[') {
+        int choices = level == LEVEL_CHOICE, element = 0;
+        i++;
+        if (i < n && b[i] == ']') {
+            if (choices)
+                spans[PC_NCHOICES] = 0;
+            return i + 1;
+        }
+        while (i < n) {
+            if (choices && b[i] != '{')
+                return -1;
+            Py_ssize_t end = pc_value(b, i, n, depth + 1, choices && element == 0 ? LEVEL_CHOICE : LEVEL_OTHER, spans);
+            if (end < 0 || end >= n)
+                return -1;
+            element++;
+            if (b[end] == ']') {
+                if (choices)
+                    spans[PC_NCHOICES] = element;
+                return end + 1;
+            }
+            if (b[end] != ',')
+                return -1;
+            i = end + 1;
+        }
+        return -1;
+    }
+    if (c == '-' || (c >= '0' && c <= '9'))
+        return pc_number(b, i, n);
+    if (n - i >= 4 && (memcmp(b + i, "null", 4) == 0 || memcmp(b + i, "true", 4) == 0))
+        return i + 4;
+    if (n - i >= 5 && memcmp(b + i, "false", 5) == 0)
+        return i + 5;
+    return -1;
+}
+
+static PyObject *
+plain_chunk(PyObject *module, PyObject *arg)
+{
+    if (!PyBytes_CheckExact(arg)) {
+        PyErr_SetString(PyExc_TypeError, "plain_chunk: the event must be bytes");
+        return NULL;
+    }
+    const char *b = PyBytes_AsString(arg);
+    Py_ssize_t n = PyBytes_Size(arg);
+    Py_ssize_t spans[PC_SIZE];
+    for (int k = 0; k < PC_SIZE; k++)
+        spans[k] = -1;
+    if (n < 10 || memcmp(b, "data: {", 7) != 0 || memcmp(b + n - 2, "\n\n", 2) != 0)
+        Py_RETURN_NONE;
+    if (pc_object(b, 6, n - 2, 0, LEVEL_ROOT, spans) != n - 2)
+        Py_RETURN_NONE;
+    PyObject *out = PyTuple_New(PC_SIZE - 1);
+    if (out == NULL)
+        return NULL;
+    for (int k = 1; k < PC_SIZE; k++) {
+        PyObject *v = PyLong_FromSsize_t(spans[k]);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SetItem(out, k - 1, v);
+    }
+    return out;
+}
+
 static PyMethodDef speedups_functions[] = {
     {"splice_root", splice_root, METH_VARARGS,
      "splice_root(body, drop, extra): the body with the root members named in drop (bytes) left out and "
      "extra appended; None: the Python path decides"},
+    {"plain_chunk", plain_chunk, METH_O,
+     "plain_chunk(event): None, or the spans outbound/finish.py's first_chunk reads (see _speedups.c)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,13 +16,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from functools import partial
 from time import perf_counter_ns
 
 from . import _json, metrics
 from .asgi import Message, Send, is_event_stream, is_json
 from .outbound.chunks import rename_error
+from .outbound.finish import Scanner, served_finish, serves
 from .outbound.nvext_values import Clock
-from .outbound.stream import UNSAFE_TEXT, StreamReshaper
+from .outbound.stream import UNSAFE_TEXT, Splice, StreamReshaper
 from .outbound.unary import reshape_unary_body
 from .plan import Plan
 from .protocol import Endpoint
@@ -33,23 +35,24 @@ _PASS_STATUSES = frozenset({204, 206, 304})
 _ID_BYTES = b"0123456789,"
 _UNTIMED = 1 << 62  # the countdown to the next timed message when metrics are off: never reached
 
-# The splice's parts, as `stream.Splice` holds them, the on-ids callback, the metrics countdown and
-# the tally's `add` (None: metrics off).
+# The splice's parts, as `stream.Splice` holds them, the on-ids callback, the metrics countdown, the
+# tally's `add` (None: metrics off), the root of a usage chunk that goes out as it came (b"": none does)
+# and what serves a finish chunk (finish.served_finish; None: none is served; the compiled send only).
 Arm = Callable[[bytes, bytes, bytes, bytes, bool, bool, "Callable[[bytes, int, int], None] | None", int,
-                "Callable[[int], int] | None"], None]  # fmt: skip
+                "Callable[[int], int] | None", bytes, "Callable[[bytes], bytes | None] | None"], None]  # fmt: skip
 
 
 # Until armed, every message goes to `general` (the `ReshapingSend`). Armed with a stream's
 # `stream.Splice`, it serves the mid-stream deltas the splice serves (the checks of `Splice.locate`,
-# the bytes of `Splice.render`) as a plain function that returns `downstream`'s awaitable: no
-# coroutine of its own. Anything else goes to `general`, which arms or disarms it again. While armed
-# it keeps the metrics countdown (metrics.StreamTally) and times the sampled message itself;
-# `countdown` hands it back.
+# the bytes of `Splice.render`), and `data: [DONE]` and the usage chunk as they came (nothing waits
+# while armed), as a plain function that returns `downstream`'s awaitable: no coroutine of its own.
+# Anything else goes to `general`, which arms or disarms it again. While armed it keeps the metrics countdown
+# (metrics.StreamTally) and times the sampled message itself; `countdown` hands it back.
 def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Message], Awaitable[None]], Arm,
                                                                    Callable[[], None], Callable[[], int]]:  # fmt: skip
     """The pure-Python `send` handed to vLLM: (send, arm, disarm, countdown); see the comment above."""
-    prefix = head = tail = mid = b""
-    lp = lh = lt = 0
+    prefix = head = tail = mid = root = b""
+    lp = lh = lt = lr = 0
     strip = trio = armed = False
     on_ids: Callable[[bytes, int, int], None] | None = None
     tally_add: Callable[[int], int] | None = None
@@ -66,32 +69,35 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
                 end = len(body) - lt
                 start = body.rfind(b"[")  # the tail holds none (stream.Splice)
                 h = start - lh
-                if (
+                if not (
                     h >= lp
                     and body.startswith(head, h)
                     and unsafe(body, lp, h) is None
                     and body[end - 1] == 93  # ]
                     and not body[start + 1 : end - 1].strip(_ID_BYTES)
                 ):
-                    if on_ids is not None:
-                        on_ids(body, start, end)
-                    if trio:
-                        ids = body[start:end]
-                        message["body"] = b"".join((body[:start] if strip else body[:end], mid, ids, b"}}\n\n"))
-                    elif strip:
-                        message["body"] = body[:start] + mid
-                    if t0 and tally_add is not None:
-                        left = tally_add(clock() - t0)
-                    else:
-                        left -= 1
-                    return downstream(message)
+                    return general(message)
+                if on_ids is not None:
+                    on_ids(body, start, end)
+                if trio:
+                    ids = body[start:end]
+                    message["body"] = b"".join((body[:start] if strip else body[:end], mid, ids, b"}}\n\n"))
+                elif strip:
+                    message["body"] = body[:start] + mid
+            elif type(body) is not bytes or (body != b"data: [DONE]\n\n" and not _is_usage(body, root, lr)):
+                return general(message)
+            if t0 and tally_add is not None:
+                left = tally_add(clock() - t0)
+            else:
+                left -= 1
+            return downstream(message)
         return general(message)
 
     def arm(p: bytes, h: bytes, t: bytes, m: bytes, s: bool, tr: bool, ids: Callable[[bytes, int, int], None] | None,
-            countdown: int, add: Callable[[int], int] | None) -> None:  # fmt: skip
-        nonlocal prefix, head, tail, mid, lp, lh, lt, strip, trio, armed, on_ids, left, tally_add
+            countdown: int, add: Callable[[int], int] | None, r: bytes, finish: object) -> None:  # fmt: skip
+        nonlocal prefix, head, tail, mid, root, lp, lh, lt, lr, strip, trio, armed, on_ids, left, tally_add
         prefix, head, tail, mid, strip, trio, on_ids, left, tally_add = p, h, t, m, s, tr, ids, countdown, add
-        lp, lh, lt = len(p), len(h), len(t)
+        root, lp, lh, lt, lr = r, len(p), len(h), len(t), len(r)
         armed = True
 
     def disarm() -> None:
@@ -104,6 +110,20 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
     return send, arm, disarm, countdown
 
 
+def _is_usage(body: bytes, root: bytes, lr: int) -> bool:
+    """The usage chunk `stream.StreamReshaper` forwards as it came: one whole event, the root (b"": none does),
+    `]`, no `"choices":` after it."""
+    return (
+        lr > 0
+        and body.startswith(root)
+        and body[lr : lr + 1] == b"]"
+        and body.endswith(b"\n\n")
+        and body.find(b"\n") == len(body) - 2
+        and body.find(b"\r") < 0
+        and body.find(b'"choices":', lr) < 0
+    )
+
+
 # The echoed prompts of a plan, decoded; None when the client went away meanwhile.
 DecodeEcho = Callable[[Plan], Awaitable["tuple[str | tuple[int, ...], ...] | None"]]
 
@@ -112,7 +132,7 @@ class ReshapingSend:
     """The `send` handed to vLLM when the response has to be reshaped."""
 
     __slots__ = ("plan", "clock", "send", "route", "decode_echo", "_kind", "_start", "_parts", "_stream", "_tally",
-                 "_left", "app_send", "_arm", "_disarm", "_countdown", "_armed")  # fmt: skip
+                 "_left", "app_send", "_arm", "_disarm", "_countdown", "_armed", "_scan")  # fmt: skip
 
     _PASS, _UNARY, _STREAM, _ERROR, _DROP = 0, 1, 2, 3, 4
 
@@ -142,6 +162,7 @@ class ReshapingSend:
         # The send to hand vLLM: serves armed streams' deltas itself, everything else through this object.
         make = STREAM_SENDS[stream_path(False)] if stream_send is None else stream_send
         self.app_send, self._arm, self._disarm, self._countdown = make(self, send)
+        self._scan = COMPILED_SCAN if make is STREAM_SENDS.get("c") else None  # the compiled path's chunk scanner
         self._armed = False  # app_send is armed: its countdown is the one that counts
 
     async def __call__(self, message: Message) -> None:
@@ -172,8 +193,9 @@ class ReshapingSend:
                 on_ids = stream.on_ids
                 tally = self._tally
                 countdown, add = (_UNTIMED, None) if tally is None else (self._left, tally.add)
+                usage_root = b"" if self.plan.error_params else stream.root  # stream.StreamReshaper's usage shortcut
                 self._arm(splice.prefix, splice.head, splice.tail, splice.mid, splice.strip, splice.trio, on_ids,
-                          countdown, add)  # fmt: skip
+                          countdown, add, usage_root, self._finish_server(stream, splice))  # fmt: skip
                 self._armed = True
             elif self._armed:
                 self._disarm()
@@ -191,6 +213,12 @@ class ReshapingSend:
         else:
             await self.send(message)
 
+    def _finish_server(self, stream: StreamReshaper, splice: Splice) -> Callable[[bytes], bytes | None] | None:
+        """What serves the finish chunk of an armed stream from the compiled send (finish.finish_chunk's bytes)."""
+        if not serves(self.plan) or splice.finish_head is None:
+            return None
+        return partial(served_finish, splice.prefix, splice.finish_head, len(stream.root), splice.strip, stream.chunks)
+
     async def _on_start(self, message: Message) -> None:
         status = message["status"]
         if self.decode_echo is not None and 200 <= status < 300:
@@ -201,7 +229,7 @@ class ReshapingSend:
                 return
             self.plan = replace(self.plan, echo_prompts=decoded)
         content_type: bytes | None = None
-        encoded = False
+        encoded = sized = False
         for name, value in message.get("headers", ()):
             lower = name.lower()
             if lower == b"content-type":
@@ -209,8 +237,9 @@ class ReshapingSend:
                 content_type = value if content_type is None else content_type
             elif lower == b"content-encoding":
                 encoded = True
-        json_body = content_type is not None and is_json(content_type)
-        event_stream = content_type is not None and is_event_stream(content_type)
+            elif lower == b"content-length":
+                sized = True
+        json_body, event_stream = _body_kind(content_type)
         if status >= 400 and self.plan.error_params and not encoded and json_body:
             self._kind = self._ERROR
             self._start = message
@@ -221,9 +250,10 @@ class ReshapingSend:
             self._kind = self._PASS  # only vLLM's errors could change (error events come in streams)
         elif event_stream:
             self._kind = self._STREAM
-            self._stream = StreamReshaper(self.plan, self.clock)
+            self._stream = StreamReshaper(self.plan, self.clock, self._scan)
             self._tally = metrics.StreamTally() if metrics.enabled() else None
-            message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]
+            if sized:
+                message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]
         elif json_body:
             self._kind = self._UNARY
             self._start = message
@@ -270,6 +300,22 @@ class ReshapingSend:
             metrics.count_reshaping(self.route, metrics.STREAM, events, seconds, stream.unchanged)
 
 
+_BODY_KINDS: dict[bytes, tuple[bool, bool]] = {}
+_BODY_KINDS_MAX = 64  # vLLM writes a handful of content types; more are read each time
+
+
+def _body_kind(content_type: bytes | None) -> tuple[bool, bool]:
+    """(JSON, event stream) for a response's Content-Type, as `asgi.is_json` and `asgi.is_event_stream` read it."""
+    if content_type is None:
+        return False, False
+    kind = _BODY_KINDS.get(content_type)
+    if kind is None:
+        kind = (is_json(content_type), is_event_stream(content_type))
+        if len(_BODY_KINDS) < _BODY_KINDS_MAX:
+            _BODY_KINDS[content_type] = kind
+    return kind
+
+
 def _renamed_error(body: bytes, plan: Plan) -> bytes | None:
     obj = _json.loads(body)
     return _json.dumps(obj) if rename_error(obj, plan) else None
@@ -299,6 +345,18 @@ STREAM_SENDS: dict[str, StreamSendFactory] = {"python": python_stream_send}
 _compiled = _compiled_stream_send()
 if _compiled is not None:
     STREAM_SENDS["c"] = _compiled
+
+
+def _compiled_scan() -> Scanner | None:
+    """`_speedups.plain_chunk` (outbound/finish.first_chunk's scanner); None when the extension is not built."""
+    try:
+        from ._speedups import plain_chunk
+    except ImportError:
+        return None
+    return plain_chunk  # type: ignore[no-any-return]
+
+
+COMPILED_SCAN = _compiled_scan()
 
 
 def stream_path(pure_python: bool) -> str:

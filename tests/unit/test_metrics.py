@@ -27,6 +27,7 @@ from vllm_nvext import _json as nvjson
 from vllm_nvext.inbound.fields import DECISION_FIELDS, replica_model
 from vllm_nvext.inbound.nvext_schema import NVEXT_FIELDS, NVEXT_OBJECTS, param_names
 from vllm_nvext.outbound import chunks as nvresponse
+from vllm_nvext.outbound import stream as stream_module
 from vllm_nvext.protocol import Endpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -250,6 +251,8 @@ async def test_stream_events_that_cannot_be_reshaped_are_forwarded_and_counted(m
         raise RuntimeError("reshaping bug")
 
     monkeypatch.setattr(nvresponse.ChunkReshaper, "reshape", broken)
+    for shortcut in ("first_chunk", "reshape_single", "finish_chunk"):  # the single-choice shortcuts (finish.py)
+        monkeypatch.setattr(stream_module, shortcut, lambda *args: broken(None, None))
     rec = recording("completions_stream_ids")
     app, _ = _app(rec)
     before = scrape()

@@ -302,6 +302,17 @@ class ChunkReshaper:
             if self.engine:
                 self.ids.extend(_json.loads(event[start:end]))
 
+    def finish_first_choice(self, event: bytes, start: int, end: int) -> bytes | None:
+        """What `reshape` records from choice 0's finish chunk (ids listed at event[start:end], nothing else
+        read; see finish.serves), and the encoded `nvext` it adds; None, nothing recorded, once finished."""
+        state = self._choices[0]
+        if state.finished:
+            return None
+        self.delta_ids(event, start, end)
+        state.finished = True
+        prompt = b"" if self.prompt_ids is None else b',"prompt_token_ids":' + _json.dumps(self.prompt_ids)
+        return b'{"completion_token_ids":' + event[start:end] + prompt + b"}"
+
     def withhold_ids(self) -> None:
         """The byte-level path saw `token_ids: null` on the only choice (see `_reported_ids`)."""
         self._choices[0].withheld = True
@@ -309,6 +320,10 @@ class ChunkReshaper:
     def drop_pending(self) -> None:
         """The finish chunk waiting for the usage chunk goes out as it stands (no usage chunk came)."""
         self.pending = None
+
+    def choice_state(self, index: Any) -> _Choice:
+        """The state of the choice with this `index` (0 when it is not an integer), as `reshape` picks it."""
+        return self._choice(index if isinstance(index, int) and not isinstance(index, bool) else 0)
 
     def _choice(self, index: int) -> _Choice:
         state = self._choices.get(index)
@@ -354,8 +369,7 @@ class ChunkReshaper:
         )
         if delta_ids and self.ttft_ms is None:
             self.ttft_ms = self.clock.elapsed_ms()
-        index = choice.get("index")
-        state = self._choice(index if isinstance(index, int) and not isinstance(index, bool) else 0)
+        state = self.choice_state(choice.get("index"))
         if delta_ids is None:
             state.withheld = True
         elif self.engine:

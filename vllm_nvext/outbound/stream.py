@@ -18,6 +18,7 @@ from .. import _json
 from ..plan import Plan
 from ..sse import EventFramer, data_payload
 from .chunks import ChunkReshaper
+from .finish import Scanner, finish_chunk, first_chunk, reshape_single, serves
 from .nvext_values import Clock
 
 logger = logging.getLogger("vllm_nvext")
@@ -71,7 +72,7 @@ class Splice:
     same deltas with the same checks.
     """
 
-    __slots__ = ("prefix", "head", "tail", "strip", "trio", "mid")
+    __slots__ = ("prefix", "head", "tail", "strip", "trio", "mid", "finish_head")
 
     def __init__(self, prefix: bytes, head: bytes, tail: bytes, strip: bool, trio: bool) -> None:
         self.prefix = prefix
@@ -83,6 +84,8 @@ class Splice:
         # and the nvext key (trio); rendered as event[:start or end] + mid [+ ids + "}}\n\n"].
         null = b"null" if strip else b""
         self.mid = null + tail[:-_CHUNK_END] + _NVEXT_IDS if trio else null + tail
+        at = head.find(_FINISH_KEY)  # the bytes before a finish reason (finish.finish_chunk); None: not known
+        self.finish_head = head[:at] if at >= 0 else None
 
     def locate(self, event: bytes) -> int:
         """Where the ids of a delta this splice serves start; -1 for any other event."""
@@ -150,19 +153,22 @@ class StreamReshaper:
     sent it, and at most one partial event is held back.
     """
 
-    __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "_root", "splice", "_armings", "_head", "_tail",
-                 "_held", "_waiting", "framed", "framed_events", "unchanged", "_renames")  # fmt: skip
+    __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "root", "splice", "_armings", "_head", "_tail",
+                 "_held", "_waiting", "framed", "framed_events", "unchanged", "_renames", "_finishes",
+                 "_scan")  # fmt: skip
 
-    def __init__(self, plan: Plan, clock: Clock) -> None:
+    def __init__(self, plan: Plan, clock: Clock, scan: Scanner | None = None) -> None:
         self.chunks = ChunkReshaper(plan, clock)
-        self._framer = EventFramer()
+        self._scan = scan if serves(plan) else None  # lets a plain chunk skip its decode (finish.first_chunk)
+        self._framer: EventFramer | None = None  # made for the first message that is not one whole event
         self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
         self._trio = plan.nvext_trio
+        self._finishes = serves(plan)  # single-choice shortcuts for the trio (finish.py)
         self._renames = bool(plan.error_params)  # the general path may rename an error in a chunk
         self._fast = False  # the byte-level path serves deltas once the first chunk was decoded
         # The bytes up to `"choices":[` of the chunk that armed the byte-level path: vLLM writes the
         # same root keys before `choices` on every chunk of a stream, and a delta must repeat them.
-        self._root = b""
+        self.root = b""
         self.splice: Splice | None = None  # serves mid-stream deltas once armed (see Splice)
         self._armings = ARMINGS
         self._head = b""  # the bytes from finish_reason to the ids, and after them, of the last delta matched
@@ -180,7 +186,7 @@ class StreamReshaper:
     @property
     def buffered(self) -> int:
         """Bytes held back: at most one partial event."""
-        return self._framer.buffered
+        return 0 if self._framer is None else self._framer.buffered
 
     def feed(self, body: bytes) -> bytes:
         """The bytes the client gets for one body message of vLLM's stream (held-back bytes excepted)."""
@@ -202,9 +208,14 @@ class StreamReshaper:
                 logger.exception("vllm-nvext could not reshape a stream event; forwarded unchanged")
                 self.unchanged += 1
                 return body
-        events = self._framer.feed(body)
-        self._held = self._framer.buffered > 0
         self.framed += 1
+        if not body and not self._held:
+            return b""  # the stream's closing empty message, usually: what framing it gives
+        framer = self._framer
+        if framer is None:
+            framer = self._framer = EventFramer()
+        events = framer.feed(body)
+        self._held = framer.buffered > 0
         if not events:
             return b""
         self.framed_events += len(events)
@@ -212,15 +223,16 @@ class StreamReshaper:
 
     def flush(self) -> bytes:
         """Whatever is held back at the end of the stream (an unterminated tail), as it came."""
+        framer = self._framer
+        tail = framer.flush() if self._held and framer is not None else b""  # nothing held: the framer holds nothing
         self._held = False
-        tail = self._framer.flush()
         return tail if self._waiting is None else self._release() + tail
 
     def _unchanged_usage_chunk(self, event: bytes) -> bool:
         """Shortcut: a chunk whose only `choices` is empty (the usage chunk) goes out as vLLM wrote
         it: the general path changes only errors in it, and only with error_params. Same bytes as
         decoding: tests/unit/test_stream_layouts.py and test_stream_send.py."""
-        root = self._root
+        root = self.root
         return (
             event[len(root) : len(root) + 1] == b"]"
             and not self._renames
@@ -240,6 +252,8 @@ class StreamReshaper:
         Everything else, the first and final chunks among them, is decoded. Cheapest of all, an
         armed `Splice` (same bytes: tests/unit/test_stream_layouts.py and test_stream_send.py).
         """
+        if event == b"data: [DONE]\n\n":  # first: no shortcut below takes it (none matches a non-JSON event)
+            return None if self._waiting is None else self._release() + event
         if self._fast and self._waiting is None:
             splice = self.splice
             if splice is not None:
@@ -247,6 +261,10 @@ class StreamReshaper:
                 if start >= 0:
                     self.chunks.delta_ids(event, start, len(event) - len(splice.tail))
                     return splice.render(event, start)
+            if self._unchanged_usage_chunk(event):
+                return None  # before the delta checks: `"choices":[]` holds no delta
+            if splice is not None and (out := self._plain_finish(event, splice)) is not None:
+                return out
             tail = self._tail
             if tail and event.endswith(tail):
                 end = len(event) - len(tail)
@@ -255,10 +273,10 @@ class StreamReshaper:
                 if (
                     pos > _JSON_AT
                     and event.startswith(self._head, pos)
-                    and event.startswith(self._root)
+                    and event.startswith(self.root)
                     and not event[start + 1 : end - 1].translate(None, _ID_BYTES)
                     and event[end - 1 : end] == b"]"
-                    and event.find(_FINISH_KEY, len(self._root)) == pos  # the only choice of this chunk
+                    and event.find(_FINISH_KEY, len(self.root)) == pos  # the only choice of this chunk
                 ):
                     if self._armings and (splice is None or not event.startswith(splice.prefix)):
                         return self._arm(event, start, end)  # the first delta, or the layout changed
@@ -267,7 +285,7 @@ class StreamReshaper:
             # first == last occurrence: exactly one choice in this chunk
             m = (
                 _DELTA_TAIL.match(event, pos)
-                if pos > 0 and event.startswith(self._root) and event.find(_FINISH_KEY, len(self._root)) == pos
+                if pos > 0 and event.startswith(self.root) and event.find(_FINISH_KEY, len(self.root)) == pos
                 else None
             )
             if m is not None:
@@ -278,11 +296,22 @@ class StreamReshaper:
                     if self._armings and (splice is None or not event.startswith(splice.prefix)):
                         return self._arm(event, start, end)  # the first delta, or the layout changed
                 return self._delta(event, start, end)
-            if self._unchanged_usage_chunk(event):
-                return None
-        if event == b"data: [DONE]\n\n":
-            return None if self._waiting is None else self._release() + event
+        elif self._scan is not None and self._waiting is None and (out := self._plain_first(event, self._scan)):
+            return out
         return self._decoded_event(event)
+
+    def _plain_finish(self, event: bytes, splice: Splice) -> bytes | None:
+        """The general path's bytes for a finish chunk (finish.finish_chunk); None: not served."""
+        if not self._finishes or splice.finish_head is None:
+            return None
+        return finish_chunk(event, splice.prefix, splice.finish_head, len(self.root), self._strip, self.chunks)
+
+    def _plain_first(self, event: bytes, scan: Scanner) -> bytes | None:
+        """The general path's bytes for a plain chunk without a decode (finish.first_chunk); None: not served."""
+        out = first_chunk(event, self.chunks.plan, self.chunks, scan)
+        if out is not None:  # what the general path learns from a decoded chunk
+            self._fast = not self.chunks.decode_every_chunk and self._learn_root(event)
+        return out
 
     def _arm(self, event: bytes, start: int, end: int) -> bytes:
         """Serve a mid-stream delta by the byte-level path, and arm the splice it teaches if that reproduces it.
@@ -350,7 +379,9 @@ class StreamReshaper:
         if obj is _NOT_JSON:
             return released + event
         chunks = self.chunks
-        changed = chunks.reshape(obj)
+        changed = reshape_single(chunks, obj) if self._finishes else None  # the same in fewer steps, or None
+        if changed is None:
+            changed = chunks.reshape(obj)
         if chunks.pending is not None:
             self._waiting = (before, obj, after)  # a finish chunk that waits for the usage chunk
             return released
@@ -370,9 +401,9 @@ class StreamReshaper:
         if end < 0 or event[_JSON_AT : _JSON_AT + 1] != b"{":
             return False
         root = event[: end + len(_CHOICES)]
-        if any(key in root for key in _ROOT_REWRITTEN):
+        if _ROOT_REWRITTEN[0] in root or _ROOT_REWRITTEN[1] in root:
             return False
-        self._root = root
+        self.root = root
         return True
 
     def _release(self) -> bytes:
@@ -408,6 +439,11 @@ class DecodingStreamReshaper(StreamReshaper):
     """
 
     __slots__ = ()
+
+    def __init__(self, plan: Plan, clock: Clock) -> None:
+        super().__init__(plan, clock)
+        self._finishes = False  # no single-choice shortcut (finish.py) either
+        self._scan = None
 
     def reshape_event(self, event: bytes) -> bytes | None:
         return self._decoded_event(event)

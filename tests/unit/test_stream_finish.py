@@ -1,0 +1,196 @@
+"""The single-choice shortcuts (outbound/finish.py) give the general path's bytes, or leave it to it.
+
+A single-choice stream that asks for the token-id trio alone gets its finish chunk without a
+decode: vLLM's copy of the ids back to null and the chunk's `nvext` (the chunk's ids, the prompt's
+ids) at its end, every other byte as vLLM wrote it. Every recorded stream is compared in
+test_stream_layouts.py and test_stream_send.py; here, first, delta and finish chunks laid out
+with every kind of value a key may hold (decoded ones take `finish.reshape_single`), and a second
+finish chunk for the same choice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.recorded import VLLM_VERSIONS, recordings
+from tests.unit.test_stream_layouts import SPLICED, _events, _first_difference, _plan
+from vllm_nvext import Mode
+from vllm_nvext.outbound.finish import served_finish
+from vllm_nvext.outbound.nvext_values import Clock
+from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
+from vllm_nvext.send import COMPILED_SCAN
+
+NAMES = ["chat_stream_ids_long", "completions_stream_ids_long", "chat_stream_ids", "completions_stream_ids"]
+
+
+def _recording(name: str, vllm: str) -> Any:
+    return recordings()[name if vllm == "0.32" else f"vllm-{vllm}/{name}"]
+
+
+def _scanner(compiled: bool) -> Any:
+    """The compiled scanner (`_speedups.plain_chunk`) that lets a plain first chunk skip its decode, or None."""
+    if compiled and COMPILED_SCAN is None:
+        if os.environ.get("VLLM_NVEXT_REQUIRE_EXTENSION"):
+            pytest.fail("the compiled stream path is not built (python setup.py build_ext --inplace)")
+        pytest.skip("the compiled stream path is not built in this install")
+    return COMPILED_SCAN if compiled else None
+
+
+def _both(plan: Any, events: list[bytes], compiled: bool) -> tuple[bytes, bytes]:
+    fast, general = StreamReshaper(plan, Clock(), _scanner(compiled)), DecodingStreamReshaper(plan, Clock())
+    got = b"".join(fast.feed(e) for e in events) + fast.flush()
+    return got, b"".join(general.feed(e) for e in events) + general.flush()
+
+
+def _finish_at(events: list[bytes]) -> int:
+    return next(i for i, e in enumerate(events) if b'"finish_reason":"' in e)
+
+
+@pytest.mark.parametrize("vllm", SPLICED)
+@pytest.mark.parametrize("name", NAMES)
+def test_the_first_and_finish_chunks_are_not_decoded_and_carry_the_trio(name, vllm, json_decodes):
+    rec = _recording(name, vllm)
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    events = _events(rec.body)
+    reshaper = StreamReshaper(plan, Clock(), _scanner(True))
+    outs = [reshaper.feed(e) for e in events]
+    finish = _finish_at(events)
+    assert events[finish][6:-2] not in json_decodes, "the finish chunk was decoded"
+    assert events[0][6:-2] not in json_decodes, "the first chunk was decoded"
+    first_ids = rec.events()[0]["choices"][0].get("token_ids", [])
+    assert orjson.loads(outs[0][6:])["nvext"] == {"completion_token_ids": first_ids}
+    chunk = orjson.loads(outs[finish][6:])
+    vllm_ids = orjson.loads(events[finish][6:])["choices"][0]["token_ids"]
+    prompt = rec.events()[0].get("prompt_token_ids") or rec.events()[0]["choices"][0].get("prompt_token_ids")
+    assert chunk["nvext"] == {"completion_token_ids": vllm_ids, "prompt_token_ids": prompt}
+    assert chunk["choices"][0]["token_ids"] is None, "vLLM's copy of the ids reached the client"
+
+
+VALUES: st.SearchStrategy[Any] = st.one_of(
+    st.none(),
+    st.integers(-(2**66), 2**66),
+    st.text(max_size=6),
+    st.text(alphabet=st.sampled_from(["a", "-", ".", " ", "/", "~"]), max_size=8),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.booleans(),
+    st.sampled_from([{}, [], [1], {"a": None}]),
+)
+KEYS = ["stop_reason", "weight_versions", "system_fingerprint", "x_y", "prompt_token_ids", "kv_transfer_params",
+        "routed_experts", "logprobs", "nvext", "token_ids", "finish_reason", "index"]  # fmt: skip
+IDS: st.SearchStrategy[Any] = st.one_of(
+    st.lists(st.integers(0, 2**70), max_size=4), st.none(), st.just([0, 10**15 - 1, 10**15])
+)
+
+
+def _dumps(obj: Any) -> bytes:
+    try:
+        return orjson.dumps(obj)
+    except TypeError:  # ids beyond 64 bits: as the general path would encode them
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "c"])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_chunk_laid_out_any_way_gives_the_general_paths_bytes(compiled, data):
+    vllm = data.draw(st.sampled_from(SPLICED), label="vllm")
+    rec = _recording(data.draw(st.sampled_from(NAMES), label="name"), vllm)
+    plan = _plan(rec, data.draw(st.sampled_from([Mode.NVEXT, Mode.BOTH, Mode.AUTO])), ["completion_token_ids"])
+    events = _events(rec.body)
+    at = data.draw(st.sampled_from([0, 1, _finish_at(events)]), label="chunk")  # the first, a delta, the finish
+    chunk = orjson.loads(events[at][6:])
+    choice = chunk["choices"][0]
+    owners = [choice, chunk] + ([choice["delta"]] if isinstance(choice.get("delta"), dict) else [])
+    for owner in owners:
+        for key in data.draw(st.lists(st.sampled_from(KEYS), max_size=3, unique=True), label="keys"):
+            owner[key] = data.draw(VALUES, label=key)
+    if data.draw(st.booleans(), label="other ids"):
+        choice["token_ids"] = data.draw(IDS, label="ids")
+    if data.draw(st.booleans(), label="other prompt ids"):
+        (chunk if "prompt_token_ids" in chunk else choice)["prompt_token_ids"] = data.draw(IDS, label="prompt ids")
+    if at:
+        reasons = ["length", "stop", "tool_calls", "x y", ""] if at > 1 else [None, "stop"]
+        choice["finish_reason"] = data.draw(st.sampled_from(reasons), label="reason")
+    events[at] = b"data: " + _dumps(chunk) + b"\n\n"
+    got, want = _both(plan, events, compiled)
+    assert got == want, _first_difference(got, want)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "c"])
+@pytest.mark.parametrize("vllm", VLLM_VERSIONS)
+def test_a_second_finish_chunk_for_the_same_choice_is_treated_as_the_general_path_treats_it(vllm, compiled):
+    rec = _recording("chat_stream_ids_long", vllm)
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    events = _events(rec.body)
+    finish = _finish_at(events)
+    events.insert(finish + 1, events[finish])
+    got, want = _both(plan, events, compiled)
+    assert got == want, _first_difference(got, want)
+    assert got.count(b'"prompt_token_ids":[') == 1, "the prompt's ids must be reported once, on the first finish"
+
+
+JSON: st.SearchStrategy[Any] = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**64), 2**64), st.floats(allow_nan=False), st.text(max_size=5)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=3), inner, max_size=3)),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(value=st.dictionaries(st.sampled_from(["a", "choices", "nvext", "b_c", "é"]), JSON, max_size=4))
+def test_the_scanner_accepts_only_json_that_orjson_writes_back_byte_for_byte(value):
+    payload = _dumps(value)
+    if _scanner(True)(b"data: " + payload + b"\n\n") is not None:
+        assert orjson.dumps(orjson.loads(payload)) == payload
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b'{"a":1,"a":2}', b'{"a":1.0}', b'{"a":-0}', b'{"a":1e5}', b'{"a": 1}', b'{"a":"\\/"}', b'{"a":"\\u00e9"}',
+     b'{"a":"\xc3\xa9"}', b'{"a":01}', b'{"a":1234567890123456}', b'{"a":[1,]}', b'{"a":nul}', b'{"a":1}x',
+     b'{"choices":{}}', b'{"choices":[1]}', b'[1]', b'{"a":' + b"[" * 20 + b"]" * 20 + b"}"],
+)  # fmt: skip
+def test_the_scanner_refuses_what_a_decode_would_write_otherwise(payload):
+    assert _scanner(True)(b"data: " + payload + b"\n\n") is None
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "c"])
+@pytest.mark.parametrize("value", [None, 0, {"remote_block_ids": [1]}])
+@pytest.mark.parametrize("key", ["kv_transfer_params", "prompt_token_ids"])
+def test_a_key_the_finish_moves_before_choices_is_moved_as_the_general_path_moves_it(key, value, compiled):
+    # vLLM writes kv_transfer_params after `choices`; a layout that writes it (or the prompt's ids) before
+    # `choices` on every chunk must still see it moved into the finish chunk's nvext (docs/protocol.md §3.4)
+    rec = _recording("chat_stream_ids_long", "0.32")
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    name = b'"' + key.encode() + b'":'
+    member = name + orjson.dumps(value) + b","
+    events = [e if name in e else e.replace(b'"choices":[', member + b'"choices":[', 1) for e in _events(rec.body)]
+    got, want = _both(plan, events, compiled)
+    assert got == want, _first_difference(got, want)
+
+
+def test_a_finish_chunk_the_compiled_send_cannot_serve_goes_to_the_general_path():
+    """`finish.served_finish` never raises into vLLM's stream: anything unexpected hands the chunk back (None)."""
+    rec = _recording("chat_stream_ids_long", "0.33")
+    events = _events(rec.body)
+    reshaper = StreamReshaper(_plan(rec, Mode.NVEXT, ["completion_token_ids"]), Clock())
+    for event in events[:3]:
+        reshaper.feed(event)
+    splice = reshaper.splice
+    assert splice is not None and splice.finish_head is not None
+
+    class Broken:
+        def finish_first_choice(self, event: bytes, start: int, end: int) -> bytes:
+            raise RuntimeError("a bug")
+
+    finish = events[_finish_at(events)]
+    args = (splice.prefix, splice.finish_head, len(reshaper.root), True)
+    assert served_finish(*args, reshaper.chunks, finish) is not None, "the recorded finish chunk is served"
+    assert served_finish(*args, Broken(), finish) is None  # type: ignore[arg-type]

@@ -1,0 +1,186 @@
+"""The byte-level finish chunk of a single-choice stream: the general path's bytes without decoding it.
+
+`stream.StreamReshaper` hands it the finish chunk of an armed stream (`stream.Splice`) whose plan
+asks for the token-id trio and nothing else on the finish chunk (`serves`): the general path
+(`chunks.ChunkReshaper`) then only sets vLLM's copy of the ids back to null (`strip`) and adds
+`"nvext":{"completion_token_ids":...,"prompt_token_ids":...}` at the end of the chunk, and
+re-encodes every other value as vLLM wrote it. So the chunk is served only when every byte it
+keeps is one orjson writes the same way: the delta's learned prefix and a text of the splice's
+kind (`stream.UNSAFE_TEXT`), then only `null`, plain ASCII strings and small integers under keys
+the general path leaves alone, and a list of small non-negative ids. Anything else is decoded.
+Same bytes: tests/unit/test_stream_layouts.py, test_stream.py and test_stream_send.py.
+
+`first_chunk` serves, with the compiled scanner (`_speedups.plain_chunk`, which `send.py` hands
+`stream.StreamReshaper` on the compiled path), a decoded chunk's
+general-path bytes without the decode: a chunk of choice 0 that does not finish it (the role
+chunk with vLLM's prompt ids, every chunk of a stream no splice serves) whose JSON is plain
+(every value one orjson writes as vLLM does, no key twice), so vLLM's copies of the ids go back
+to null in place and `"nvext":{"completion_token_ids":...}` goes at its end.
+
+`reshape_single` is the general path's reshape of a decoded single-choice chunk under such a
+plan in fewer steps (the first chunk, and every chunk of a stream no splice serves).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from .. import _json
+from ..plan import Plan
+from ..protocol import Endpoint
+from .chunks import ChunkReshaper, _strip_vllm_ids, _take_kv
+
+# A key the general path neither reads nor writes here (choice level or root), with a value
+# orjson writes as vLLM does: null, a string of printable ASCII without escapes, a small integer.
+_KEPT_KEY = (
+    rb',"(?:(?!(?:token_ids|finish_reason|choices|nvext)")[a-z_]+":null'
+    rb'|(?!(?:token_ids|finish_reason|choices|nvext|prompt_token_ids|kv_transfer_params|index)")[a-z_]+":'
+    rb'(?:"[ !#-\[\]-~]*"|0|-?[1-9][0-9]{0,14}))'
+)
+_ID = rb"(?:0|[1-9][0-9]{0,14})"
+# From the finish reason to the end of the event: group 1 the ids, group 2 what follows them.
+_FINISH_TAIL = re.compile(
+    rb'"finish_reason":"[a-z_]+"(?:' + _KEPT_KEY + rb')*,"token_ids":(\[(?:' + _ID + rb"(?:," + _ID + rb")*)?\])"
+    rb"((?:" + _KEPT_KEY + rb")*\}\](?:" + _KEPT_KEY + rb")*\}\n\n)\Z"
+)
+_FIRST_CHOICE = b'{"index":0,'
+# Keys the general path moves or nulls on a finish chunk when they hold a value: not before the text either.
+_MOVED = (b'"kv_transfer_params":', b'"prompt_token_ids":')
+
+
+def _held(prefix: bytes, key: bytes) -> bool:
+    """`key` holds something other than null in `prefix` (a key's quotes are never a string's)."""
+    at = prefix.find(key)
+    return at >= 0 and not prefix.startswith(b"null", at + len(key))
+
+
+_LIST = ord("[")
+_CHUNK_END = len(b"}\n\n")
+
+
+def serves(plan: Plan) -> bool:
+    """The plan's finish chunk changes only as `finish_chunk` changes it (the trio, nothing else asked)."""
+    return (
+        plan.nvext_trio
+        and plan.single_choice
+        and not plan.nvext_only_selectors
+        and not plan.echo_prompts
+        and not plan.finish_waits_for_usage
+    )
+
+
+def finish_chunk(
+    event: bytes, prefix: bytes, finish_head: bytes, root_end: int, strip: bool, chunks: ChunkReshaper
+) -> bytes | None:
+    """The client's bytes for the finish chunk `event` of choice 0, or None (nothing recorded) to decode it.
+
+    `prefix`: the armed splice's bytes up to a delta's text; `finish_head`: its bytes from the
+    text's closing quote to `"finish_reason":`; `root_end`: where `choices`' first element starts.
+    """
+    text = len(prefix)
+    close = event.find(b'"', text)  # the splice's texts hold no quote: the first one closes it
+    if (
+        close < 0
+        or not event.startswith(prefix)
+        or not event.startswith(_FIRST_CHOICE, root_end)
+        or event.find(b"\n", text, close) >= 0
+        or event.find(b"\r", text, close) >= 0
+        or event[close - 1] == 92  # a backslash: the quote is escaped
+        or not event.startswith(finish_head, close)
+    ):
+        return None
+    m = _FINISH_TAIL.match(event, close + len(finish_head))
+    if m is None or any(_held(prefix, key) for key in _MOVED):
+        return None
+    start, end = m.span(1)
+    nvext = chunks.finish_first_choice(event, start, end)
+    if nvext is None:
+        return None
+    kept = event[:start] + b"null" + event[end:-_CHUNK_END] if strip else event[:-_CHUNK_END]
+    return kept + b',"nvext":' + nvext + b"}\n\n"
+
+
+def reshape_single(chunks: ChunkReshaper, obj: Any) -> bool | None:
+    """`chunks.reshape(obj)` for a decoded chunk with one choice under a plan `serves` accepts, in fewer
+    steps; None (nothing done) for any other chunk. Same bytes: the stream tests above, whose general
+    path (`stream.DecodingStreamReshaper`) runs `ChunkReshaper.reshape` itself."""
+    choices = obj.get("choices") if type(obj) is dict else None
+    if type(choices) is not list or len(choices) != 1 or type(choices[0]) is not dict:
+        return None
+    choice = choices[0]
+    plan = chunks.plan
+    if chunks.prompt_ids is None:
+        owner = choice if plan.endpoint is Endpoint.COMPLETIONS else obj
+        chunks.prompt_ids = owner.get("prompt_token_ids")
+    delta = choice.get("token_ids")
+    ids = delta if isinstance(delta, list) else None if "token_ids" in choice or plan.ids_withheld else []
+    if ids and chunks.ttft_ms is None:
+        chunks.ttft_ms = chunks.clock.elapsed_ms()
+    state = chunks.choice_state(choice.get("index"))
+    if ids is None:
+        state.withheld = True
+    nv: dict[str, Any] = {"completion_token_ids": ids}
+    if choice.get("finish_reason") is not None and not state.finished:
+        state.finished = True
+        kv = _take_kv(obj, plan)
+        if kv is not None:
+            nv["kv_transfer_params"] = kv
+        if chunks.prompt_ids is not None:
+            nv["prompt_token_ids"] = chunks.prompt_ids
+    if plan.strip_vllm_ids:
+        _strip_vllm_ids(obj, choices, plan)
+    obj["nvext"] = nv
+    return True
+
+
+# `_speedups.plain_chunk`: None, or (choices, root prompt ids, root nvext, index, ids, prompt ids, finish
+# reason), the first the number of choices (-1: no `choices`), each other the (start, end) of a value (-1, -1).
+Scanner = Callable[[bytes], "tuple[int, ...] | None"]
+
+
+def first_chunk(event: bytes, plan: Plan, chunks: ChunkReshaper, scan: Scanner) -> bytes | None:
+    """The client's bytes for a plain chunk of choice 0 that does not finish it; None (nothing recorded): decode it."""
+    spans = scan(event)
+    if spans is None:
+        return None
+    choices, root_prompt, root_end, nvext, _, index, index_end, ids, ids_end, prompt, prompt_end, fin, fin_end = spans
+    if choices != 1 or nvext >= 0 or event[index:index_end] != b"0" or event[fin:fin_end] not in (b"", b"null"):
+        return None
+    completions = plan.endpoint is Endpoint.COMPLETIONS
+    if not completions:
+        prompt, prompt_end = root_prompt, root_end
+    delta = event[ids:ids_end] if ids >= 0 else b"null" if plan.ids_withheld else b"[]"
+    prompt_value = event[prompt:prompt_end]
+    if (delta[0] != _LIST and delta != b"null") or (prompt_value[:1] not in (b"[", b"") and prompt_value != b"null"):
+        return None  # another value where the general path reads ids: decoded
+    if chunks.prompt_ids is None and prompt >= 0:
+        chunks.prompt_ids = _json.loads(prompt_value)
+    if delta == b"null":
+        chunks.withhold_ids()
+    else:
+        chunks.delta_ids(event, ids, ids_end)  # the first token's time
+    strip_ids = plan.strip_vllm_ids and ids >= 0 and delta != b"null"
+    strip_prompt = plan.strip_vllm_ids and prompt >= 0 and prompt_value != b"null"
+    if strip_prompt and completions and plan.vllm_sends_prompt_ids:
+        strip_prompt = False
+    tail = b',"nvext":{"completion_token_ids":' + delta + b"}}\n\n"
+    if strip_ids and strip_prompt:
+        a, a_end, b, b_end = (ids, ids_end, prompt, prompt_end) if ids < prompt else (prompt, prompt_end, ids, ids_end)
+        return b"".join((event[:a], b"null", event[a_end:b], b"null", event[b_end:-_CHUNK_END], tail))
+    if strip_ids or strip_prompt:
+        a, a_end = (ids, ids_end) if strip_ids else (prompt, prompt_end)
+        return b"".join((event[:a], b"null", event[a_end:-_CHUNK_END], tail))
+    return event[:-_CHUNK_END] + tail
+
+
+def served_finish(
+    prefix: bytes, finish_head: bytes, root_end: int, strip: bool, chunks: ChunkReshaper, event: bytes
+) -> bytes | None:
+    """`finish_chunk` for the compiled send (`_speedups.StreamSend`), which serves a finish chunk it gives
+    bytes for itself; None (anything unexpected included) hands the chunk to the general path."""
+    try:
+        return finish_chunk(event, prefix, finish_head, root_end, strip, chunks)
+    except Exception:  # the general path tries it again, and forwards the chunk unchanged if it fails again
+        return None
