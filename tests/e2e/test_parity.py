@@ -202,7 +202,9 @@ def test_parity_against_a_real_dynamo_passes(dynamo_server, nvext_dynamo_server,
     status, table, progress, report = run_parity(
         "--url", nvext_dynamo_server.url, "--dynamo-url", dynamo_server.url, "--json", str(report_path)
     )
-    assert status == 0, table
+    # On a difference, what both servers said goes into the failure message (the report keeps it too).
+    differing = [c for c in (report or {}).get("cases", []) if c["differences"]]
+    assert status == 0, table + "\n" + json.dumps(differing, indent=1)[:20000]
     assert f"Dynamo {dynamo_server.url} vs vllm-nvext {nvext_dynamo_server.url} (nvext mode)" in progress
     assert table.rstrip().endswith("OK: 79 cases, 79 agree, 0 differ"), table
     assert _dynamo_row(table, "chat-ids-stream") == ("PASS", "HTTP 200 both")

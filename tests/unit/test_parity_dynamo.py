@@ -292,6 +292,21 @@ def test_dynamo_parity_fails_naming_the_first_unlisted_difference(tmp_path):
     assert saved["passed"] is False
     failed = [c for c in saved["cases"] if c["result"] == FAIL]
     assert failed and all(c["differences"] for c in failed)
+    # A differing case keeps what each server said; an agreeing one does not.
+    ids_case = next(c for c in failed if c["case"] == "chat-ids-unary")
+    dynamo_said, we_said = (json.loads(ids_case["bodies"][side]) for side in ("dynamo", "nvext"))
+    assert dynamo_said["nvext"]["completion_token_ids"] == [5, 6] and we_said["nvext"]["completion_token_ids"] == [5, 7]
+    assert all("bodies" not in c for c in saved["cases"] if c["result"] == PASS)
+
+
+def test_dynamo_parity_report_keeps_a_long_or_undecodable_body_readable():
+    from vllm_nvext.tools.parity import _body_text
+
+    assert _body_text(None) is None
+    assert _body_text(b"caf\xc3\xa9 \xff") == "caf\u00e9 \ufffd"
+    cut = _body_text(b"x" * 70000)
+    assert cut is not None and cut.startswith("x" * 65536) and "x" * 65537 not in cut
+    assert cut.endswith("[... cut at 64 KiB]")
 
 
 def test_dynamo_parity_usage_errors_and_unreachable_servers_are_exit_2(tmp_path, capsys):

@@ -230,36 +230,50 @@ def _run_dynamo(args: argparse.Namespace, out: TextIO, err: TextIO, transport: h
         )
         for number, case in enumerate(cases, 1):
             print(f"[{number}/{len(cases)}] {case.name}", file=err, flush=True)
-            dynamo = _exchange(http, dynamo_target, case)
-            ours = _exchange(http, nvext_target, case)
+            dynamo, dynamo_body = _exchange(http, dynamo_target, case)
+            ours, our_body = _exchange(http, nvext_target, case)
             row, differences = judge_dynamo_case(case, dynamo, ours)
             rows.append(row)
-            case_reports.append(
-                {
-                    "case": case.name,
-                    "path": case.path,
-                    "request": case.body,
-                    "status": {"dynamo": _status_of(dynamo), "nvext": _status_of(ours)},
-                    "result": row.status,
-                    "differences": differences,
-                }
-            )
+            case_report: dict[str, Any] = {
+                "case": case.name,
+                "path": case.path,
+                "request": case.body,
+                "status": {"dynamo": _status_of(dynamo), "nvext": _status_of(ours)},
+                "result": row.status,
+                "differences": differences,
+            }
+            if differences:  # what each server said, to look into the difference afterwards
+                case_report["bodies"] = {"dynamo": _body_text(dynamo_body), "nvext": _body_text(our_body)}
+            case_reports.append(case_report)
 
     report = {"url": nvext_target.url, "dynamo_url": dynamo_target.url, "model": model}
     summary = "{checks} cases, {passed} agree, {failed} differ"
     return _conclude(rows, case_reports, summary, report, args.json_report, out)
 
 
-def _exchange(http: httpx.Client, target: Target, case: dynamo_conformance.Case) -> dynamo_conformance.Answer | str:
-    """POST the case's exact bytes; the answer, or why there is none."""
+def _exchange(
+    http: httpx.Client, target: Target, case: dynamo_conformance.Case
+) -> tuple[dynamo_conformance.Answer | str, bytes | None]:
+    """POST the case's exact bytes; the answer, or why there is none, and the body as it came (None: no reply)."""
     import httpx
 
     headers = {"content-type": "application/json", **target.headers}
     try:
         response = http.post(target.url + case.path, content=case.content(), headers=headers)
     except httpx.HTTPError as exc:
-        return f"request failed: {type(exc).__name__}: {exc}"
-    return read_conformance_answer(response.status_code, response.content, case.stream)
+        return f"request failed: {type(exc).__name__}: {exc}", None
+    return read_conformance_answer(response.status_code, response.content, case.stream), response.content
+
+
+_BODY_TEXT_MAX = 65536
+
+
+def _body_text(body: bytes | None) -> str | None:
+    """A reply body for the JSON report: its text (undecodable bytes replaced), cut at 64 KiB."""
+    if body is None:
+        return None
+    text = body[:_BODY_TEXT_MAX].decode("utf-8", "replace")
+    return text + ("\n[... cut at 64 KiB]" if len(body) > _BODY_TEXT_MAX else "")
 
 
 def _status_of(answer: dynamo_conformance.Answer | str) -> int | str:
