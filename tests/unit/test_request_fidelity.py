@@ -535,7 +535,6 @@ def _outcome(make: Any) -> Any:
 def _made_anew(make: Any) -> Any:
     """`make()` with nothing kept: read_fields validates, plan plans."""
     fields_module._READ.clear()
-    fields_module._KEPT.clear()
     request_module._PLANS.clear()
     return _outcome(make)
 
@@ -557,6 +556,16 @@ def test_a_kept_reading_is_the_reading_made_anew(data, endpoint, names):
     assert again == first == _made_anew(lambda: read_fields(data, endpoint, names))
     if isinstance(first, DecisionFields):
         assert again is first, "kept: the same reading"
+
+
+def test_only_a_kept_reading_is_marked_kept():
+    """A reading made anew (fields that are not plain values, or built elsewhere) is never taken for a kept one."""
+    scalar = read_fields({"n": 2, "stream": True}, COMPLETIONS)
+    assert fields_module.kept(scalar) and read_fields({"stream": True, "n": 2}, COMPLETIONS) is scalar
+    ids = read_fields({"prompt": [1, 2], "n": 2}, COMPLETIONS)
+    assert not fields_module.kept(ids) and read_fields({"prompt": [1, 2], "n": 2}, COMPLETIONS) is not ids
+    assert not fields_module.kept(DecisionFields(n=2, stream=True))
+    assert DecisionFields(n=2, stream=True) == scalar, "the mark is no part of the reading's value"
 
 
 @pytest.mark.parametrize(("one", "other"), [(True, 1), ("1", 1), (0, False), ("true", True), (2, "2")])
@@ -606,7 +615,7 @@ def test_what_is_kept_stays_bounded_whatever_clients_send(monkeypatch):
         request = read_request(body, COMPLETIONS)
         assert request is not None and request.fields.n == n
         assert plan(request, Mode.AUTO).n == n
-        assert len(fields_module._READ) <= 4 and len(fields_module._KEPT) <= 4 and len(request_module._PLANS) <= 4
+        assert len(fields_module._READ) <= 4 and len(request_module._PLANS) <= 4
 
 
 def test_a_reader_that_reads_other_keys_is_never_kept():

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from .. import _json, _vllm_compat
+from .._bounded import keep
 from ..config import Mode
 from ..plan import Plan
 from ..protocol import (
@@ -152,9 +153,7 @@ def plan(
     if known is not None and known[0] is fields:
         return known[1]
     made = _plan(request, mode, dp_rank_header, hides_reasoning_ids, splice_root)
-    if len(_PLANS) >= _PLANS_MAX:
-        _PLANS.clear()
-    _PLANS[key] = (fields, made)  # holds `fields`, so its id names no other object while kept
+    keep(_PLANS, key, (fields, made), _PLANS_MAX)  # holds `fields`, so its id names no other object while kept
     return made
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .. import _json
+from .._bounded import keep
 from ..protocol import PROMPT_TOKEN_IDS
 
 __all__ = ["BodyRewrite", "SpliceRoot"]
@@ -72,10 +73,9 @@ class BodyRewrite:
         if known is None:
             extra = ",".join(f"{_json.dumps_text(key)}:{value}" for key, value in self.added.items())
             known = (tuple(_json.encode_text(key) for key in self.dropped), _json.encode_text(extra))
-            if len(_SPLICE_ARGS) >= 256:
-                _SPLICE_ARGS.clear()  # values the client set (a cache_salt) cannot grow it
-            _SPLICE_ARGS[key] = known
+            keep(_SPLICE_ARGS, key, known, _SPLICE_ARGS_MAX)  # values the client set (a cache_salt) cannot grow it
         return known
 
 
 _SPLICE_ARGS: dict[tuple[frozenset[str], tuple[tuple[str, str], ...]], tuple[tuple[bytes, ...], bytes]] = {}
+_SPLICE_ARGS_MAX = 256
