@@ -51,7 +51,8 @@ class DecisionFields:
     prompt_logprobs: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
     include_reasoning: bool = True  # chat only
-    # Not a field: set on the readings `read_fields` keeps (`kept`), never on one made anew.
+    # Not a field: set when `read_fields` makes a reading it keeps and hands out again for the same
+    # scalar fields, never on one made anew or built elsewhere (it stays set once `_READ` lets go).
     kept: bool = dataclasses.field(default=False, compare=False, repr=False)
 
 
@@ -151,14 +152,6 @@ def read_fields(data: dict[str, Any], endpoint: Endpoint, names: tuple[str, ...]
     if key is not None:
         keep(_READ, key, fields, _READ_MAX)  # made-up values cannot grow it
     return fields
-
-
-def kept(fields: DecisionFields) -> bool:
-    """Is `fields` a reading `read_fields` keeps and hands out again for the same scalar fields?
-
-    Marked when made (a reading made anew, or built elsewhere, is never taken for a kept one); it
-    stays marked after `_READ` lets it go: it is still the reading of those fields."""
-    return fields.kept
 
 
 # What `read_fields` read, by (reader, each of the reader's fields in the body with its type and
