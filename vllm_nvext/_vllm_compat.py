@@ -18,6 +18,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from ._bounded import keep
+
 
 @cache
 def _vllm_root() -> Path | None:
@@ -214,9 +216,7 @@ def server_facts(scope: MutableMapping[str, Any]) -> ServerFacts:
     if known is not None and known[0] is proxy_keys and known[1] is args:
         return known[2]
     facts = ServerFacts(args, api_keys(scope))
-    if len(_servers) >= _SERVERS_MAX:
-        _servers.clear()
-    _servers[id(proxy_keys), id(args)] = (proxy_keys, args, facts)
+    keep(_servers, (id(proxy_keys), id(args)), (proxy_keys, args, facts), _SERVERS_MAX)
     return facts
 
 

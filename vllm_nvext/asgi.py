@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _json, _vllm_compat, metrics
+from ._bounded import keep
 from .config import MODE_HEADER
 from .inbound.optin import OptInScan
 from .protocol import RequestError, error_body
@@ -123,9 +124,7 @@ def media_type(content_type: bytes) -> str:
     if known is None:
         message = email.message.Message()
         message["content-type"] = content_type.decode("latin-1")
-        known = message.get_content_type()
-        if len(_MEDIA_TYPES) < _MEDIA_TYPES_MAX:
-            _MEDIA_TYPES[content_type] = known
+        known = keep(_MEDIA_TYPES, content_type, message.get_content_type(), _MEDIA_TYPES_MAX)
     return known
 
 
@@ -149,9 +148,7 @@ def read_as_json(content_type: bytes | None) -> bool:
         return _vllm_compat.untyped_body_is_json()
     known = _JSON_TYPES.get(content_type)
     if known is None:
-        known = is_json(content_type)
-        if len(_JSON_TYPES) < _MEDIA_TYPES_MAX:
-            _JSON_TYPES[content_type] = known
+        known = keep(_JSON_TYPES, content_type, is_json(content_type), _MEDIA_TYPES_MAX)
     return known
 
 

@@ -19,8 +19,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "vllm_nvext"
 # fmt: off
 LAYERS: dict[str, frozenset[str]] = {
     # What every side shares: the vocabulary (paths, selectors, errors), settings, JSON that never
-    # alters a value, the SSE framer, and the Plan that the request side hands the response side.
-    "base": frozenset({"protocol", "config", "_json", "sse", "plan"}),
+    # alters a value, the SSE framer, the Plan that the request side hands the response side, and the
+    # bound on what is kept per distinct input.
+    "base": frozenset({"protocol", "config", "_json", "sse", "plan", "_bounded"}),
     # Reading a request and planning it (pure, no ASGI).
     "inbound": frozenset({"inbound", "inbound.*"}),
     # Reshaping an answer, unary or streamed, driven by the Plan (pure, no ASGI).
@@ -46,7 +47,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "base": frozenset({"base"}),
     "inbound": frozenset({"inbound", "base", "vllm"}),
     "outbound": frozenset({"outbound", "base"}),
-    "vllm": frozenset(),
+    "vllm": frozenset({"base"}),
     "asgi": frozenset({"asgi", "inbound", "outbound", "base", "vllm"}),
     "proxy": frozenset({"proxy", "asgi", "base", "vllm"}),
     "beside": frozenset({"beside", "outbound", "base"}),

@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings
 from vllm_nvext import _json as nvjson
+from vllm_nvext import middleware as middleware_module
 from vllm_nvext.inbound import fields as fields_module
+from vllm_nvext.inbound import nvext_schema
 from vllm_nvext.inbound import request as request_module
 from vllm_nvext.inbound.fields import DECISION_FIELDS, DecisionFields, field_reader, read_fields, replica_model
 from vllm_nvext.inbound.optin import OptInScan, might_opt_in, opts_in_whole
@@ -535,7 +537,7 @@ def _outcome(make: Any) -> Any:
 def _made_anew(make: Any) -> Any:
     """`make()` with nothing kept: read_fields validates, plan plans."""
     fields_module._READ.clear()
-    fields_module._KEPT.clear()
+    nvext_schema._READ.clear()
     request_module._PLANS.clear()
     return _outcome(make)
 
@@ -557,6 +559,16 @@ def test_a_kept_reading_is_the_reading_made_anew(data, endpoint, names):
     assert again == first == _made_anew(lambda: read_fields(data, endpoint, names))
     if isinstance(first, DecisionFields):
         assert again is first, "kept: the same reading"
+
+
+def test_only_a_kept_reading_is_marked_kept():
+    """A reading made anew (fields that are not plain values, or built elsewhere) is never taken for a kept one."""
+    scalar = read_fields({"n": 2, "stream": True}, COMPLETIONS)
+    assert scalar.kept and read_fields({"stream": True, "n": 2}, COMPLETIONS) is scalar
+    ids = read_fields({"prompt": [1, 2], "n": 2}, COMPLETIONS)
+    assert not ids.kept and read_fields({"prompt": [1, 2], "n": 2}, COMPLETIONS) is not ids
+    assert not DecisionFields(n=2, stream=True).kept
+    assert DecisionFields(n=2, stream=True) == scalar, "the mark is no part of the reading's value"
 
 
 @pytest.mark.parametrize(("one", "other"), [(True, 1), ("1", 1), (0, False), ("true", True), (2, "2")])
@@ -586,6 +598,102 @@ def test_a_kept_plan_is_the_plan_made_anew(case, mode, hides):
     assert _outcome(make) == first == _made_anew(make)
 
 
+PLAIN_NVEXT = st.fixed_dictionaries(
+    {},
+    optional={
+        "extra_fields": st.lists(
+            st.sampled_from(["completion_token_ids", "prompt_token_ids", "engine_data", "timing", "worker_id", "x", 1]),
+            max_size=3,
+        ),
+        "greed_sampling": st.sampled_from([True, False, None, 1, "true"]),
+        "cache_salt": st.sampled_from(["", "s", "s\ud800", "\u00e9", None, 5, "x" * 70]),
+        "annotations": st.sampled_from([[], ["a"], ["a", "b"], None]),
+        "backend_instance_id": st.sampled_from([0, 3, -1, True, None]),
+        "dp_rank": st.sampled_from([None, 0, 1]),
+        "max_thinking_tokens": st.sampled_from([None, 0, 8]),
+        "token_data": st.sampled_from([None, [1, 2]]),
+        "request_timestamp_ms": st.sampled_from([0.0, -0.0, 5, None]),
+        "agent_hints": st.sampled_from([{"priority": 1}, None]),
+        "unknown": st.just(1),
+    },
+)
+OTHER_MEMBERS = st.fixed_dictionaries(
+    {},
+    optional={
+        "user": st.sampled_from(["u", "\u00e9", "x" * 100]),
+        "temperature": st.sampled_from([0, 0.5, None]),
+        "cache_salt": st.just("root"),
+        "thinking_token_budget": st.sampled_from([4, None]),
+        "max_tokens": st.integers(1, 9),
+    },
+)
+
+
+@st.composite
+def nvext_bodies(draw, nvext: dict[str, Any], decisions: dict[str, Any], endpoint: Endpoint) -> bytes:
+    """A body with these decision fields and this nvext, and any other members, in any order and encoding."""
+    members = {**BASE[endpoint], **draw(OTHER_MEMBERS), **decisions, "nvext": nvext}
+    if endpoint is CHAT:
+        members["messages"] = [{"role": "user", "content": draw(st.sampled_from(["Hi", "x" * 80, "\u00e9"]))}]
+    items = draw(st.permutations(list(members.items())))
+    text = json.dumps(dict(items), ensure_ascii=draw(st.booleans()))
+    return text.encode(draw(st.sampled_from(["utf-8", "utf-8", "utf-16"])), "surrogatepass")
+
+
+@SLOW
+@given(
+    data=st.data(),
+    endpoint=st.sampled_from([COMPLETIONS, CHAT]),
+    nvext=PLAIN_NVEXT,
+    decisions=DECISIONS.map(lambda d: {k: v for k, v in d.items() if k != "nvext"}),
+    mode=st.sampled_from(list(Mode)),
+    hides=st.booleans(),
+    header=st.sampled_from([None, b"1", b"x"]),
+    compiled=st.booleans(),
+)
+def test_a_kept_nvext_plan_is_the_plan_made_anew(data, endpoint, nvext, decisions, mode, hides, header, compiled):
+    """nvext plans are kept per reading of the fields and of `nvext` (each request's body spliced
+    anew): for another body with the same readings the kept plan is the plan made anew."""
+    splice_root = middleware_module.SPLICE_ROOT if compiled else None
+    first, other = (data.draw(nvext_bodies(nvext, decisions, endpoint)) for _ in range(2))
+
+    def make(body: bytes) -> Any:
+        request = read_request(body, endpoint)
+        kw = {"dp_rank_header": header, "hides_reasoning_ids": hides, "splice_root": splice_root}
+        return None if request is None else plan(request, mode, **kw)
+
+    _made_anew(lambda: make(first))  # what is kept now: the readings and plan of `first`
+    kept = _outcome(lambda: make(other))
+    assert kept == _outcome(lambda: make(other)) == _made_anew(lambda: make(other))
+
+
+def test_an_nvext_plan_is_kept_with_each_requests_own_body():
+    bodies = [
+        json.dumps({"nvext": NVEXT_IDS, **BASE[CHAT], "stream": True, "user": user}).encode() for user in ("a", "bc")
+    ]
+    plans = [plan(read_request(body, CHAT), Mode.AUTO) for body in bodies]  # type: ignore[arg-type]
+    kept = request_module._PLANS[next(iter(request_module._PLANS))]
+    assert kept[2] is None and all(value is not b for _, value in kept[4] for b in bodies), "no body is kept"
+    assert [json.loads(p.body)["user"] for p in plans] == ["a", "bc"]  # type: ignore[arg-type]
+    assert plans[1] == _made_anew(lambda: plan(read_request(bodies[1], CHAT), Mode.AUTO))  # type: ignore[arg-type]
+
+
+def test_an_nvext_reading_is_kept_only_when_valid_and_made_of_plain_values():
+    one, again = ({"extra_fields": ["timing"], "greed_sampling": True} for _ in range(2))
+    reading = nvext_schema.read_nvext(one)
+    assert type(reading) is nvext_schema.KeptNvext and reading == one and list(reading) == list(one)
+    assert nvext_schema.read_nvext(again) is reading, "the same value: the kept reading"
+    assert nvext_schema.read_nvext({"greed_sampling": True, "extra_fields": ["timing"]}) is not reading, "in order"
+    one["extra_fields"].append("engine_data")
+    assert reading["extra_fields"] == ["timing"], "the body that was read cannot change the kept reading"
+    long = {"extra_fields": ["timing"] * 17}, {"cache_salt": "s" * 65}
+    for fresh in ({"request_timestamp_ms": -0.0}, {"token_data": [1]}, {"agent_hints": {"osl": 2}}, *long):
+        assert type(nvext_schema.read_nvext(fresh)) is dict, "read anew each time: " + repr(fresh)
+    with pytest.raises(RequestError):
+        nvext_schema.read_nvext({"greed_sampling": "true"})
+    assert not any(key[:2] == ("greed_sampling", str) for key in nvext_schema._READ), "a refusal is never kept"
+
+
 def test_a_vllm_dialect_plan_is_kept_per_mode_and_server():
     body = json.dumps({**BASE[CHAT], "return_token_ids": True, "stream": True, "include_reasoning": False}).encode()
     request = read_request(body, CHAT)
@@ -600,13 +708,16 @@ def test_a_vllm_dialect_plan_is_kept_per_mode_and_server():
 def test_what_is_kept_stays_bounded_whatever_clients_send(monkeypatch):
     """Made-up values (a `cache_salt`, an `n`) cannot grow what the request side keeps."""
     monkeypatch.setattr(fields_module, "_READ_MAX", 4)
+    monkeypatch.setattr(nvext_schema, "_READ_MAX", 4)
     monkeypatch.setattr(request_module, "_PLANS_MAX", 4)
     for n in range(1, 12):
         body = json.dumps({**BASE[COMPLETIONS], "return_token_ids": True, "n": n, "logprobs": n}).encode()
         request = read_request(body, COMPLETIONS)
         assert request is not None and request.fields.n == n
         assert plan(request, Mode.AUTO).n == n
-        assert len(fields_module._READ) <= 4 and len(fields_module._KEPT) <= 4 and len(request_module._PLANS) <= 4
+        salted = json.dumps({**BASE[COMPLETIONS], "nvext": {**NVEXT_IDS, "cache_salt": f"s{n}"}}).encode()
+        assert json.loads(plan(read_request(salted, COMPLETIONS), Mode.AUTO).body)["cache_salt"] == f"s{n}"  # type: ignore[arg-type]
+        assert len(fields_module._READ) <= 4 and len(nvext_schema._READ) <= 4 and len(request_module._PLANS) <= 4
 
 
 def test_a_reader_that_reads_other_keys_is_never_kept():

@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+from .._bounded import keep
 from ..protocol import Endpoint, RequestError
 
 _VLLM_MODELS = {
@@ -50,10 +51,13 @@ class DecisionFields:
     prompt_logprobs: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
     include_reasoning: bool = True  # chat only
+    # Not a field: set when `read_fields` makes a reading it keeps and hands out again for the same
+    # scalar fields, never on one made anew or built elsewhere (it stays set once `_READ` lets go).
+    kept: bool = dataclasses.field(default=False, compare=False, repr=False)
 
 
 # The fields read, over both endpoints: the replica models' fields (metrics names its refusal labels by them).
-DECISION_FIELDS = frozenset(field.name for field in dataclasses.fields(DecisionFields))
+DECISION_FIELDS = frozenset(field.name for field in dataclasses.fields(DecisionFields) if field.compare)
 
 # vLLM's /invocations tries its request models in this order and serves the body on the first that
 # validates it (`get_generate_invocation_types`: chat, then completions), else answers its own 400.
@@ -140,23 +144,14 @@ def read_fields(data: dict[str, Any], endpoint: Endpoint, names: tuple[str, ...]
         if known is not None:
             return known
     try:
-        fields = DecisionFields(**reader.model_validate(data).__dict__)
+        fields = DecisionFields(**reader.model_validate(data).__dict__, kept=key is not None)
     except _validation_error() as exc:
         error = exc.errors(include_url=False)[0]
         name = str(error["loc"][0]) if error["loc"] else None
         raise RequestError(f"`{name}` is invalid for vLLM: {error['msg']}", name) from None
     if key is not None:
-        if len(_READ) >= _READ_MAX:
-            _READ.clear()  # made-up values cannot grow it
-            _KEPT.clear()
-        _READ[key] = fields
-        _KEPT[id(fields)] = fields
+        keep(_READ, key, fields, _READ_MAX)  # made-up values cannot grow it
     return fields
-
-
-def kept(fields: DecisionFields) -> bool:
-    """Is `fields` one `read_fields` keeps and hands out again for the same scalar fields?"""
-    return _KEPT.get(id(fields)) is fields
 
 
 # What `read_fields` read, by (reader, each of the reader's fields in the body with its type and
@@ -165,7 +160,6 @@ def kept(fields: DecisionFields) -> bool:
 # validator, so the same fields and values read the same; a value that fails is never kept.
 _READ: dict[tuple[Any, ...], DecisionFields] = {}
 _READ_MAX = 4096
-_KEPT: dict[int, DecisionFields] = {}  # _READ's values by id
 _SCALARS = (type(None), bool, int, str)
 _KEY_STR_MAX = 64
 _plain_fields: dict[Any, tuple[str, ...] | None] = {}

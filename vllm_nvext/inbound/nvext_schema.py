@@ -1,7 +1,7 @@
 """Dynamo's `NvExt` request object and its nested objects, all `deny_unknown_fields` (docs/protocol.md §3).
 
-`validate_nvext` refuses what Dynamo refuses, naming the field; `param_names` lists every field
-an error may name (the metrics' label values).
+`validate_nvext` refuses what Dynamo refuses, naming the field; `read_nvext` keeps the valid ones
+made of plain values; `param_names` lists every field an error may name (the metrics' label values).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, TypeGuard
 
 from .. import _json
+from .._bounded import keep
 from ..protocol import RequestError
 
 
@@ -88,6 +89,62 @@ def validate_nvext(nvext: dict[str, Any]) -> None:
     upload = nvext.get("metadata_upload")
     if upload is not None and not (upload.get("url") or "").strip():
         raise RequestError("`nvext.metadata_upload.url` must not be empty", "nvext.metadata_upload.url")
+
+
+class KeptNvext(dict[str, Any]):
+    """A valid `nvext` that `read_nvext` keeps and hands out again for the same value (the type is
+    the mark: an object read anew is a plain dict). Never changed once kept."""
+
+    __slots__ = ()
+
+
+def read_nvext(nvext: dict[str, Any]) -> dict[str, Any]:
+    """`nvext` once `validate_nvext` passed it (raises as it raises): one `KeptNvext` per value of
+    plain members (what clients send: `extra_fields`, `greed_sampling`, `cache_salt`), else `nvext`.
+
+    The kept reading equals `nvext` member for member, in order, with each value's type
+    (tests/unit/test_request_fidelity.py::test_a_kept_nvext_plan_is_the_plan_made_anew);
+    a refusal is never kept.
+    """
+    key = _plain_key(nvext)
+    if key is not None:
+        known = _READ.get(key)
+        if known is not None:
+            return known
+    validate_nvext(nvext)
+    if key is None:
+        return nvext
+    # Lists copied: the reading outlives the request whose body held them.
+    reading = KeptNvext((name, list(v) if type(v) is list else v) for name, v in nvext.items())
+    return keep(_READ, key, reading, _READ_MAX)  # made-up values cannot grow it
+
+
+# `read_nvext`'s readings by (each member's name, type and value): values that are None, a bool, an
+# int, a short string or a short list of short strings (a float is left out: -0.0 equals 0.0), so
+# what is kept stays small whatever clients send.
+_READ: dict[tuple[Any, ...], KeptNvext] = {}
+_READ_MAX = 1024
+_SCALARS = (type(None), bool, int, str)
+_KEY_STR_MAX = 64
+_KEY_LIST_MAX = 16
+
+
+def _plain_key(nvext: dict[str, Any]) -> tuple[Any, ...] | None:
+    """`_READ`'s key for `nvext`; None when a member holds something else (an object, a float, ids)."""
+    key: list[Any] = []
+    for name, value in nvext.items():
+        kind = type(value)
+        if kind is list:
+            if len(value) > _KEY_LIST_MAX:
+                return None
+            for item in value:
+                if type(item) is not str or len(item) > _KEY_STR_MAX:
+                    return None
+            value = tuple(value)
+        elif kind not in _SCALARS or (kind is str and len(value) > _KEY_STR_MAX):
+            return None
+        key += (name, kind, value)
+    return tuple(key)
 
 
 def _validate_object(obj: dict[str, Any], fields: dict[str, _Check], where: str) -> None:

@@ -6,12 +6,15 @@ then receives `return_token_ids: true` and no `nvext`. See docs/protocol.md §1 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, cast
 
 from .. import _json, _vllm_compat
+from .._bounded import keep
 from ..config import Mode
 from ..plan import Plan
 from ..protocol import (
@@ -28,8 +31,8 @@ from ..protocol import (
     Placement,
     RequestError,
 )
-from .fields import DecisionFields, invocation_route, kept, read_fields
-from .nvext_schema import json_type, validate_nvext
+from .fields import DecisionFields, invocation_route, read_fields
+from .nvext_schema import KeptNvext, json_type, read_nvext
 from .optin import might_opt_in
 from .rewrite import BodyRewrite as BodyRewrite  # re-exported: the agent routes rewrite bodies too
 from .rewrite import SpliceRoot
@@ -101,8 +104,8 @@ def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> R
         nvext = {}
     elif not isinstance(nvext, dict):
         raise RequestError(f"`nvext` must be an object, got {json_type(nvext)}", "nvext")
-    if nvext:
-        validate_nvext(nvext)  # nothing to refuse in an empty one
+    if "nvext" in data:
+        nvext = read_nvext(nvext)  # kept per value when plain: `plan` keeps its plans by it
     return Request(endpoint, body, data, fields, nvext)
 
 
@@ -141,26 +144,55 @@ def plan(
     `hides_reasoning_ids`: the server withholds the ids of chat requests with `include_reasoning: false`
     (`_vllm_compat.hides_reasoning_ids`); `splice_root`: the compiled splice that may rewrite the body
     (None: the Python path, as `Settings.pure_python` asks)."""
-    endpoint, data, fields = request.endpoint, request.data, request.fields
-    if "nvext" in data or endpoint is Endpoint.CHAT_BATCH or not kept(fields):
-        return _plan(request, mode, dp_rank_header, hides_reasoning_ids, splice_root)
-    # vLLM's own dialect: the body reaches vLLM as sent (`return_token_ids` is true, no `nvext`),
-    # so the plan follows from the fields alone: one per fields object `read_fields` keeps
-    # (tests/unit/test_request.py::test_a_kept_plan_is_the_plan_made_anew).
-    key = (id(fields), endpoint, mode, hides_reasoning_ids)
+    endpoint, fields = request.endpoint, request.fields
+    reading = request.nvext if "nvext" in request.data else None
+    if not fields.kept or endpoint is Endpoint.CHAT_BATCH or (reading is not None and type(reading) is not KeptNvext):
+        return _plan(request, mode, dp_rank_header, hides_reasoning_ids, splice_root)[0]
+    # Past the body's own bytes (spliced anew each time), the plan follows from the fields, the nvext
+    # reading, the endpoint, the mode and the server: one per kept fields and nvext reading
+    # (tests/unit/test_request_fidelity.py::test_a_kept_plan_is_the_plan_made_anew and
+    # ::test_a_kept_nvext_plan_is_the_plan_made_anew).
+    key = (id(fields), id(reading), endpoint, mode, hides_reasoning_ids)
     known = _PLANS.get(key)
-    if known is not None and known[0] is fields:
-        return known[1]
-    made = _plan(request, mode, dp_rank_header, hides_reasoning_ids, splice_root)
-    if len(_PLANS) >= _PLANS_MAX:
-        _PLANS.clear()
-    _PLANS[key] = (fields, made)  # holds `fields`, so its id names no other object while kept
+    if known is not None and known[0] is fields and known[1] is reading:
+        kept_plan = known[2]
+        return kept_plan if kept_plan is not None else _with_body(known[4], known[3].apply(request.body, splice_root))
+    made, rewrite = _plan(request, mode, dp_rank_header, hides_reasoning_ids, splice_root)
+    if reading is None or not any(reading.get(name) is not None for name in _PLANNED_FROM_MORE):
+        # Holds `fields` and `reading`, so their ids name no other object while kept; never the body.
+        entry = (made, ()) if made.body is None else (None, _members(made))
+        keep(_PLANS, key, (fields, reading, entry[0], rewrite, entry[1]), _PLANS_MAX)
     return made
 
 
-# vLLM-dialect plans by (the fields' id, endpoint, mode, hides_reasoning_ids): (fields, plan).
-_PLANS: dict[tuple[int, Endpoint, Mode, bool], tuple[DecisionFields, Plan]] = {}
+_Members = tuple[tuple[Callable[[Plan, Any], None], Any], ...]
+# Plans by (the fields' id, the nvext reading's id, endpoint, mode, hides_reasoning_ids): (fields,
+# reading, the plan when vLLM gets the client's bytes (else None), the rewrite that makes the body,
+# and the plan's other members).
+_KeptPlan = tuple[DecisionFields, Any, Plan | None, BodyRewrite, _Members]
+_PLANS: dict[tuple[int, int, Endpoint, Mode, bool], _KeptPlan] = {}
 _PLANS_MAX = 1024
+# nvext members whose plan follows from more than the reading: the body's messages or
+# `thinking_token_budget`, what this vLLM takes, the client's X-data-parallel-rank header.
+_PLANNED_FROM_MORE = ("token_data", "max_thinking_tokens", "dp_rank")
+# Plan's slots but `body`: a kept plan's members are set on a copy with this request's body (a
+# third of `dataclasses.replace`, half the frozen `__init__`).
+_PLAN_SLOTS = tuple(Plan.__dict__[f.name] for f in dataclasses.fields(Plan) if f.name != "body")
+_SET_BODY = Plan.__dict__["body"].__set__
+
+
+def _members(plan: Plan) -> _Members:
+    """Each member of `plan` but its body, with the setter that puts it on another Plan."""
+    return tuple((slot.__set__, slot.__get__(plan)) for slot in _PLAN_SLOTS)
+
+
+def _with_body(members: _Members, body: bytes | None) -> Plan:
+    """The Plan of `members` with `body`."""
+    copy = object.__new__(Plan)
+    for set_member, value in members:
+        set_member(copy, value)
+    _SET_BODY(copy, body)
+    return copy
 
 
 def _plan(
@@ -169,7 +201,8 @@ def _plan(
     dp_rank_header: bytes | None,
     hides_reasoning_ids: bool,
     splice_root: SpliceRoot | None,
-) -> Plan:
+) -> tuple[Plan, BodyRewrite]:
+    """The plan made anew, with the rewrite that made its body."""
     endpoint, data, fields = request.endpoint, request.data, request.fields
     return_token_ids = fields.return_token_ids is True
     requested = set(request.nvext.get("extra_fields") or [])
@@ -193,7 +226,7 @@ def _plan(
         rewrite.set("return_token_ids", "true")
     headers = apply_nvext_fields(rewrite, request, dp_rank_header)
     echo = endpoint is Endpoint.COMPLETIONS and fields.echo is True
-    return Plan(
+    made = Plan(
         endpoint=endpoint,
         vllm_placement=vllm_ids,
         nvext_trio=nvext_trio,
@@ -216,6 +249,7 @@ def _plan(
         error_params=tuple(rewrite.sources.items()),
         ids_withheld=hides_reasoning_ids and endpoint is Endpoint.CHAT and fields.include_reasoning is False,
     )
+    return made, rewrite
 
 
 def _choices(request: Request, nvext_trio: bool, asked: AbstractSet[str]) -> tuple[int, int]:

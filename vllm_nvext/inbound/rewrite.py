@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .. import _json
+from .._bounded import keep
 from ..protocol import PROMPT_TOKEN_IDS
 
 __all__ = ["BodyRewrite", "SpliceRoot"]
@@ -22,18 +23,21 @@ SpliceRoot = Callable[[bytes, tuple[bytes, ...], bytes], "bytes | None"]
 class BodyRewrite:
     """Root members to drop or set; everything else reaches vLLM as the client wrote it."""
 
-    __slots__ = ("dropped", "added", "kv_prompt_ids", "sources")
+    __slots__ = ("dropped", "added", "kv_prompt_ids", "sources", "_args")
 
     def __init__(self) -> None:
         self.dropped: set[str] = set()
         self.added: dict[str, str] = {}
         self.kv_prompt_ids: list[int] | None = None
         self.sources: dict[str, str] = {}  # vLLM's field -> the nvext field it was set from
+        self._args: tuple[tuple[bytes, ...], bytes] | None = None  # `_splice_args`, once asked
 
     def drop(self, key: str) -> None:
+        self._args = None
         self.dropped.add(key)
 
     def set(self, key: str, encoded: str, source: str | None = None) -> None:
+        self._args = None
         self.dropped.add(key)
         self.added[key] = encoded
         if source is not None:
@@ -66,16 +70,19 @@ class BodyRewrite:
         return _json.encode_text(text)
 
     def _splice_args(self) -> tuple[tuple[bytes, ...], bytes]:
-        """`splice_root`'s names to drop and members to append, kept per rewrite (a few kinds)."""
+        """`splice_root`'s names to drop and members to append, kept per rewrite (a few kinds) and
+        on the rewrite itself (a kept plan's rewrite splices every body of its kind)."""
+        if self._args is not None:
+            return self._args
         key = (frozenset(self.dropped), tuple(self.added.items()))
         known = _SPLICE_ARGS.get(key)
         if known is None:
             extra = ",".join(f"{_json.dumps_text(key)}:{value}" for key, value in self.added.items())
             known = (tuple(_json.encode_text(key) for key in self.dropped), _json.encode_text(extra))
-            if len(_SPLICE_ARGS) >= 256:
-                _SPLICE_ARGS.clear()  # values the client set (a cache_salt) cannot grow it
-            _SPLICE_ARGS[key] = known
+            keep(_SPLICE_ARGS, key, known, _SPLICE_ARGS_MAX)  # values the client set (a cache_salt) cannot grow it
+        self._args = known
         return known
 
 
 _SPLICE_ARGS: dict[tuple[frozenset[str], tuple[tuple[str, str], ...]], tuple[tuple[bytes, ...], bytes]] = {}
+_SPLICE_ARGS_MAX = 256
