@@ -48,7 +48,19 @@ def test_every_entry_says_what_who_and_why_and_ids_are_unique():
             {"stop": ["x"], "n": 2, "nvext": {"extra_fields": ["engine_data"]}},
             {
                 "stop-string-engine-data",
+                "stop-string-unary-order",
                 "several-choices-metrics",
+                "error-envelope",
+                "server-reported-values",
+                "greed-sampling",
+            },
+        ),
+        (
+            {"stop": "x", "stream": True, "nvext": {"extra_fields": ["completion_token_ids", "engine_data"]}},
+            {
+                "stop-string-engine-data",
+                "stream-engine-metrics",
+                "token-id-trio",
                 "error-envelope",
                 "server-reported-values",
                 "greed-sampling",

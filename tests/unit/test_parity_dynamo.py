@@ -182,6 +182,62 @@ def test_an_unlisted_difference_fails_naming_it_first():
     assert got[-1] == 'nvext.worker_id: Dynamo "<absent>" vs vllm-nvext 3'
 
 
+def test_a_stop_string_finish_agrees_whichever_way_dynamos_cancel_race_went():
+    # Dynamo 1.6.1 cancels its worker on a stop string: engine_data is answered only when the
+    # worker's final chunk beats the cancel, then with the ids generated past the stop string.
+    case = next(c for c in cases("m") if c.name == "completions-stop-string-usage")
+    lost = _answer(case)
+    won = _answer(case)
+    assert won.events is not None and lost.events is not None
+    finish = next(e for e in won.events if e["choices"] and e["choices"][0]["finish_reason"])
+    finish["nvext"] = {"engine_data": {"completion_token_ids": [5, 6, 7, 8], "finished": True}, **finish["nvext"]}
+    ours = _answer(case)
+    assert ours.events is not None
+    ours_finish = next(e for e in ours.events if e["choices"] and e["choices"][0]["finish_reason"])
+    ours_finish["nvext"] = {"engine_data": {"completion_token_ids": [5, 6], "finished": True}, **ours_finish["nvext"]}
+    assert unexplained_differences(case, won, ours) == unexplained_differences(case, lost, ours) == []
+    # Everything else on that finish is still compared.
+    ours_finish["nvext"]["stop_reason"] = "other"
+    assert unexplained_differences(case, won, ours)[0].startswith("finish.nvext: Dynamo")
+    # Without a stop string, engine_data is compared as ever.
+    plain = next(c for c in cases("m") if c.name == "completions-six-usage")
+    assert unexplained_differences(plain, _answer(plain), _answer(plain)) == []
+    theirs = _answer(plain)
+    assert theirs.events is not None
+    plain_finish = next(e for e in theirs.events if e["choices"] and e["choices"][0]["finish_reason"])
+    plain_finish["nvext"] = {"engine_data": {"finished": True}, **plain_finish["nvext"]}
+    assert any("engine_data" in d for d in unexplained_differences(plain, theirs, _answer(plain)))
+
+
+def test_a_unary_stop_string_answer_agrees_in_either_of_dynamos_key_orders():
+    # Dynamo 1.6.1's unary nvext is the last chunk's: its own (ids first) or, when its worker's
+    # final chunk wins the race with the stop-string cancel, that chunk's (timing first).
+    case = next(c for c in cases("m") if c.name == "completions-stop-string-unary")
+    ours = _answer(case)
+    assert isinstance(ours.body, dict) and list(ours.body["nvext"])[0] == "completion_token_ids"
+    won = _answer(case)
+    assert isinstance(won.body, dict)
+    nv = won.body["nvext"]
+    won.body["nvext"] = {
+        **{k: v for k, v in nv.items() if k != "completion_token_ids"},
+        **{"completion_token_ids": nv["completion_token_ids"]},
+    }
+    assert list(won.body["nvext"])[0] != "completion_token_ids"
+    assert unexplained_differences(case, won, ours) == []
+    # A key one side leaves out still differs; so does the order where no stop string ends the answer.
+    del ours.body["nvext"]["timing"]
+    assert any(d.startswith("nvext.types: ") for d in unexplained_differences(case, won, ours))
+    plain = next(c for c in cases("m") if c.name == "completions-six-unary")
+    reordered = _answer(plain)
+    assert isinstance(reordered.body, dict)
+    nv = reordered.body["nvext"]
+    reordered.body["nvext"] = {
+        **{k: v for k, v in nv.items() if k != "completion_token_ids"},
+        **{"completion_token_ids": nv["completion_token_ids"]},
+    }
+    assert unexplained_differences(plain, reordered, _answer(plain))[0].startswith("nvext.keys: ")
+
+
 def test_judge_dynamo_case_rows():
     same = _answer(IDS_CASE)
     row, differences = judge_dynamo_case(IDS_CASE, same, same)

@@ -17,8 +17,9 @@ comparison (the tests, a migration check) can set exactly those keys aside and c
   other_route: the difference is about routes other than chat and completions, whose bodies are
   the ones compared here (so it never holds for one of them) (bool).
 `dynamo_only` / `nvext_only`: `nvext` key paths (dotted, e.g. `engine_data.kv_cache_hit`) that
-only that side writes under those conditions. `aspects`: other compared aspects that may differ
-(`status`, `error_shape`).
+only that side writes under those conditions (or, named on both sides, that one side writes only
+some of the time), set aside on that side before the answers are compared. `aspects`: other
+compared aspects that may differ (`status`, `error_shape`).
 """
 
 from __future__ import annotations
@@ -99,15 +100,34 @@ DIFFERENCES: tuple[Difference, ...] = (
     ),
     Difference(
         id="stop-string-engine-data",
-        what="`engine_data` is answered on a stop-string finish",
+        what="`engine_data` is answered on every stop-string finish",
         contract="vllm-nvext",
         reason=(
-            "Dynamo 1.6.1's frontend matches stop strings itself and cancels its worker before the "
-            "worker's final chunk, so its `engine_data` is lost; vLLM finishes the request and "
-            "reports it"
+            "Dynamo 1.6.1's frontend matches stop strings itself and cancels its worker, so its "
+            "`engine_data` is lost whenever the cancel beats the worker's final chunk; when the chunk "
+            "wins the race (a loaded frontend), Dynamo answers it with the ids generated past the stop "
+            "string. vLLM finishes the request itself and always reports the ids it returned"
         ),
         when={"stop_string": True, "any_selectors": [ENGINE_DATA]},
+        # Set aside on both sides: Dynamo writes it or not by that race.
+        dynamo_only=(ENGINE_DATA,),
         nvext_only=(ENGINE_DATA,),
+    ),
+    Difference(
+        id="stop-string-unary-order",
+        what=(
+            "A unary answer that a stop string ended writes its `nvext` keys in Dynamo's unary order "
+            "(`completion_token_ids` first) every time"
+        ),
+        contract="vllm-nvext",
+        reason=(
+            "Dynamo 1.6.1's unary answer keeps the `nvext` of the last chunk it saw: its own "
+            "(`completion_token_ids` first) when its stop-string cancel beats the worker's final chunk, "
+            "the worker's finish-chunk order (`timing` first) when that chunk wins the race. Which keys "
+            "are written, and their values, are compared as ever"
+        ),
+        when={"stop_string": True, "stream": False},
+        aspects=("nvext.keys",),
     ),
     Difference(
         id="stream-engine-metrics",
