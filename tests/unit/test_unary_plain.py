@@ -275,3 +275,13 @@ async def test_the_middleware_answers_a_plain_answer_with_the_general_paths_byte
     assert result.status == 200
     assert result.body == _general(rec.body, _trio_plan(name))
     assert result.header(b"content-length") == str(len(result.body)).encode()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "c"])
+@pytest.mark.parametrize(
+    "body", [b"[1]", b'"x"', b"{}", b'{"choices":{}}', b'{"choices":[]}', b'{"choices":[1]}', b'{"choices":[[]]}']
+)
+def test_an_answer_without_a_choice_object_is_forwarded_as_vllm_sent_it(body, compiled):
+    plan = _trio_plan("vllm-0.33/chat_unary_ids")
+    assert _general(body, plan) is None
+    assert _reshaped(body, plan, compiled) is None
