@@ -2,9 +2,10 @@
 
 Under a plan that asks for the token-id trio and nothing else, a body whose JSON is plain is not
 decoded: vLLM's copies of the ids go back to null in place and `nvext` goes at its end, every other
-byte as vLLM wrote it. Compared with decoding the whole body (`_general`): every recorded unary
-answer under every plan, bodies laid out with any value under any key, and each body the shortcut
-must refuse.
+byte as vLLM wrote it; without the compiled scanner (the "python" arms) such a body is decoded and
+reshaped in fewer steps (`reshape_single`). Compared with decoding the whole body and reshaping it
+with `chunks.reshape_unary` (`_general`): every recorded unary answer under every plan, bodies laid
+out with any value under any key, and each body the shortcut must refuse.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ tests/unit/test_unary.py::test_cut_path_equals_decoding_the_whole_body.
 
 A single-choice body under a plan that asks for the token-id trio and nothing else (`serves`)
 is not decoded at all when its JSON is plain (`plain_body`, with the compiled scanner
-`_speedups.plain_chunk` the ASGI layer hands in): the general path then only sets vLLM's copies of the ids back to null
-and appends `"nvext":{"completion_token_ids":...,"prompt_token_ids":...}`, re-encoding every
-other value as vLLM wrote it. Same bytes: tests/unit/test_unary_plain.py. A decoded body under
-such a plan is reshaped in fewer steps (`reshape_single`): the same test.
+`_speedups.plain_chunk` that the ASGI layer hands in): the general path then only sets vLLM's
+copies of the ids back to null and appends `"nvext":{"completion_token_ids":...,"prompt_token_ids":...}`,
+re-encoding every other value as vLLM wrote it. Any other single-choice body under such a plan is
+decoded and reshaped in fewer steps (`reshape_single`). Same bytes: tests/unit/test_unary_plain.py.
 """
 
 from __future__ import annotations
