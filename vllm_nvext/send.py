@@ -272,7 +272,7 @@ class ReshapingSend:
             if self._kind == self._ERROR:
                 new = _renamed_error(body, self.plan)
             else:
-                new = reshape_unary_body(body, self.plan, self.clock)
+                new = reshape_unary_body(body, self.plan, self.clock, self._scan)
             if new is not None:
                 body = new
         except ValueError:

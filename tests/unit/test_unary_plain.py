@@ -266,7 +266,9 @@ def test_ids_that_are_not_a_list_are_not_reported(name, ids, compiled):
 
 @pytest.mark.parametrize("pure_python", [False, True], ids=["compiled", "python"])
 @pytest.mark.parametrize("name", PLAIN)
-async def test_the_middleware_answers_a_plain_answer_with_the_general_paths_bytes(name, pure_python):
+async def test_the_middleware_answers_a_plain_answer_with_the_general_paths_bytes(name, pure_python, json_decodes):
+    if not pure_python:
+        _scanner(True)  # the compiled path must be built (fails under VLLM_NVEXT_REQUIRE_EXTENSION)
     rec = recordings()[name]
     upstream = Upstream(status=rec.status, content_type=rec.content_type, body=rec.body)
     request = {k: v for k, v in rec.request.items() if k != "return_token_ids"}
@@ -274,6 +276,9 @@ async def test_the_middleware_answers_a_plain_answer_with_the_general_paths_byte
     app = NvextMiddleware(upstream, settings=Settings(pure_python=pure_python))
     result = await call(app, rec.path, json.dumps(request).encode())
     assert result.status == 200
+    # The compiled path answers without decoding vLLM's answer; the pure-Python path decodes it.
+    answer_decoded = rec.body in json_decodes
+    assert answer_decoded is pure_python
     assert result.body == _general(rec.body, _trio_plan(name))
     assert result.header(b"content-length") == str(len(result.body)).encode()
 
