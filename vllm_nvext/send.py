@@ -24,7 +24,7 @@ from .asgi import Message, Send, is_event_stream, is_json
 from .outbound.chunks import rename_error
 from .outbound.finish import Scanner, served_finish, serves
 from .outbound.nvext_values import Clock
-from .outbound.stream import UNSAFE_TEXT, Splice, StreamReshaper
+from .outbound.stream import UNSAFE_TEXT, Learner, Splice, StreamReshaper
 from .outbound.unary import reshape_unary_body
 from .plan import Plan
 from .protocol import Endpoint
@@ -132,7 +132,7 @@ class ReshapingSend:
     """The `send` handed to vLLM when the response has to be reshaped."""
 
     __slots__ = ("plan", "clock", "send", "route", "decode_echo", "_kind", "_start", "_parts", "_stream", "_tally",
-                 "_left", "app_send", "_arm", "_disarm", "_countdown", "_armed", "_scan")  # fmt: skip
+                 "_left", "app_send", "_arm", "_disarm", "_countdown", "_armed", "_scan", "_learn")  # fmt: skip
 
     _PASS, _UNARY, _STREAM, _ERROR, _DROP = 0, 1, 2, 3, 4
 
@@ -162,7 +162,9 @@ class ReshapingSend:
         # The send to hand vLLM: serves armed streams' deltas itself, everything else through this object.
         make = STREAM_SENDS[stream_path(False)] if stream_send is None else stream_send
         self.app_send, self._arm, self._disarm, self._countdown = make(self, send)
-        self._scan = COMPILED_SCAN if make is STREAM_SENDS.get("c") else None  # the compiled path's chunk scanner
+        compiled = make is STREAM_SENDS.get("c")
+        self._scan = COMPILED_SCAN if compiled else None  # the compiled path's chunk scanner
+        self._learn = COMPILED_LEARN if compiled else None  # and its splice learner (stream.learn_splice's twin)
         self._armed = False  # app_send is armed: its countdown is the one that counts
 
     async def __call__(self, message: Message) -> None:
@@ -250,7 +252,7 @@ class ReshapingSend:
             self._kind = self._PASS  # only vLLM's errors could change (error events come in streams)
         elif event_stream:
             self._kind = self._STREAM
-            self._stream = StreamReshaper(self.plan, self.clock, self._scan)
+            self._stream = StreamReshaper(self.plan, self.clock, self._scan, self._learn)
             self._tally = metrics.StreamTally() if metrics.enabled() else None
             if sized:
                 message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]
@@ -357,6 +359,18 @@ def _compiled_scan() -> Scanner | None:
 
 
 COMPILED_SCAN = _compiled_scan()
+
+
+def _compiled_learn() -> Learner | None:
+    """`_speedups.learn_splice` (stream.learn_splice's compiled twin); None when the extension is not built."""
+    try:
+        from ._speedups import learn_splice
+    except ImportError:
+        return None
+    return learn_splice  # type: ignore[no-any-return]
+
+
+COMPILED_LEARN = _compiled_learn()
 
 
 def stream_path(pure_python: bool) -> str:

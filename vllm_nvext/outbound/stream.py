@@ -74,18 +74,18 @@ class Splice:
 
     __slots__ = ("prefix", "head", "tail", "strip", "trio", "mid", "finish_head")
 
-    def __init__(self, prefix: bytes, head: bytes, tail: bytes, strip: bool, trio: bool) -> None:
+    def __init__(
+        self, prefix: bytes, head: bytes, tail: bytes, mid: bytes, finish_head: bytes | None, strip: bool, trio: bool
+    ) -> None:
         self.prefix = prefix
         self.head = head
         self.tail = tail
+        # What follows the ids' place: null (strip), the tail up to the chunk's closing brace,
+        # and the nvext key (trio); rendered as event[:start or end] + mid [+ ids + "}}\n\n"] (_splice_parts).
+        self.mid = mid
+        self.finish_head = finish_head  # the bytes before a finish reason (finish.finish_chunk); None: not known
         self.strip = strip  # vLLM's copy of the ids goes back to null
         self.trio = trio  # the ids go into the chunk's nvext, at the end of the chunk
-        # What follows the ids' place: null (stripped), the tail up to the chunk's closing brace,
-        # and the nvext key (trio); rendered as event[:start or end] + mid [+ ids + "}}\n\n"].
-        null = b"null" if strip else b""
-        self.mid = null + tail[:-_CHUNK_END] + _NVEXT_IDS if trio else null + tail
-        at = head.find(_FINISH_KEY)  # the bytes before a finish reason (finish.finish_chunk); None: not known
-        self.finish_head = head[:at] if at >= 0 else None
 
     def locate(self, event: bytes) -> int:
         """Where the ids of a delta this splice serves start; -1 for any other event."""
@@ -113,8 +113,28 @@ class Splice:
         return event[:start] + self.mid if self.strip else event
 
 
-def _learn_splice(event: bytes, start: int, end: int, strip: bool, trio: bool) -> Splice | None:
-    """A splice for a delta whose ids sit at event[start:end]; None if its text is not found."""
+# The parts of a `Splice`, as `learn_splice` returns them: prefix, head, tail, mid, finish_head.
+SpliceParts = tuple[bytes, bytes, bytes, bytes, "bytes | None"]
+# What learns the splice a delta teaches (`learn_splice`, or its compiled twin `_speedups.learn_splice`, which
+# `send.py` hands `StreamReshaper` on the compiled path): (event, start, end, strip, trio, out) -> parts or None.
+Learner = Callable[[bytes, int, int, bool, bool, bytes], "SpliceParts | None"]
+
+
+def learn_splice(event: bytes, start: int, end: int, strip: bool, trio: bool, out: bytes) -> SpliceParts | None:
+    """The parts of the splice the delta `event` (ids at event[start:end]) teaches, only if that splice
+    locates the delta's ids at `start` and renders `out` (what the byte-level path made of the delta) byte
+    for byte; None: not armed. `_speedups.learn_splice` gives the same: tests/unit/test_stream_send.py."""
+    parts = _splice_parts(event, start, end, strip, trio)
+    if parts is None:
+        return None
+    splice = Splice(*parts, strip, trio)
+    if splice.locate(event) != start or splice.render(event, start) != out:
+        return None
+    return parts
+
+
+def _splice_parts(event: bytes, start: int, end: int, strip: bool, trio: bool) -> SpliceParts | None:
+    """A splice's parts for a delta whose ids sit at event[start:end]; None if its text is not found."""
     for key in _TEXT_KEYS:
         at = event.find(key, _JSON_AT, start)
         if at >= 0:
@@ -133,7 +153,11 @@ def _learn_splice(event: bytes, start: int, end: int, strip: bool, trio: bool) -
         close += 1
     if b"[" in event[end:]:
         return None  # the ids are found as the last list of the event
-    return Splice(event[:text], event[close:start], event[end:], strip, trio)
+    head, tail = event[close:start], event[end:]
+    null = b"null" if strip else b""
+    mid = null + tail[:-_CHUNK_END] + _NVEXT_IDS if trio else null + tail
+    at = head.find(_FINISH_KEY)
+    return event[:text], head, tail, mid, head[:at] if at >= 0 else None
 
 
 def _is_plain_data_event(event: bytes) -> bool:
@@ -155,11 +179,12 @@ class StreamReshaper:
 
     __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "root", "splice", "_armings", "_head", "_tail",
                  "_held", "_waiting", "framed", "framed_events", "unchanged", "_renames", "_finishes",
-                 "_scan")  # fmt: skip
+                 "_scan", "_learn")  # fmt: skip
 
-    def __init__(self, plan: Plan, clock: Clock, scan: Scanner | None = None) -> None:
+    def __init__(self, plan: Plan, clock: Clock, scan: Scanner | None = None, learn: Learner | None = None) -> None:
         self.chunks = ChunkReshaper(plan, clock)
         self._scan = scan if serves(plan) else None  # lets a plain chunk skip its decode (finish.first_chunk)
+        self._learn = learn_splice if learn is None else learn  # learns and checks the splice a delta teaches
         self._framer: EventFramer | None = None  # made for the first message that is not one whole event
         self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
         self._trio = plan.nvext_trio
@@ -325,9 +350,9 @@ class StreamReshaper:
         self.splice = None
         new = self._delta(event, start, end)
         out = event if new is None else new
-        splice = _learn_splice(event, start, end, self._strip, self._trio)
-        if splice is not None and splice.locate(event) == start and splice.render(event, start) == out:
-            self.splice = splice
+        parts = self._learn(event, start, end, self._strip, self._trio, out)
+        if parts is not None:
+            self.splice = Splice(*parts, self._strip, self._trio)
         return out
 
     @property
