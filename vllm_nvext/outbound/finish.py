@@ -27,7 +27,6 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from .. import _json
 from ..plan import Plan
 from ..protocol import Endpoint
 from .chunks import ChunkReshaper, _strip_vllm_ids, _take_kv
@@ -155,8 +154,8 @@ def first_chunk(event: bytes, plan: Plan, chunks: ChunkReshaper, scan: Scanner) 
     prompt_value = event[prompt:prompt_end]
     if (delta[0] != _LIST and delta != b"null") or (prompt_value[:1] not in (b"[", b"") and prompt_value != b"null"):
         return None  # another value where the general path reads ids: decoded
-    if chunks.prompt_ids is None and prompt >= 0:
-        chunks.prompt_ids = _json.loads(prompt_value)
+    if prompt_value[:1] == b"[":
+        chunks.keep_prompt_json(prompt_value)  # plain: the bytes its decode encodes to (finish_first_choice)
     if delta == b"null":
         chunks.withhold_ids()
     else:
