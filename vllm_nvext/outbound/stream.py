@@ -124,13 +124,21 @@ def learn_splice(event: bytes, start: int, end: int, strip: bool, trio: bool, ou
     """The parts of the splice the delta `event` (ids at event[start:end]) teaches, only if that splice
     locates the delta's ids at `start` and renders `out` (what the byte-level path made of the delta) byte
     for byte; None: not armed. `_speedups.learn_splice` gives the same: tests/unit/test_stream_send.py."""
+    splice = _checked_splice(event, start, end, strip, trio, out)
+    if splice is None:
+        return None
+    return splice.prefix, splice.head, splice.tail, splice.mid, splice.finish_head
+
+
+def _checked_splice(event: bytes, start: int, end: int, strip: bool, trio: bool, out: bytes) -> Splice | None:
+    """`learn_splice` as the `Splice` the pure-Python path arms."""
     parts = _splice_parts(event, start, end, strip, trio)
     if parts is None:
         return None
     splice = Splice(*parts, strip, trio)
     if splice.locate(event) != start or splice.render(event, start) != out:
         return None
-    return parts
+    return splice
 
 
 def _splice_parts(event: bytes, start: int, end: int, strip: bool, trio: bool) -> SpliceParts | None:
@@ -184,7 +192,7 @@ class StreamReshaper:
     def __init__(self, plan: Plan, clock: Clock, scan: Scanner | None = None, learn: Learner | None = None) -> None:
         self.chunks = ChunkReshaper(plan, clock)
         self._scan = scan if serves(plan) else None  # lets a plain chunk skip its decode (finish.first_chunk)
-        self._learn = learn_splice if learn is None else learn  # learns and checks the splice a delta teaches
+        self._learn = learn  # learns and checks the splice a delta teaches (None: `learn_splice`, here in Python)
         self._framer: EventFramer | None = None  # made for the first message that is not one whole event
         self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
         self._trio = plan.nvext_trio
@@ -350,8 +358,10 @@ class StreamReshaper:
         self.splice = None
         new = self._delta(event, start, end)
         out = event if new is None else new
-        parts = self._learn(event, start, end, self._strip, self._trio, out)
-        if parts is not None:
+        learn = self._learn
+        if learn is None:
+            self.splice = _checked_splice(event, start, end, self._strip, self._trio, out)
+        elif (parts := learn(event, start, end, self._strip, self._trio, out)) is not None:
             self.splice = Splice(*parts, self._strip, self._trio)
         return out
 
