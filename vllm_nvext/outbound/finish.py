@@ -15,7 +15,8 @@ Same bytes: tests/unit/test_stream_layouts.py, test_stream.py and test_stream_se
 general-path bytes without the decode: a chunk of choice 0 that does not finish it (the role
 chunk with vLLM's prompt ids, every chunk of a stream no splice serves) whose JSON is plain
 (every value one orjson writes as vLLM does, no key twice), so vLLM's copies of the ids go back
-to null in place and `"nvext":{"completion_token_ids":...}` goes at its end.
+to null in place and `"nvext":{"completion_token_ids":...}` goes at its end; the chunk's prompt ids
+are kept as vLLM wrote them (plain: the bytes their decode encodes back to) for `finish_chunk`.
 
 `reshape_single` is the general path's reshape of a decoded single-choice chunk under such a
 plan in fewer steps (the first chunk, and every chunk of a stream no splice serves).
