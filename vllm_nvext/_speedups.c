@@ -1,6 +1,6 @@
 /* The compiled twin of `send.python_stream_send`: the `send` handed to vLLM for a
  * reshaped response. Until armed it hands every message to `general` (the ReshapingSend);
- * armed with a stream's `stream.Splice` it serves the mid-stream deltas the splice serves, with
+ * armed with a stream's `splice.Splice` it serves the mid-stream deltas the splice serves, with
  * the same checks (`Splice.locate`) and the same bytes (`Splice.render`), and `data: [DONE]` and the
  * usage chunk as they came (`send._is_usage`), and a finish chunk `finish.served_finish` gives bytes
  * for, and returns `downstream`'s awaitable. The pure-Python twin is the oracle: tests/unit/test_stream_send.py
@@ -22,7 +22,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *general;    /* the ReshapingSend: everything the splice does not serve */
     PyObject *downstream; /* the server's send */
-    PyObject *prefix, *head, *tail, *mid; /* bytes, as stream.Splice holds them */
+    PyObject *prefix, *head, *tail, *mid; /* bytes, as splice.Splice holds them */
     PyObject *on_ids;     /* None, or called with (event, start, end) for each delta served */
     PyObject *tally_add;  /* None (metrics off), or metrics.StreamTally.add */
     PyObject *root;       /* bytes: the root of a usage chunk that goes out as it came (empty: none does) */
@@ -128,7 +128,7 @@ splice_locate(const char *b, Py_ssize_t n, const char *prefix, Py_ssize_t lp, co
     Py_ssize_t h = start - lh;
     if (h < lp || memcmp(b + h, head, lh) != 0)
         return -1;
-    /* the text: one JSON string's bytes, none of stream.UNSAFE_TEXT */
+    /* the text: one JSON string's bytes, none of splice.UNSAFE_TEXT */
     for (Py_ssize_t i = lp; i < h; i++) {
         char c = b[i];
         if (c == '"' || c == '\r' || c == '\n')
@@ -315,7 +315,7 @@ StreamSend_arm(StreamSend *self, PyObject *args)
         return NULL;
     }
     if (PyBytes_Size(prefix) < 1 || memchr(PyBytes_AsString(tail), '[', PyBytes_Size(tail)) != NULL) {
-        PyErr_SetString(PyExc_ValueError, "arm: not a splice stream.Splice would make");
+        PyErr_SetString(PyExc_ValueError, "arm: not a splice splice.Splice would make");
         return NULL;
     }
     SET_REF(self->prefix, prefix);
@@ -376,14 +376,14 @@ static PyType_Spec StreamSend_spec = {
 
 /* ------------------------------------------------------------------ arming: learn_splice
  *
- * The compiled twin of `stream.learn_splice`: the splice `stream._learn_splice` learns from the delta that
+ * The compiled twin of `splice.learn_splice`: the splice `splice._splice_parts` finds from the delta that
  * arms a stream (ids at event[start:end]), returned only if it locates that delta's ids at `start` and
  * renders `out` (what the byte-level path made of the delta) byte for byte. Same parts or None as the
  * Python twin, its oracle: tests/unit/test_stream_send.py runs both on every recorded stream's deltas, the
  * hypothesis layouts and texts with escapes.
  */
 
-/* The texts a splice serves (stream._TEXT_KEYS), in the order they are looked for. */
+/* The texts a splice serves (splice._TEXT_KEYS), in the order they are looked for. */
 static const char *const text_keys[] = {
     "\"delta\":{\"content\":\"", "\"delta\":{\"reasoning_content\":\"", "\"delta\":{\"reasoning\":\"", "\"text\":\"",
 };

@@ -199,7 +199,7 @@ def test_a_finish_chunk_the_compiled_send_cannot_serve_goes_to_the_general_path(
 @pytest.mark.parametrize("finish_decoded", [False, True], ids=["byte-level finish", "decoded finish"])
 @pytest.mark.parametrize("name", NAMES)
 def test_long_prompt_ids_reach_the_finish_chunk_as_the_general_path_writes_them(name, finish_decoded, json_decodes):
-    # The plain first chunk's prompt ids are kept as vLLM wrote them (ChunkReshaper.keep_prompt_json) and
+    # The plain first chunk's prompt ids are kept as vLLM wrote them (prompt_ids.PromptIds.keep_prompt_json) and
     # copied into the finish chunk's nvext; a finish chunk that is decoded reads them decoded.
     rec = _recording(name, "0.33")
     plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])

@@ -1,7 +1,7 @@
 """The `send` handed to vLLM gives the general path's bytes, in both implementations.
 
 `send.python_stream_send` and the compiled `_speedups.StreamSend` serve the mid-stream
-deltas of an armed stream themselves (stream.Splice); everything else goes through the general
+deltas of an armed stream themselves (splice.Splice); everything else goes through the general
 path. Whatever serves them, the client must get the bytes the general path gives (every shortcut
 off, every event decoded) on every recorded stream and on the layouts hypothesis derives from
 them (tests/unit/test_stream_layouts.py). The compiled arm is skipped only where the extension is
@@ -31,7 +31,8 @@ from vllm_nvext import NvextMiddleware, Settings, metrics
 from vllm_nvext import send as asgi_response
 from vllm_nvext.config import ConfigError, Mode
 from vllm_nvext.outbound.nvext_values import Clock
-from vllm_nvext.outbound.stream import DecodingStreamReshaper, Learner, Splice, StreamReshaper, learn_splice
+from vllm_nvext.outbound.splice import Learner, Splice, learn_splice
+from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
 from vllm_nvext.send import COMPILED_LEARN, STREAM_SENDS, ReshapingSend
 
 IMPLS = ["python", "c"]

@@ -24,6 +24,7 @@ from ..protocol import (
     Endpoint,
 )
 from .nvext_values import Clock, detailed_finish_reason, engine_data, kv_cache_hit, timing
+from .prompt_ids import PromptIds
 from .shapes import choice_logprobs
 
 
@@ -257,7 +258,7 @@ class _Choice:
         self.withheld = False  # vLLM sent `token_ids: null` on a chunk: the ids are not reported
 
 
-class ChunkReshaper:
+class ChunkReshaper(PromptIds):
     """Per-stream state for reshaping decoded `chat.completion.chunk` / streamed `text_completion` chunks.
 
     Each choice of an n > 1 stream is answered on its own finish chunk, as Dynamo does.
@@ -266,14 +267,12 @@ class ChunkReshaper:
     and is not taken while `decode_every_chunk` is set.
     """
 
-    __slots__ = ("plan", "clock", "_prompt_ids", "_prompt_json", "ids", "logprobs", "ttft_ms", "engine", "_choices",
-                 "pending", "_echoed")  # fmt: skip
+    __slots__ = ("plan", "clock", "ids", "logprobs", "ttft_ms", "engine", "_choices", "pending", "_echoed")
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
+        super().__init__()  # prompt_ids: none reported yet
         self.plan = plan
         self.clock = clock
-        self._prompt_ids: Any = None
-        self._prompt_json: bytes | None = None  # kept undecoded (keep_prompt_json) until something reads them
         self.ids: list[int] = []  # choice 0's completion ids so far (engine_data only)
         self.logprobs: list[Any] | None = [] if plan.logprobs_requested else None
         self.ttft_ms: float | None = None
@@ -283,24 +282,6 @@ class ChunkReshaper:
         # completed from the usage chunk (`complete_from_usage`) before the chunk goes out.
         self.pending: tuple[dict[str, Any], dict[str, Any] | None] | None = None
         self._echoed: set[Any] = set()  # choice indexes whose echoed prompt was put back
-
-    @property
-    def prompt_ids(self) -> Any:
-        """The prompt ids vLLM reported (None: none yet), decoded on first read when only their bytes were kept."""
-        if self._prompt_json is not None:
-            self._prompt_ids, self._prompt_json = _json.loads(self._prompt_json), None
-        return self._prompt_ids
-
-    @prompt_ids.setter
-    def prompt_ids(self, value: Any) -> None:
-        self._prompt_ids, self._prompt_json = value, None
-
-    def keep_prompt_json(self, value: bytes) -> None:
-        """vLLM's prompt ids as a plain chunk holds them (finish.first_chunk): a list, in the bytes `_json.dumps`
-        gives for its decode, so the byte-level finish chunk copies them and only another reader decodes them.
-        Ids already known stay (the first report counts, as `reshape` keeps it)."""
-        if self._prompt_ids is None and self._prompt_json is None:
-            self._prompt_json = value
 
     @property
     def decode_every_chunk(self) -> bool:
@@ -329,8 +310,7 @@ class ChunkReshaper:
             return None
         self.delta_ids(event, start, end)
         state.finished = True
-        kept, ids = self._prompt_json, self._prompt_ids
-        encoded = kept if kept is not None else None if ids is None else _json.dumps(ids)
+        encoded = self.encoded_prompt_ids()
         prompt = b"" if encoded is None else b',"prompt_token_ids":' + encoded
         return b'{"completion_token_ids":' + event[start:end] + prompt + b"}"
 

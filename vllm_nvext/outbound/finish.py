@@ -1,12 +1,12 @@
 """The byte-level finish chunk of a single-choice stream: the general path's bytes without decoding it.
 
-`stream.StreamReshaper` hands it the finish chunk of an armed stream (`stream.Splice`) whose plan
+`stream.StreamReshaper` hands it the finish chunk of an armed stream (`splice.Splice`) whose plan
 asks for the token-id trio and nothing else on the finish chunk (`serves`): the general path
 (`chunks.ChunkReshaper`) then only sets vLLM's copy of the ids back to null (`strip`) and adds
 `"nvext":{"completion_token_ids":...,"prompt_token_ids":...}` at the end of the chunk, and
 re-encodes every other value as vLLM wrote it. So the chunk is served only when every byte it
 keeps is one orjson writes the same way: the delta's learned prefix and a text of the splice's
-kind (`stream.UNSAFE_TEXT`), then only `null`, plain ASCII strings and small integers under keys
+kind (`splice.UNSAFE_TEXT`), then only `null`, plain ASCII strings and small integers under keys
 the general path leaves alone, and a list of small non-negative ids. Anything else is decoded.
 Same bytes: tests/unit/test_stream_layouts.py, test_stream.py and test_stream_send.py.
 
