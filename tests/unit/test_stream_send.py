@@ -324,3 +324,24 @@ def test_a_splice_that_does_not_give_the_byte_level_paths_bytes_is_never_armed(i
     alone = StreamReshaper(plan, Clock())  # the stream path by itself, no splice served by the send
     want = b"".join(alone.feed(e) for e in events) + alone.flush()
     assert got.count(b" \n\n") > 300 and got == want, f"{impl}: a delta went out other than the byte-level path made it"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_delta_whose_text_or_ids_cannot_be_found_teaches_no_splice(impl):
+    learner = _learner(impl)
+    rec = recordings()["chat_stream_ids_long"]
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    event, start, end, strip, trio, out = _arming_calls(plan, _events(rec.body))[0]
+    assert learner(event, start, end, strip, trio, out) is not None
+    unclosed = b'data: {"text":"ab\\"[1]}\n\n'  # every quote after the text's opening one escaped
+    cases = {
+        "no text key": (event.replace(b'"content":', b'"other":'), start, end),
+        "no closing quote": (unclosed, unclosed.find(b"["), unclosed.find(b"]") + 1),
+        "a list after the ids": (event[:-4] + b',"x":[]}\n\n', start, end),
+    }
+    for label, (relaid, s, e) in cases.items():
+        assert learn_splice(relaid, s, e, strip, trio, out) is None, f"python: {label}"
+        assert learner(relaid, s, e, strip, trio, out) is None, f"{impl}: {label}"
+    if impl == "c":
+        with pytest.raises(ValueError, match="inside the event"):
+            learner(event, end, start, strip, trio, out)
