@@ -270,7 +270,7 @@ class ChunkReshaper(PromptIds):
     __slots__ = ("plan", "clock", "ids", "logprobs", "ttft_ms", "engine", "_choices", "pending", "_echoed")
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
-        super().__init__()  # prompt_ids: none reported yet
+        self._prompt_ids = self._prompt_json = None  # PromptIds: none reported yet (no call: a stream's start)
         self.plan = plan
         self.clock = clock
         self.ids: list[int] = []  # choice 0's completion ids so far (engine_data only)

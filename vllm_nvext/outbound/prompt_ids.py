@@ -14,13 +14,14 @@ from .. import _json
 
 
 class PromptIds:
-    """`prompt_ids` (None: none reported yet), decoded on first read when only their bytes were kept."""
+    """`prompt_ids` (None: none reported yet), decoded on first read when only their bytes were kept.
+
+    A base class: its owner sets both slots to None when it is made (`chunks.ChunkReshaper`).
+    """
 
     __slots__ = ("_prompt_ids", "_prompt_json")
-
-    def __init__(self) -> None:
-        self._prompt_ids: Any = None
-        self._prompt_json: bytes | None = None  # kept undecoded (keep_prompt_json) until something reads them
+    _prompt_ids: Any
+    _prompt_json: bytes | None  # kept undecoded (keep_prompt_json) until something reads them
 
     @property
     def prompt_ids(self) -> Any:
