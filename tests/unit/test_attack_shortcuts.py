@@ -10,6 +10,7 @@ the decoding `DecodingStreamReshaper`, the plan made with nothing kept.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -20,9 +21,11 @@ from hypothesis import strategies as st
 from tests.unit.test_request_fidelity import BASE, _made_anew, _outcome
 from tests.unit.test_stream_finish import _both, _finish_at, _recording
 from tests.unit.test_stream_layouts import _events, _first_difference, _plan
+from tests.unit.test_stream_send import _general as _stream_general
+from tests.unit.test_stream_send import _through_send
 from tests.unit.test_unary import _general
 from tests.unit.test_unary_plain import PLAIN, _reshaped, _trio_plan
-from vllm_nvext import Mode
+from vllm_nvext import Mode, metrics
 from vllm_nvext.inbound.request import plan_request
 from vllm_nvext.protocol import Endpoint
 from vllm_nvext.send import COMPILED_SCAN
@@ -77,9 +80,9 @@ def test_a_chunk_the_scanner_calls_plain_is_one_orjson_writes_back_byte_for_byte
     holds the value of the key it names."""
     root.setdefault("choices", [choice])
     body = orjson.dumps(root)
-    for where, noise, replace in edits:
+    for where, noise, overwrite in edits:
         at = int(where * len(body))
-        body = body[:at] + noise + body[at + len(noise) if replace else at :]
+        body = body[:at] + noise + body[at + len(noise) if overwrite else at :]
     if cut is not None:
         body = body[: max(len(body) - cut, 1)]
     event = b"data: " + body + b"\n\n"
@@ -226,6 +229,60 @@ def test_an_unusual_first_or_finish_chunk_gets_the_general_paths_bytes(name, whi
         edited[at] = edit(events[at])
         got, want = _both(plan, edited, compiled)
         assert got == want, f"{label}: {_first_difference(got, want)}"
+
+
+# --- the armed send: the usage chunk and [DONE] it forwards as they came ---------------------------
+
+USAGE_STREAMS = ["vllm-0.33/chat_stream_ids_kv_usage", "vllm-0.33/completions_stream_ids_kv", "chat_stream_ids"]
+USAGE_EDITS: dict[str, Any] = {
+    "as recorded": lambda e: e,
+    "CRLF framing": lambda e: e[:-2] + b"\r\n\r\n",
+    "a choices key after the empty choices": lambda e: e[:-3] + b',"x":{"choices":[1]}}\n\n',
+    "two events in the message": lambda e: e + e,
+    "an unterminated event": lambda e: e[:-1],
+    "whitespace in the empty choices": lambda e: e.replace(b'"choices":[]', b'"choices":[ ]'),
+    "not JSON after the root": lambda e: e[:-3] + b",}\n\n",
+    "an error naming a field": lambda e: e[:-3] + b',"error":{"message":"bad","param":"temperature"}}\n\n',
+}
+DONE_EDITS = [b"data: [DONE]\r\n\r\n", b"data: [DONE]\n\ndata: [DONE]\n\n", b"data:[DONE]\n\n", b"data: [DONE]\n"]
+
+
+def _usage_cases(events: list[bytes]) -> dict[str, list[bytes]]:
+    usage = next(i for i, e in enumerate(events) if b'"choices":[]' in e)
+    done = events.index(b"data: [DONE]\n\n")
+    cases = {k: events[:usage] + [edit(events[usage])] + events[usage + 1 :] for k, edit in USAGE_EDITS.items()}
+    cases.update({repr(d): events[:done] + [d] + events[done + 1 :] for d in DONE_EDITS})
+    return cases
+
+
+@pytest.mark.parametrize("renames", [False, True], ids=["no-error-params", "error-params"])
+@pytest.mark.parametrize("name", USAGE_STREAMS)
+def test_an_unusual_usage_chunk_or_done_through_the_armed_send_gets_the_general_paths_bytes_and_counts(
+    name, renames, monkeypatch
+):
+    """The compiled and pure-Python sends forward the usage chunk and `[DONE]` as they came only when the
+    general path does; the client's bytes and the reshaped-events metric are the same on every path."""
+    from tests.recorded import recordings
+
+    rec = recordings()[name]
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    if renames:  # the general path may rename an error in a chunk: no usage chunk is forwarded unread
+        plan = replace(plan, error_params=(("temperature", "nvext.greed_sampling"),))
+    counted: list[tuple[int, int]] = []
+    monkeypatch.setattr(metrics, "enabled", lambda: True)
+    monkeypatch.setattr(
+        metrics, "count_reshaping", lambda _e, _k, events, _s, unchanged=0: counted.append((events, unchanged))
+    )
+    for label, events in _usage_cases(_events(rec.body)).items():
+        counts = []
+        for impl in ("python", "c"):
+            counted.clear()
+            got, reshaping = _through_send(plan, events, impl)
+            reshaping.count_stream()
+            want = _stream_general(plan, events)
+            assert got == want, f"{impl}, {label}: {_first_difference(got, want)}"
+            counts.append(list(counted))
+        assert counts[0] == counts[1], f"{label}: the metrics differ by path: {counts}"
 
 
 # --- kept readings and plans: a sequence of requests gets what each gets alone ----------------------
