@@ -1,6 +1,6 @@
 /* The compiled twin of `send.python_stream_send`: the `send` handed to vLLM for a
  * reshaped response. Until armed it hands every message to `general` (the ReshapingSend);
- * armed with a stream's `stream.Splice` it serves the mid-stream deltas the splice serves, with
+ * armed with a stream's `splice.Splice` it serves the mid-stream deltas the splice serves, with
  * the same checks (`Splice.locate`) and the same bytes (`Splice.render`), and `data: [DONE]` and the
  * usage chunk as they came (`send._is_usage`), and a finish chunk `finish.served_finish` gives bytes
  * for, and returns `downstream`'s awaitable. The pure-Python twin is the oracle: tests/unit/test_stream_send.py
@@ -22,7 +22,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *general;    /* the ReshapingSend: everything the splice does not serve */
     PyObject *downstream; /* the server's send */
-    PyObject *prefix, *head, *tail, *mid; /* bytes, as stream.Splice holds them */
+    PyObject *prefix, *head, *tail, *mid; /* bytes, as splice.Splice holds them */
     PyObject *on_ids;     /* None, or called with (event, start, end) for each delta served */
     PyObject *tally_add;  /* None (metrics off), or metrics.StreamTally.add */
     PyObject *root;       /* bytes: the root of a usage chunk that goes out as it came (empty: none does) */
@@ -105,16 +105,16 @@ clock_ns(void)
     return ns;
 }
 
-/* Where the ids of a delta the splice serves start; -1 for any other event. */
+/* `Splice.locate` over a splice's parts: where the ids of a delta the splice serves start; -1 for any other event. */
 static Py_ssize_t
-locate(StreamSend *self, const char *b, Py_ssize_t n)
+splice_locate(const char *b, Py_ssize_t n, const char *prefix, Py_ssize_t lp, const char *head, Py_ssize_t lh,
+              const char *tail, Py_ssize_t lt)
 {
-    Py_ssize_t lp = PyBytes_Size(self->prefix), lh = PyBytes_Size(self->head), lt = PyBytes_Size(self->tail);
     if (n < lp + lh + lt + 2)
         return -1;
-    if (memcmp(b, PyBytes_AsString(self->prefix), lp) != 0)
+    if (memcmp(b, prefix, lp) != 0)
         return -1;
-    if (memcmp(b + n - lt, PyBytes_AsString(self->tail), lt) != 0)
+    if (memcmp(b + n - lt, tail, lt) != 0)
         return -1;
     Py_ssize_t end = n - lt;
     if (b[end - 1] != ']')
@@ -126,9 +126,9 @@ locate(StreamSend *self, const char *b, Py_ssize_t n)
     if (start < 0 || b[start] != '[')
         return -1;
     Py_ssize_t h = start - lh;
-    if (h < lp || memcmp(b + h, PyBytes_AsString(self->head), lh) != 0)
+    if (h < lp || memcmp(b + h, head, lh) != 0)
         return -1;
-    /* the text: one JSON string's bytes, none of stream.UNSAFE_TEXT */
+    /* the text: one JSON string's bytes, none of splice.UNSAFE_TEXT */
     for (Py_ssize_t i = lp; i < h; i++) {
         char c = b[i];
         if (c == '"' || c == '\r' || c == '\n')
@@ -137,6 +137,15 @@ locate(StreamSend *self, const char *b, Py_ssize_t n)
     if (h > lp && b[h - 1] == '\\')
         return -1;
     return start;
+}
+
+/* Where the ids of a delta the armed splice serves start; -1 for any other event. */
+static Py_ssize_t
+locate(StreamSend *self, const char *b, Py_ssize_t n)
+{
+    return splice_locate(b, n, PyBytes_AsString(self->prefix), PyBytes_Size(self->prefix),
+                         PyBytes_AsString(self->head), PyBytes_Size(self->head), PyBytes_AsString(self->tail),
+                         PyBytes_Size(self->tail));
 }
 
 /* The usage chunk `stream.StreamReshaper` forwards as it came: one whole event, the root, `]`, no
@@ -306,7 +315,7 @@ StreamSend_arm(StreamSend *self, PyObject *args)
         return NULL;
     }
     if (PyBytes_Size(prefix) < 1 || memchr(PyBytes_AsString(tail), '[', PyBytes_Size(tail)) != NULL) {
-        PyErr_SetString(PyExc_ValueError, "arm: not a splice stream.Splice would make");
+        PyErr_SetString(PyExc_ValueError, "arm: not a splice splice.Splice would make");
         return NULL;
     }
     SET_REF(self->prefix, prefix);
@@ -364,6 +373,121 @@ static PyType_Spec StreamSend_spec = {
     StreamSend_slots,
 };
 
+
+/* ------------------------------------------------------------------ arming: learn_splice
+ *
+ * The compiled twin of `splice.learn_splice`: the splice `splice._splice_parts` finds from the delta that
+ * arms a stream (ids at event[start:end]), returned only if it locates that delta's ids at `start` and
+ * renders `out` (what the byte-level path made of the delta) byte for byte. Same parts or None as the
+ * Python twin, its oracle: tests/unit/test_stream_send.py runs both on every recorded stream's deltas, the
+ * hypothesis layouts and texts with escapes.
+ */
+
+/* The texts a splice serves (splice._TEXT_KEYS), in the order they are looked for. */
+static const char *const text_keys[] = {
+    "\"delta\":{\"content\":\"", "\"delta\":{\"reasoning_content\":\"", "\"delta\":{\"reasoning\":\"", "\"text\":\"",
+};
+
+/* bytes.find(key, from, to): the first `key` wholly inside b[from:to]; -1 if none. */
+static Py_ssize_t
+find_in(const char *b, Py_ssize_t from, Py_ssize_t to, const char *key, Py_ssize_t lk)
+{
+    for (Py_ssize_t i = from; i + lk <= to; i++) {
+        const char *q = memchr(b + i, key[0], to - lk + 1 - i);
+        if (q == NULL)
+            return -1;
+        i = q - b;
+        if (memcmp(q, key, lk) == 0)
+            return i;
+    }
+    return -1;
+}
+
+#define NVEXT_IDS ",\"nvext\":{\"completion_token_ids\":"
+#define FINISH_KEY "\"finish_reason\":"
+
+/* `Splice.render(event, start) == out`, compared in place: the delta's client bytes are `out`. */
+static int
+renders(const char *b, Py_ssize_t n, Py_ssize_t start, Py_ssize_t end, const char *mid, Py_ssize_t lm, int strip,
+        int trio, const char *o, Py_ssize_t lo)
+{
+    if (trio) {
+        Py_ssize_t cut = strip ? start : end, ids = end - start;
+        return lo == cut + lm + ids + 4 && memcmp(o, b, cut) == 0 && memcmp(o + cut, mid, lm) == 0
+               && memcmp(o + cut + lm, b + start, ids) == 0 && memcmp(o + cut + lm + ids, "}}\n\n", 4) == 0;
+    }
+    if (strip)
+        return lo == start + lm && memcmp(o, b, start) == 0 && memcmp(o + start, mid, lm) == 0;
+    return lo == n && memcmp(o, b, n) == 0;
+}
+
+static PyObject *
+learn_splice(PyObject *module, PyObject *args)
+{
+    PyObject *event, *out;
+    Py_ssize_t start, end;
+    int strip, trio;
+    if (!PyArg_ParseTuple(args, "SnnppS:learn_splice", &event, &start, &end, &strip, &trio, &out))
+        return NULL;
+    if (!PyBytes_CheckExact(event) || !PyBytes_CheckExact(out)) {
+        PyErr_SetString(PyExc_TypeError, "learn_splice: the event and its bytes must be bytes");
+        return NULL;
+    }
+    const char *b = PyBytes_AsString(event);
+    Py_ssize_t n = PyBytes_Size(event);
+    if (start < 0 || start > end || end > n) {
+        PyErr_SetString(PyExc_ValueError, "learn_splice: the ids must lie inside the event");
+        return NULL;
+    }
+    Py_ssize_t at = -1, text = 0;
+    for (size_t k = 0; k < sizeof(text_keys) / sizeof(text_keys[0]) && at < 0; k++) {
+        Py_ssize_t lk = (Py_ssize_t)strlen(text_keys[k]);
+        at = find_in(b, 6, start, text_keys[k], lk); /* after `data: ` (stream._JSON_AT) */
+        text = at + lk;
+    }
+    if (at < 0)
+        Py_RETURN_NONE;
+    Py_ssize_t close = text; /* the text's closing quote: the first quote not escaped */
+    for (;;) {
+        const char *q = close < start ? memchr(b + close, '"', start - close) : NULL;
+        if (q == NULL)
+            Py_RETURN_NONE;
+        close = q - b;
+        Py_ssize_t k = close;
+        while (k > text && b[k - 1] == '\\')
+            k--;
+        if ((close - k) % 2 == 0)
+            break;
+        close += 1;
+    }
+    if (memchr(b + end, '[', n - end) != NULL)
+        Py_RETURN_NONE; /* the ids are found as the last list of the event */
+    /* mid: null (strip), then the tail up to the chunk's closing brace and the nvext key (trio), or the tail */
+    Py_ssize_t lt = n - end, kept = trio ? (lt > 3 ? lt - 3 : 0) : lt;
+    Py_ssize_t lnull = strip ? 4 : 0, lids = trio ? (Py_ssize_t)strlen(NVEXT_IDS) : 0;
+    Py_ssize_t lm = lnull + kept + lids;
+    PyObject *mid = PyBytes_FromStringAndSize(NULL, lm);
+    if (mid == NULL)
+        return NULL;
+    char *m = PyBytes_AsString(mid);
+    memcpy(m, "null", lnull);
+    memcpy(m + lnull, b + end, kept);
+    memcpy(m + lnull + kept, NVEXT_IDS, lids);
+    if (splice_locate(b, n, b, text, b + close, start - close, b + end, lt) != start
+        || !renders(b, n, start, end, m, lm, strip, trio, PyBytes_AsString(out), PyBytes_Size(out))) {
+        Py_DECREF(mid);
+        Py_RETURN_NONE; /* not armed: the splice does not reproduce the delta */
+    }
+    Py_ssize_t fin = find_in(b, close, start, FINISH_KEY, (Py_ssize_t)strlen(FINISH_KEY));
+    PyObject *finish_head = Py_None; /* the bytes before a finish reason (finish.finish_chunk); None: not known */
+    if (fin < 0)
+        Py_INCREF(Py_None);
+    else if ((finish_head = PyBytes_FromStringAndSize(b + close, fin - close)) == NULL) {
+        Py_DECREF(mid);
+        return NULL;
+    }
+    return Py_BuildValue("(y#y#y#NN)", b, text, b + close, start - close, b + end, lt, mid, finish_head);
+}
 
 /* ------------------------------------------------------------------ the request side: splice_root
  *
@@ -772,6 +896,9 @@ static PyMethodDef speedups_functions[] = {
     {"splice_root", splice_root, METH_VARARGS,
      "splice_root(body, drop, extra): the body with the root members named in drop (bytes) left out and "
      "extra appended; None: the Python path decides"},
+    {"learn_splice", learn_splice, METH_VARARGS,
+     "learn_splice(event, start, end, strip, trio, out): (prefix, head, tail, mid, finish_head) of the splice "
+     "the delta teaches, if it renders out; None: not armed"},
     {"plain_chunk", plain_chunk, METH_O,
      "plain_chunk(event): None, or the spans outbound/finish.py's first_chunk reads (see _speedups.c)"},
     {NULL, NULL, 0, NULL},

@@ -7,7 +7,7 @@ other errors, 204/206/304 and encoded bodies pass untouched. Used by `NvextMiddl
 
 vLLM is handed `ReshapingSend.app_send`: a plain function (`python_stream_send`) or the compiled
 `_speedups.StreamSend`, which serve an armed stream's mid-stream deltas themselves
-(`stream.Splice`) and hand every other message to the `ReshapingSend`. Same bytes as the general
+(`splice.Splice`) and hand every other message to the `ReshapingSend`. Same bytes as the general
 path, both implementations: tests/unit/test_stream_send.py.
 """
 
@@ -24,7 +24,8 @@ from .asgi import Message, Send, is_event_stream, is_json
 from .outbound.chunks import rename_error
 from .outbound.finish import Scanner, served_finish, serves
 from .outbound.nvext_values import Clock
-from .outbound.stream import UNSAFE_TEXT, Splice, StreamReshaper
+from .outbound.splice import UNSAFE_TEXT, Learner, Splice
+from .outbound.stream import StreamReshaper
 from .outbound.unary import reshape_unary_body
 from .plan import Plan
 from .protocol import Endpoint
@@ -35,7 +36,7 @@ _PASS_STATUSES = frozenset({204, 206, 304})
 _ID_BYTES = b"0123456789,"
 _UNTIMED = 1 << 62  # the countdown to the next timed message when metrics are off: never reached
 
-# The splice's parts, as `stream.Splice` holds them, the on-ids callback, the metrics countdown, the
+# The splice's parts, as `splice.Splice` holds them, the on-ids callback, the metrics countdown, the
 # tally's `add` (None: metrics off), the root of a usage chunk that goes out as it came (b"": none does)
 # and what serves a finish chunk (finish.served_finish; None: none is served; the compiled send only).
 Arm = Callable[[bytes, bytes, bytes, bytes, bool, bool, "Callable[[bytes, int, int], None] | None", int,
@@ -43,7 +44,7 @@ Arm = Callable[[bytes, bytes, bytes, bytes, bool, bool, "Callable[[bytes, int, i
 
 
 # Until armed, every message goes to `general` (the `ReshapingSend`). Armed with a stream's
-# `stream.Splice`, it serves the mid-stream deltas the splice serves (the checks of `Splice.locate`,
+# `splice.Splice`, it serves the mid-stream deltas the splice serves (the checks of `Splice.locate`,
 # the bytes of `Splice.render`), and `data: [DONE]` and the usage chunk as they came (nothing waits
 # while armed), as a plain function that returns `downstream`'s awaitable: no coroutine of its own.
 # Anything else goes to `general`, which arms or disarms it again. While armed it keeps the metrics countdown
@@ -67,7 +68,7 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
             t0 = clock() if left == 1 else 0
             if type(body) is bytes and body.startswith(prefix) and body.endswith(tail):
                 end = len(body) - lt
-                start = body.rfind(b"[")  # the tail holds none (stream.Splice)
+                start = body.rfind(b"[")  # the tail holds none (splice.Splice)
                 h = start - lh
                 if not (
                     h >= lp
@@ -132,7 +133,7 @@ class ReshapingSend:
     """The `send` handed to vLLM when the response has to be reshaped."""
 
     __slots__ = ("plan", "clock", "send", "route", "decode_echo", "_kind", "_start", "_parts", "_stream", "_tally",
-                 "_left", "app_send", "_arm", "_disarm", "_countdown", "_armed", "_scan")  # fmt: skip
+                 "_left", "app_send", "_arm", "_disarm", "_countdown", "_armed", "_scan", "_learn")  # fmt: skip
 
     _PASS, _UNARY, _STREAM, _ERROR, _DROP = 0, 1, 2, 3, 4
 
@@ -162,7 +163,9 @@ class ReshapingSend:
         # The send to hand vLLM: serves armed streams' deltas itself, everything else through this object.
         make = STREAM_SENDS[stream_path(False)] if stream_send is None else stream_send
         self.app_send, self._arm, self._disarm, self._countdown = make(self, send)
-        self._scan = COMPILED_SCAN if make is STREAM_SENDS.get("c") else None  # the compiled path's chunk scanner
+        compiled = make is STREAM_SENDS.get("c")
+        self._scan = COMPILED_SCAN if compiled else None  # the compiled path's chunk scanner
+        self._learn = COMPILED_LEARN if compiled else None  # and its splice learner (splice.learn_splice's twin)
         self._armed = False  # app_send is armed: its countdown is the one that counts
 
     async def __call__(self, message: Message) -> None:
@@ -250,7 +253,7 @@ class ReshapingSend:
             self._kind = self._PASS  # only vLLM's errors could change (error events come in streams)
         elif event_stream:
             self._kind = self._STREAM
-            self._stream = StreamReshaper(self.plan, self.clock, self._scan)
+            self._stream = StreamReshaper(self.plan, self.clock, self._scan, self._learn)
             self._tally = metrics.StreamTally() if metrics.enabled() else None
             if sized:
                 message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]
@@ -357,6 +360,18 @@ def _compiled_scan() -> Scanner | None:
 
 
 COMPILED_SCAN = _compiled_scan()
+
+
+def _compiled_learn() -> Learner | None:
+    """`_speedups.learn_splice` (splice.learn_splice's compiled twin); None when the extension is not built."""
+    try:
+        from ._speedups import learn_splice
+    except ImportError:
+        return None
+    return learn_splice  # type: ignore[no-any-return]
+
+
+COMPILED_LEARN = _compiled_learn()
 
 
 def stream_path(pure_python: bool) -> str:

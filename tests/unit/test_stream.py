@@ -59,7 +59,7 @@ def test_byte_level_path_serves_mid_stream_deltas(json_decodes):
     reshaper = StreamReshaper(plan, Clock())
     events = sse_frames(rec.body)
     reshaper.reshape_event(events[0])
-    reshaper.reshape_event(events[1])  # the first delta arms the splice (stream.Splice)
+    reshaper.reshape_event(events[1])  # the first delta arms the splice (splice.Splice)
     delta = events[5]
     decodes_before = len(json_decodes)
     out = reshaper.reshape_event(delta)

@@ -194,3 +194,28 @@ def test_a_finish_chunk_the_compiled_send_cannot_serve_goes_to_the_general_path(
     args = (splice.prefix, splice.finish_head, len(reshaper.root), True)
     assert served_finish(*args, reshaper.chunks, finish) is not None, "the recorded finish chunk is served"
     assert served_finish(*args, Broken(), finish) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("finish_decoded", [False, True], ids=["byte-level finish", "decoded finish"])
+@pytest.mark.parametrize("name", NAMES)
+def test_long_prompt_ids_reach_the_finish_chunk_as_the_general_path_writes_them(name, finish_decoded, json_decodes):
+    # The plain first chunk's prompt ids are kept as vLLM wrote them (prompt_ids.PromptIds.keep_prompt_json) and
+    # copied into the finish chunk's nvext; a finish chunk that is decoded reads them decoded.
+    rec = _recording(name, "0.33")
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    events = _events(rec.body)
+    first = orjson.loads(events[0][6:])
+    owner = first if "prompt_token_ids" in first else first["choices"][0]
+    owner["prompt_token_ids"] = [(i * 7919) % 10**15 for i in range(4000)]
+    events[0] = b"data: " + orjson.dumps(first) + b"\n\n"
+    finish = _finish_at(events)
+    if finish_decoded:  # a float the byte-level finish never copies
+        events[finish] = events[finish].replace(b'"finish_reason":', b'"x_y":1.5,"finish_reason":', 1)
+    fast = StreamReshaper(plan, Clock(), _scanner(True))
+    got = b"".join(fast.feed(e) for e in events) + fast.flush()
+    decoded = [d for d in json_decodes if len(d) > 4000]
+    assert len(decoded) == finish_decoded, "the prompt's ids were decoded though only their bytes were copied"
+    general = DecodingStreamReshaper(plan, Clock())
+    want = b"".join(general.feed(e) for e in events) + general.flush()
+    assert got == want, _first_difference(got, want)
+    assert orjson.loads(got.split(b"\n\n")[finish][6:])["nvext"]["prompt_token_ids"] == owner["prompt_token_ids"]

@@ -1,7 +1,7 @@
 """The `send` handed to vLLM gives the general path's bytes, in both implementations.
 
 `send.python_stream_send` and the compiled `_speedups.StreamSend` serve the mid-stream
-deltas of an armed stream themselves (stream.Splice); everything else goes through the general
+deltas of an armed stream themselves (splice.Splice); everything else goes through the general
 path. Whatever serves them, the client must get the bytes the general path gives (every shortcut
 off, every event decoded) on every recorded stream and on the layouts hypothesis derives from
 them (tests/unit/test_stream_layouts.py). The compiled arm is skipped only where the extension is
@@ -10,6 +10,7 @@ not built; CI sets VLLM_NVEXT_REQUIRE_EXTENSION=1 so that a missing build fails 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import MutableMapping
 from typing import Any
@@ -30,8 +31,9 @@ from vllm_nvext import NvextMiddleware, Settings, metrics
 from vllm_nvext import send as asgi_response
 from vllm_nvext.config import ConfigError, Mode
 from vllm_nvext.outbound.nvext_values import Clock
-from vllm_nvext.outbound.stream import DecodingStreamReshaper
-from vllm_nvext.send import STREAM_SENDS, ReshapingSend
+from vllm_nvext.outbound.splice import Learner, Splice, learn_splice
+from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
+from vllm_nvext.send import COMPILED_LEARN, STREAM_SENDS, ReshapingSend
 
 IMPLS = ["python", "c"]
 START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
@@ -220,3 +222,126 @@ def test_the_startup_log_and_the_info_metric_say_which_path_runs(caplog):
         NvextMiddleware(lambda *a: None)
         assert REGISTRY.get_sample_value("vllm_nvext:stream_path_info", {"impl": "c"}) == 1
         assert REGISTRY.get_sample_value("vllm_nvext:stream_path_info", {"impl": "python"}) == 0
+
+
+# ---------------------------------------------------------------- arming: the splice a delta teaches
+
+
+def _learner(impl: str) -> Learner:
+    if impl == "python":
+        return learn_splice
+    _factory(impl)  # skips, or fails under VLLM_NVEXT_REQUIRE_EXTENSION, where the extension is not built
+    assert COMPILED_LEARN is not None
+    return COMPILED_LEARN
+
+
+def _arming_calls(plan: Any, events: list[bytes]) -> list[tuple[bytes, int, int, bool, bool, bytes]]:
+    """What the stream's learner is asked when a delta arms the splice: (event, start, end, strip, trio, out)."""
+    calls: list[tuple[bytes, int, int, bool, bool, bytes]] = []
+
+    def recording(*args: Any) -> Any:
+        calls.append(args)
+        return learn_splice(*args)
+
+    reshaper = StreamReshaper(plan, Clock(), None, recording)
+    for event in events:
+        reshaper.feed(event)
+    return calls
+
+
+def _variants(call: tuple[bytes, int, int, bool, bool, bytes], text: bytes) -> list[tuple[Any, ...]]:
+    """The arming delta with `text` (a JSON string's bytes) in place of its own, and the bytes the splice
+    learned from the original delta renders for it, that delta itself and one byte more as what it must give."""
+    event, start, end, strip, trio, out = call
+    parts = learn_splice(*call)
+    if parts is None:
+        return [call]
+    prefix, head, tail, *_ = parts
+    close = start - len(head)
+    moved = len(text) - (close - len(prefix))
+    relaid = event[: len(prefix)] + text + event[close:]
+    rendered = Splice(*parts, strip, trio).render(relaid, start + moved)
+    return [call, *((relaid, start + moved, end + moved, strip, trio, o) for o in (rendered, relaid, rendered + b" "))]
+
+
+_TEXTS = [b"", b"x", b'\\"', b"\\\\", b'a\\\\\\"b', b"\\u0022", b"\\n", b"[1,2]", b'"', b"a\nb", b"a\\"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_two_learners_arm_the_same_splice_on_every_recorded_stream(impl):
+    learner = _learner(impl)
+    armed = 0
+    for name, mode, selectors in (p.values for p in RECORDED_CASES):
+        plan = _plan(recordings()[name], mode, selectors)
+        for call in _arming_calls(plan, _events(recordings()[name].body)):
+            for text in _TEXTS:
+                for args in _variants(call, text):
+                    want = learn_splice(*args)
+                    armed += want is not None
+                    assert learner(*args) == want, f"{name}: {impl} learns another splice from {args[0]!r}"
+    assert armed > 100, "the recordings' deltas arm a splice"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data(), text=st.text(max_size=8))
+def test_the_two_learners_arm_the_same_splice_on_any_layout_and_text(impl, data, text):
+    learner = _learner(impl)
+    case = draw_relaid_stream(data)
+    if case is None:
+        return
+    label, plan, events = case
+    encoded = json.dumps(text, ensure_ascii=data.draw(st.booleans()))[1:-1].encode()
+    for call in _arming_calls(plan, events):
+        for args in _variants(call, encoded):
+            assert learner(*args) == learn_splice(*args), f"{impl} {label}: another splice from {args[0]!r}"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_splice_that_does_not_give_the_byte_level_paths_bytes_is_never_armed(impl, monkeypatch):
+    rec = recordings()["chat_stream_ids_long"]
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    events = _events(rec.body)
+    call = _arming_calls(plan, events)[0]
+    event, start, end, strip, trio, out = call
+    learner = _learner(impl)
+    assert learner(*call) is not None, "the recorded delta arms a splice"
+    for wrong in (out + b" ", out[:-1], out[:-2] + b"}\n", event):
+        assert learner(event, start, end, strip, trio, wrong) is None, f"{impl} arms a splice that renders {out!r}"
+    # Through the send: a byte-level path that gives other bytes than the splice leaves every delta to it.
+    real = StreamReshaper._delta
+
+    def other_bytes(self: StreamReshaper, event: bytes, start: int, end: int) -> bytes | None:
+        new = real(self, event, start, end)
+        return (event if new is None else new)[:-2] + b" \n\n"
+
+    monkeypatch.setattr(StreamReshaper, "_delta", other_bytes)
+    got, reshaping = _through_send(plan, events, impl)
+    stream = reshaping._stream
+    assert stream is not None and stream.splice is None, f"{impl}: armed a splice the byte-level path disowns"
+    alone = StreamReshaper(plan, Clock())  # the stream path by itself, no splice served by the send
+    want = b"".join(alone.feed(e) for e in events) + alone.flush()
+    assert got.count(b" \n\n") > 300 and got == want, f"{impl}: a delta went out other than the byte-level path made it"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_delta_whose_text_or_ids_cannot_be_found_teaches_no_splice(impl):
+    learner = _learner(impl)
+    rec = recordings()["chat_stream_ids_long"]
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    event, start, end, strip, trio, out = _arming_calls(plan, _events(rec.body))[0]
+    assert learner(event, start, end, strip, trio, out) is not None
+    unclosed = b'data: {"text":"ab\\"[1]}\n\n'  # every quote after the text's opening one escaped
+    cases = {
+        "no text key": (event.replace(b'"content":', b'"other":'), start, end),
+        "no closing quote": (unclosed, unclosed.find(b"["), unclosed.find(b"]") + 1),
+        "a list after the ids": (event[:-4] + b',"x":[]}\n\n', start, end),
+    }
+    for label, (relaid, s, e) in cases.items():
+        assert learn_splice(relaid, s, e, strip, trio, out) is None, f"python: {label}"
+        assert learner(relaid, s, e, strip, trio, out) is None, f"{impl}: {label}"
+    if impl == "c":
+        with pytest.raises(ValueError, match="inside the event"):
+            learner(event, end, start, strip, trio, out)

@@ -24,6 +24,7 @@ from ..protocol import (
     Endpoint,
 )
 from .nvext_values import Clock, detailed_finish_reason, engine_data, kv_cache_hit, timing
+from .prompt_ids import PromptIds
 from .shapes import choice_logprobs
 
 
@@ -257,7 +258,7 @@ class _Choice:
         self.withheld = False  # vLLM sent `token_ids: null` on a chunk: the ids are not reported
 
 
-class ChunkReshaper:
+class ChunkReshaper(PromptIds):
     """Per-stream state for reshaping decoded `chat.completion.chunk` / streamed `text_completion` chunks.
 
     Each choice of an n > 1 stream is answered on its own finish chunk, as Dynamo does.
@@ -266,13 +267,12 @@ class ChunkReshaper:
     and is not taken while `decode_every_chunk` is set.
     """
 
-    __slots__ = ("plan", "clock", "prompt_ids", "ids", "logprobs", "ttft_ms", "engine", "_choices", "pending",
-                 "_echoed")  # fmt: skip
+    __slots__ = ("plan", "clock", "ids", "logprobs", "ttft_ms", "engine", "_choices", "pending", "_echoed")
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
+        self._prompt_ids = self._prompt_json = None  # PromptIds: none reported yet (no call: a stream's start)
         self.plan = plan
         self.clock = clock
-        self.prompt_ids: Any = None
         self.ids: list[int] = []  # choice 0's completion ids so far (engine_data only)
         self.logprobs: list[Any] | None = [] if plan.logprobs_requested else None
         self.ttft_ms: float | None = None
@@ -310,7 +310,8 @@ class ChunkReshaper:
             return None
         self.delta_ids(event, start, end)
         state.finished = True
-        prompt = b"" if self.prompt_ids is None else b',"prompt_token_ids":' + _json.dumps(self.prompt_ids)
+        encoded = self.encoded_prompt_ids()
+        prompt = b"" if encoded is None else b',"prompt_token_ids":' + encoded
         return b'{"completion_token_ids":' + event[start:end] + prompt + b"}"
 
     def withhold_ids(self) -> None:

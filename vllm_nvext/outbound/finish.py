@@ -1,12 +1,12 @@
 """The byte-level finish chunk of a single-choice stream: the general path's bytes without decoding it.
 
-`stream.StreamReshaper` hands it the finish chunk of an armed stream (`stream.Splice`) whose plan
+`stream.StreamReshaper` hands it the finish chunk of an armed stream (`splice.Splice`) whose plan
 asks for the token-id trio and nothing else on the finish chunk (`serves`): the general path
 (`chunks.ChunkReshaper`) then only sets vLLM's copy of the ids back to null (`strip`) and adds
 `"nvext":{"completion_token_ids":...,"prompt_token_ids":...}` at the end of the chunk, and
 re-encodes every other value as vLLM wrote it. So the chunk is served only when every byte it
 keeps is one orjson writes the same way: the delta's learned prefix and a text of the splice's
-kind (`stream.UNSAFE_TEXT`), then only `null`, plain ASCII strings and small integers under keys
+kind (`splice.UNSAFE_TEXT`), then only `null`, plain ASCII strings and small integers under keys
 the general path leaves alone, and a list of small non-negative ids. Anything else is decoded.
 Same bytes: tests/unit/test_stream_layouts.py, test_stream.py and test_stream_send.py.
 
@@ -15,7 +15,8 @@ Same bytes: tests/unit/test_stream_layouts.py, test_stream.py and test_stream_se
 general-path bytes without the decode: a chunk of choice 0 that does not finish it (the role
 chunk with vLLM's prompt ids, every chunk of a stream no splice serves) whose JSON is plain
 (every value one orjson writes as vLLM does, no key twice), so vLLM's copies of the ids go back
-to null in place and `"nvext":{"completion_token_ids":...}` goes at its end.
+to null in place and `"nvext":{"completion_token_ids":...}` goes at its end; the chunk's prompt ids
+are kept as vLLM wrote them (plain: the bytes their decode encodes back to) for `finish_chunk`.
 
 `reshape_single` is the general path's reshape of a decoded single-choice chunk under such a
 plan in fewer steps (the first chunk, and every chunk of a stream no splice serves).
@@ -27,7 +28,6 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from .. import _json
 from ..plan import Plan
 from ..protocol import Endpoint
 from .chunks import ChunkReshaper, _strip_vllm_ids, _take_kv
@@ -155,8 +155,8 @@ def first_chunk(event: bytes, plan: Plan, chunks: ChunkReshaper, scan: Scanner) 
     prompt_value = event[prompt:prompt_end]
     if (delta[0] != _LIST and delta != b"null") or (prompt_value[:1] not in (b"[", b"") and prompt_value != b"null"):
         return None  # another value where the general path reads ids: decoded
-    if chunks.prompt_ids is None and prompt >= 0:
-        chunks.prompt_ids = _json.loads(prompt_value)
+    if prompt_value[:1] == b"[":
+        chunks.keep_prompt_json(prompt_value)  # plain: the bytes its decode encodes to (finish_first_choice)
     if delta == b"null":
         chunks.withhold_ids()
     else:

@@ -3,7 +3,7 @@
 `StreamReshaper` owns the SSE framer and every hot-path shortcut. The general path frames the
 bytes into events, decodes each `data:` payload, lets `chunks.ChunkReshaper` reshape the
 chunk and encodes it again; each shortcut below names the test that proves it gives the same
-bytes as that path. `Splice`, the cheapest, is also what the `send` handed to vLLM serves
+bytes as that path. `splice.Splice`, the cheapest, is also what the `send` handed to vLLM serves
 deltas with (`send.python_stream_send`, `_speedups.c`). Nothing here knows ASGI.
 """
 
@@ -20,6 +20,7 @@ from ..sse import EventFramer, data_payload
 from .chunks import ChunkReshaper
 from .finish import Scanner, finish_chunk, first_chunk, reshape_single, serves
 from .nvext_values import Clock
+from .splice import Learner, Splice, checked_splice
 
 logger = logging.getLogger("vllm_nvext")
 
@@ -49,91 +50,8 @@ _LIST = ord("[")
 _NOT_JSON = object()
 
 
-_NVEXT_IDS = b',"nvext":{"completion_token_ids":'
-_LIST_END = ord("]")
-# What a delta's text (one JSON string's bytes) must not hold for a splice to serve it: a quote, a
-# line end, a backslash at its end (the escape of what follows).
-UNSAFE_TEXT = re.compile(rb'["\r\n]|\\\Z')
-# Where the text of a delta starts: chat's delta content (or reasoning) and completions' text.
-_TEXT_KEYS = (b'"delta":{"content":"', b'"delta":{"reasoning_content":"', b'"delta":{"reasoning":"', b'"text":"')
 # How many times a stream learns a splice (its first delta, then after a layout change).
 ARMINGS = 3
-
-
-class Splice:
-    """The bytes vLLM writes around every mid-stream delta of a stream, learned from one delta.
-
-    A delta it serves is `prefix` + the text (one JSON string's bytes, none of UNSAFE_TEXT) +
-    `head` + the ids (`[digits and commas]`) + `tail`. Such a delta has the
-    learned delta's structure with another text and other ids, so the general path would give it
-    the bytes `render` gives (for the valid JSON vLLM writes). `StreamReshaper` arms one only
-    after `render` reproduced, byte for byte, what the general path made of the delta it was
-    learned from; `send.stream_send` and the compiled `_speedups.StreamSend` serve the
-    same deltas with the same checks.
-    """
-
-    __slots__ = ("prefix", "head", "tail", "strip", "trio", "mid", "finish_head")
-
-    def __init__(self, prefix: bytes, head: bytes, tail: bytes, strip: bool, trio: bool) -> None:
-        self.prefix = prefix
-        self.head = head
-        self.tail = tail
-        self.strip = strip  # vLLM's copy of the ids goes back to null
-        self.trio = trio  # the ids go into the chunk's nvext, at the end of the chunk
-        # What follows the ids' place: null (stripped), the tail up to the chunk's closing brace,
-        # and the nvext key (trio); rendered as event[:start or end] + mid [+ ids + "}}\n\n"].
-        null = b"null" if strip else b""
-        self.mid = null + tail[:-_CHUNK_END] + _NVEXT_IDS if trio else null + tail
-        at = head.find(_FINISH_KEY)  # the bytes before a finish reason (finish.finish_chunk); None: not known
-        self.finish_head = head[:at] if at >= 0 else None
-
-    def locate(self, event: bytes) -> int:
-        """Where the ids of a delta this splice serves start; -1 for any other event."""
-        prefix, tail = self.prefix, self.tail
-        if not (event.startswith(prefix) and event.endswith(tail)):
-            return -1
-        end = len(event) - len(tail)
-        start = event.rfind(b"[")  # the tail holds none
-        head = start - len(self.head)
-        if (
-            head < len(prefix)
-            or not event.startswith(self.head, head)
-            or UNSAFE_TEXT.search(event, len(prefix), head) is not None
-            or event[end - 1] != _LIST_END
-            or event[start + 1 : end - 1].strip(_ID_BYTES)
-        ):
-            return -1
-        return start
-
-    def render(self, event: bytes, start: int) -> bytes:
-        """The client's bytes for a delta whose ids start at `start` (see `locate`)."""
-        end = len(event) - len(self.tail)
-        if self.trio:
-            return b"".join((event[:start] if self.strip else event[:end], self.mid, event[start:end], b"}}\n\n"))
-        return event[:start] + self.mid if self.strip else event
-
-
-def _learn_splice(event: bytes, start: int, end: int, strip: bool, trio: bool) -> Splice | None:
-    """A splice for a delta whose ids sit at event[start:end]; None if its text is not found."""
-    for key in _TEXT_KEYS:
-        at = event.find(key, _JSON_AT, start)
-        if at >= 0:
-            break
-    else:
-        return None
-    text = at + len(key)
-    close = text  # the text's closing quote: the first quote not escaped
-    while True:
-        close = event.find(b'"', close, start)
-        if close < 0:
-            return None
-        backslashes = close - text - len(event[text:close].rstrip(b"\\"))
-        if backslashes % 2 == 0:
-            break
-        close += 1
-    if b"[" in event[end:]:
-        return None  # the ids are found as the last list of the event
-    return Splice(event[:text], event[close:start], event[end:], strip, trio)
 
 
 def _is_plain_data_event(event: bytes) -> bool:
@@ -155,11 +73,12 @@ class StreamReshaper:
 
     __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "root", "splice", "_armings", "_head", "_tail",
                  "_held", "_waiting", "framed", "framed_events", "unchanged", "_renames", "_finishes",
-                 "_scan")  # fmt: skip
+                 "_scan", "_learn")  # fmt: skip
 
-    def __init__(self, plan: Plan, clock: Clock, scan: Scanner | None = None) -> None:
+    def __init__(self, plan: Plan, clock: Clock, scan: Scanner | None = None, learn: Learner | None = None) -> None:
         self.chunks = ChunkReshaper(plan, clock)
         self._scan = scan if serves(plan) else None  # lets a plain chunk skip its decode (finish.first_chunk)
+        self._learn = learn  # learns and checks the splice a delta teaches (None: `learn_splice`, here in Python)
         self._framer: EventFramer | None = None  # made for the first message that is not one whole event
         self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
         self._trio = plan.nvext_trio
@@ -325,9 +244,11 @@ class StreamReshaper:
         self.splice = None
         new = self._delta(event, start, end)
         out = event if new is None else new
-        splice = _learn_splice(event, start, end, self._strip, self._trio)
-        if splice is not None and splice.locate(event) == start and splice.render(event, start) == out:
-            self.splice = splice
+        learn = self._learn
+        if learn is None:
+            self.splice = checked_splice(event, start, end, self._strip, self._trio, out)
+        elif (parts := learn(event, start, end, self._strip, self._trio, out)) is not None:
+            self.splice = Splice(*parts, self._strip, self._trio)
         return out
 
     @property
