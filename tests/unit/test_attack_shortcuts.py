@@ -367,11 +367,6 @@ TWICE = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="outbound/finish.py _KEPT_KEY/_FINISH_TAIL (lines 37-47) take any key with a plain value after "
-    "the finish reason without checking it is not a key the chunk already has",
-)
 @COMPILED
 @pytest.mark.parametrize("twice", sorted(TWICE))
 @pytest.mark.parametrize("name", STREAMS)

@@ -46,6 +46,8 @@ _FINISH_TAIL = re.compile(
     rb"((?:" + _KEPT_KEY + rb")*\}\](?:" + _KEPT_KEY + rb")*\}\n\n)\Z"
 )
 _FIRST_CHOICE = b'{"index":0,'
+# A key of the finish tail (its values hold no quote, so every `"name":` there is a key).
+_TAIL_KEY = re.compile(rb'"([a-z_]+)":')
 # Keys the general path moves or nulls on a finish chunk when they hold a value: not before the text either.
 _MOVED = (b'"kv_transfer_params":', b'"prompt_token_ids":')
 
@@ -54,6 +56,13 @@ def _held(prefix: bytes, key: bytes) -> bool:
     """`key` holds something other than null in `prefix` (a key's quotes are never a string's)."""
     at = prefix.find(key)
     return at >= 0 and not prefix.startswith(b"null", at + len(key))
+
+
+def _key_twice(event: bytes, tail: int) -> bool:
+    """A key of the tail from `tail` on is written twice in it or also before it (a decode keeps the last
+    value at the first key's place; anywhere before counts, a stricter check than per object)."""
+    keys = _TAIL_KEY.findall(event, tail)
+    return len(set(keys)) != len(keys) or any(event.find(b'"' + key + b'":', 0, tail) >= 0 for key in keys)
 
 
 _LIST = ord("[")
@@ -92,7 +101,7 @@ def finish_chunk(
     ):
         return None
     m = _FINISH_TAIL.match(event, close + len(finish_head))
-    if m is None or any(_held(prefix, key) for key in _MOVED):
+    if m is None or any(_held(prefix, key) for key in _MOVED) or _key_twice(event, m.start()):
         return None
     start, end = m.span(1)
     nvext = chunks.finish_first_choice(event, start, end)
