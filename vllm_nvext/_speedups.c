@@ -105,6 +105,82 @@ clock_ns(void)
     return ns;
 }
 
+/* The hex digit `c` in lowercase, or -1. */
+static int
+lower_hex(unsigned char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    return -1;
+}
+
+/* `splice.kept_text`: the n bytes at t, one JSON string's bytes, are ones a decode and orjson's encode give
+   back as they are: no raw byte below 0x20, no quote, valid UTF-8 (no surrogate, no overlong, nothing past
+   U+10FFFF), every backslash one of orjson's escapes (`\\` `\b` `\f` `\n` `\r` `\t`, `\u00xx` in lowercase
+   for another byte below 0x20), none at the end. */
+static int
+kept_text(const unsigned char *t, Py_ssize_t n)
+{
+    Py_ssize_t i = 0;
+    while (i < n) {
+        unsigned char c = t[i];
+        if (c >= 0x20 && c < 0x80 && c != '"' && c != '\\') {
+            i++;
+            continue;
+        }
+        if (c == '\\') {
+            if (i + 1 >= n)
+                return 0;
+            unsigned char e = t[i + 1];
+            if (e == '\\' || e == 'b' || e == 'f' || e == 'n' || e == 'r' || e == 't') {
+                i += 2;
+                continue;
+            }
+            if (e != 'u' || i + 5 >= n || t[i + 2] != '0' || t[i + 3] != '0')
+                return 0;
+            int hi = lower_hex(t[i + 4]), lo = lower_hex(t[i + 5]);
+            if (hi < 0 || hi > 1 || lo < 0)
+                return 0;
+            int v = hi * 16 + lo;
+            if (v == 0x08 || v == 0x09 || v == 0x0a || v == 0x0c || v == 0x0d)
+                return 0;
+            i += 6;
+            continue;
+        }
+        if (c < 0x80)  /* a byte below 0x20 or a quote */
+            return 0;
+        Py_ssize_t len;
+        unsigned char lo = 0x80, hi = 0xbf;  /* the bounds of the second byte */
+        if (c >= 0xc2 && c <= 0xdf)
+            len = 2;
+        else if (c >= 0xe0 && c <= 0xef) {
+            len = 3;
+            if (c == 0xe0)
+                lo = 0xa0;
+            else if (c == 0xed)
+                hi = 0x9f;
+        }
+        else if (c >= 0xf0 && c <= 0xf4) {
+            len = 4;
+            if (c == 0xf0)
+                lo = 0x90;
+            else if (c == 0xf4)
+                hi = 0x8f;
+        }
+        else
+            return 0;
+        if (i + len > n || t[i + 1] < lo || t[i + 1] > hi)
+            return 0;
+        for (Py_ssize_t k = 2; k < len; k++)
+            if (t[i + k] < 0x80 || t[i + k] > 0xbf)
+                return 0;
+        i += len;
+    }
+    return n == 0 || t[n - 1] != '\\';
+}
+
 /* `Splice.locate` over a splice's parts: where the ids of a delta the splice serves start; -1 for any other event. */
 static Py_ssize_t
 splice_locate(const char *b, Py_ssize_t n, const char *prefix, Py_ssize_t lp, const char *head, Py_ssize_t lh,
@@ -128,13 +204,7 @@ splice_locate(const char *b, Py_ssize_t n, const char *prefix, Py_ssize_t lp, co
     Py_ssize_t h = start - lh;
     if (h < lp || memcmp(b + h, head, lh) != 0)
         return -1;
-    /* the text: one JSON string's bytes, none of splice.UNSAFE_TEXT */
-    for (Py_ssize_t i = lp; i < h; i++) {
-        char c = b[i];
-        if (c == '"' || c == '\r' || c == '\n')
-            return -1;
-    }
-    if (h > lp && b[h - 1] == '\\')
+    if (!kept_text((const unsigned char *)b + lp, h - lp))
         return -1;
     return start;
 }
@@ -892,7 +962,19 @@ plain_chunk(PyObject *module, PyObject *arg)
     return out;
 }
 
+static PyObject *
+py_kept_text(PyObject *module, PyObject *arg)
+{
+    if (!PyBytes_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "bytes expected");
+        return NULL;
+    }
+    return PyBool_FromLong(kept_text((const unsigned char *)PyBytes_AsString(arg), PyBytes_Size(arg)));
+}
+
 static PyMethodDef speedups_functions[] = {
+    {"kept_text", py_kept_text, METH_O,
+     "splice.kept_text over a whole bytes object: a text a splice serves (a decode writes it back as it is)."},
     {"splice_root", splice_root, METH_VARARGS,
      "splice_root(body, drop, extra): the body with the root members named in drop (bytes) left out and "
      "extra appended; None: the Python path decides"},

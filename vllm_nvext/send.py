@@ -24,7 +24,7 @@ from .asgi import Message, Send, is_event_stream, is_json
 from .outbound.chunks import rename_error
 from .outbound.finish import Scanner, served_finish, serves
 from .outbound.nvext_values import Clock
-from .outbound.splice import UNSAFE_TEXT, Learner, Splice
+from .outbound.splice import Learner, Splice, kept_text
 from .outbound.stream import StreamReshaper
 from .outbound.unary import reshape_unary_body
 from .plan import Plan
@@ -58,7 +58,6 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
     on_ids: Callable[[bytes, int, int], None] | None = None
     tally_add: Callable[[int], int] | None = None
     left = 0
-    unsafe = UNSAFE_TEXT.search
     clock = perf_counter_ns
 
     def send(message: Message) -> Awaitable[None]:
@@ -73,7 +72,7 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
                 if not (
                     h >= lp
                     and body.startswith(head, h)
-                    and unsafe(body, lp, h) is None
+                    and kept_text(body, lp, h)
                     and body[end - 1] == 93  # ]
                     and not body[start + 1 : end - 1].strip(_ID_BYTES)
                 ):

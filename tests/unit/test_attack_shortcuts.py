@@ -342,12 +342,6 @@ TEXT_BYTES = {"an escaped e-acute": b"\\u00e9", "an escaped slash": b"\\/", "a r
               "a byte that is not UTF-8": b"\xff", "a lone surrogate": b"\\ud800"}  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="outbound/finish.py finish_chunk (lines 83-92) checks the text only for a line end and a quote "
-    "escaped at its end (the splice's UNSAFE_TEXT premise), so it keeps escapes orjson writes otherwise "
-    "and bytes orjson refuses",
-)
 @COMPILED
 @pytest.mark.parametrize("text", sorted(TEXT_BYTES))
 @pytest.mark.parametrize("name", STREAMS)
@@ -375,3 +369,61 @@ def test_a_finish_chunk_with_a_key_twice_gets_the_general_paths_bytes(name, twic
     events[finish] = TWICE[twice](events[finish])
     got, want = _both(plan, events, compiled)
     assert got == want, _first_difference(got, want)
+
+
+# --- the text a splice keeps: only bytes a decode writes back as they are ---------------------------
+
+
+@pytest.mark.parametrize("impl", ["python", "c"])
+@pytest.mark.parametrize("text", sorted(TEXT_BYTES))
+@pytest.mark.parametrize("name", STREAMS)
+def test_a_mid_stream_delta_whose_text_a_decode_writes_otherwise_gets_the_general_paths_bytes(name, text, impl):
+    """Deltas after the one that arms the stream, each with the bytes in its text: the armed send (compiled
+    and pure-Python) serves them only as the general path writes them (é, `/`) or forwards them (refused)."""
+    plan, events, finish = _stream(name)
+    for at in (finish // 2, finish - 1):
+        key = _text_key(events[at])
+        events[at] = events[at].replace(key, key + b"a" + TEXT_BYTES[text] + b"z", 1)
+    got, _ = _through_send(plan, events, impl)
+    want = _stream_general(plan, events)
+    assert got == want, _first_difference(got, want)
+
+
+def _round_trips(text: bytes) -> bool:
+    try:
+        return orjson.dumps(orjson.loads(b'"' + text + b'"'))[1:-1] == text
+    except orjson.JSONDecodeError:
+        return False
+
+
+# Pieces of a JSON string's bytes: escapes orjson writes and ones it does not, raw control bytes, UTF-8
+# that is not valid (a surrogate, an overlong, past U+10FFFF, cut short).
+TEXT_PIECES = [b"\\\\", b"\\b", b"\\f", b"\\n", b"\\r", b"\\t", b"\\u0000", b"\\u001f", b"\\u001F", b"\\u0008",
+               b"\\u000b", b"\\u00e9", b"\\u0041", b"\\/", b'\\"', b"\\", b'"', b"\\ud800", b"\\ud83d\\ude00",
+               b"\xed\xa0\x80", b"\xc0\x80", b"\xf4\x90\x80\x80", b"\xe2\x82", b"\xe2\x80\xa8", b"\x7f",
+               b"\x00", b"\t", b"\r", b"\n", b"\xff"]  # fmt: skip
+TEXTS = st.lists(
+    st.one_of(
+        st.text().map(lambda s: orjson.dumps(s)[1:-1]),  # as orjson writes it
+        st.text().map(lambda s: s.encode("utf-8", "surrogatepass")),  # raw, control characters and surrogates too
+        st.binary(max_size=6),
+        st.sampled_from(TEXT_PIECES),
+    ),
+    max_size=6,
+).map(b"".join)
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(text=TEXTS)
+def test_a_text_a_splice_keeps_is_one_orjson_writes_back_byte_for_byte(text):
+    """Both checks (`splice.kept_text`, the compiled one) accept a text only if a decode and an encode give its
+    own bytes back, and agree; every text orjson writes back with no quote, ending in no backslash, passes."""
+    from vllm_nvext import _speedups  # type: ignore[attr-defined]
+    from vllm_nvext.outbound.splice import kept_text
+
+    kept = kept_text(text, 0, len(text))
+    assert kept == _speedups.kept_text(text)
+    same = _round_trips(text)
+    assert not kept or same
+    if same and b'"' not in text and not text.endswith(b"\\"):
+        assert kept

@@ -6,7 +6,7 @@ asks for the token-id trio and nothing else on the finish chunk (`serves`): the 
 `"nvext":{"completion_token_ids":...,"prompt_token_ids":...}` at the end of the chunk, and
 re-encodes every other value as vLLM wrote it. So the chunk is served only when every byte it
 keeps is one orjson writes the same way: the delta's learned prefix and a text of the splice's
-kind (`splice.UNSAFE_TEXT`), then only `null`, plain ASCII strings and small integers under keys
+kind (`splice.kept_text`), then only `null`, plain ASCII strings and small integers under keys
 the general path leaves alone, and a list of small non-negative ids. Anything else is decoded.
 Same bytes: tests/unit/test_stream_layouts.py, test_stream.py and test_stream_send.py.
 
@@ -31,6 +31,7 @@ from typing import Any
 from ..plan import Plan
 from ..protocol import Endpoint
 from .chunks import ChunkReshaper, _strip_vllm_ids, _take_kv
+from .splice import kept_text
 
 # A key the general path neither reads nor writes here (choice level or root), with a value
 # orjson writes as vLLM does: null, a string of printable ASCII without escapes, a small integer.
@@ -94,9 +95,7 @@ def finish_chunk(
         close < 0
         or not event.startswith(prefix)
         or not event.startswith(_FIRST_CHOICE, root_end)
-        or event.find(b"\n", text, close) >= 0
-        or event.find(b"\r", text, close) >= 0
-        or event[close - 1] == 92  # a backslash: the quote is escaped
+        or not kept_text(event, text, close)  # and a backslash before the quote: refused (escaped)
         or not event.startswith(finish_head, close)
     ):
         return None

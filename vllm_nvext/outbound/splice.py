@@ -18,9 +18,47 @@ _CHUNK_END = len(b"}\n\n")  # the chunk object's closing brace and the event's e
 _ID_BYTES = b"0123456789,"
 _NVEXT_IDS = b',"nvext":{"completion_token_ids":'
 _LIST_END = ord("]")
-# What a delta's text (one JSON string's bytes) must not hold for a splice to serve it: a quote, a
-# line end, a backslash at its end (the escape of what follows).
-UNSAFE_TEXT = re.compile(rb'["\r\n]|\\\Z')
+# A delta's text (one JSON string's bytes) a splice serves is one a decode and orjson's encode give back
+# byte for byte: no raw byte below 0x20 (a line end neither), no quote (escaped or not), valid UTF-8,
+# every backslash one of the escapes orjson writes (`\\` `\b` `\f` `\n` `\r` `\t`, and `\u00xx` in
+# lowercase for another byte below 0x20), none at the text's end. `_SUSPECT`: a byte that needs a closer look.
+_SUSPECT = re.compile(rb'[\x00-\x1f"\\\x80-\xff]')
+_KEPT = re.compile(rb'(?:[^\x00-\x1f"\\]|\\[\\bfnrt]|\\u00(?:0[0-7bef]|1[0-9a-f]))*')
+_BACKSLASH = ord("\\")
+
+
+def kept_text(event: bytes, start: int, end: int) -> bool:
+    """`event[start:end]`, a JSON string's bytes, is a text a splice serves (a decode writes it back as it is)."""
+    if _SUSPECT.search(event, start, end) is None:
+        return True
+    if _KEPT.fullmatch(event, start, end) is None or event[end - 1] == _BACKSLASH:
+        return False
+    try:
+        event[start:end].decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+# The same for JSON's bytes from outside a string to outside a string (quotes structural or escaped).
+_SUSPECT_JSON = re.compile(rb"[\x00-\x1f\\\x80-\xff]")
+_KEPT_JSON = re.compile(rb'(?:[^\x00-\x1f\\]|\\[\\"bfnrt]|\\u00(?:0[0-7bef]|1[0-9a-f]))*')
+
+
+def kept_json(event: bytes, start: int, end: int) -> bool:
+    """`event[start:end]`, JSON's bytes between two places outside a string, holds only strings a decode
+    writes back as they are (no raw byte below 0x20, valid UTF-8, only the escapes orjson writes)."""
+    if _SUSPECT_JSON.search(event, start, end) is None:
+        return True
+    if _KEPT_JSON.fullmatch(event, start, end) is None:
+        return False
+    try:
+        event[start:end].decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 # Where the text of a delta starts: chat's delta content (or reasoning) and completions' text.
 _TEXT_KEYS = (b'"delta":{"content":"', b'"delta":{"reasoning_content":"', b'"delta":{"reasoning":"', b'"text":"')
 
@@ -28,7 +66,7 @@ _TEXT_KEYS = (b'"delta":{"content":"', b'"delta":{"reasoning_content":"', b'"del
 class Splice:
     """The bytes vLLM writes around every mid-stream delta of a stream, learned from one delta.
 
-    A delta it serves is `prefix` + the text (one JSON string's bytes, none of UNSAFE_TEXT) +
+    A delta it serves is `prefix` + the text (one JSON string's bytes, one `kept_text` accepts) +
     `head` + the ids (`[digits and commas]`) + `tail`. Such a delta has the
     learned delta's structure with another text and other ids, so the general path would give it
     the bytes `render` gives (for the valid JSON vLLM writes). `StreamReshaper` arms one only
@@ -63,7 +101,7 @@ class Splice:
         if (
             head < len(prefix)
             or not event.startswith(self.head, head)
-            or UNSAFE_TEXT.search(event, len(prefix), head) is not None
+            or not kept_text(event, len(prefix), head)
             or event[end - 1] != _LIST_END
             or event[start + 1 : end - 1].strip(_ID_BYTES)
         ):

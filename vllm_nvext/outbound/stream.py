@@ -20,7 +20,7 @@ from ..sse import EventFramer, data_payload
 from .chunks import ChunkReshaper
 from .finish import Scanner, finish_chunk, first_chunk, reshape_single, serves
 from .nvext_values import Clock
-from .splice import Learner, Splice, checked_splice
+from .splice import Learner, Splice, checked_splice, kept_json
 
 logger = logging.getLogger("vllm_nvext")
 
@@ -196,6 +196,7 @@ class StreamReshaper:
                     and not event[start + 1 : end - 1].translate(None, _ID_BYTES)
                     and event[end - 1 : end] == b"]"
                     and event.find(_FINISH_KEY, len(self.root)) == pos  # the only choice of this chunk
+                    and kept_json(event, len(self.root), pos)  # its strings written back as they are
                 ):
                     if self._armings and (splice is None or not event.startswith(splice.prefix)):
                         return self._arm(event, start, end)  # the first delta, or the layout changed
@@ -204,7 +205,10 @@ class StreamReshaper:
             # first == last occurrence: exactly one choice in this chunk
             m = (
                 _DELTA_TAIL.match(event, pos)
-                if pos > 0 and event.startswith(self.root) and event.find(_FINISH_KEY, len(self.root)) == pos
+                if pos > 0
+                and event.startswith(self.root)
+                and event.find(_FINISH_KEY, len(self.root)) == pos
+                and kept_json(event, len(self.root), pos)
                 else None
             )
             if m is not None:
