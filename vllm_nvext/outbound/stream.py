@@ -192,25 +192,16 @@ class StreamReshaper:
                 if (
                     pos > _JSON_AT
                     and event.startswith(self._head, pos)
-                    and event.startswith(self.root)
                     and not event[start + 1 : end - 1].translate(None, _ID_BYTES)
                     and event[end - 1 : end] == b"]"
-                    and event.find(_FINISH_KEY, len(self.root)) == pos  # the only choice of this chunk
-                    and kept_json(event, len(self.root), pos)  # its strings written back as they are
+                    and self._only_choice(event, pos)
                 ):
                     if self._armings and (splice is None or not event.startswith(splice.prefix)):
                         return self._arm(event, start, end)  # the first delta, or the layout changed
                     return self._delta(event, start, end)
             pos = event.rfind(_FINISH_KEY)
             # first == last occurrence: exactly one choice in this chunk
-            m = (
-                _DELTA_TAIL.match(event, pos)
-                if pos > 0
-                and event.startswith(self.root)
-                and event.find(_FINISH_KEY, len(self.root)) == pos
-                and kept_json(event, len(self.root), pos)
-                else None
-            )
+            m = _DELTA_TAIL.match(event, pos) if pos > 0 and self._only_choice(event, pos) else None
             if m is not None:
                 start, end = m.span(1)
                 if event[start] == _LIST:  # learn the bytes around a list of ids
@@ -222,6 +213,12 @@ class StreamReshaper:
         elif self._scan is not None and self._waiting is None and (out := self._plain_first(event, self._scan)):
             return out
         return self._decoded_event(event)
+
+    def _only_choice(self, event: bytes, pos: int) -> bool:
+        """The finish key at `pos` is the only one after the root (one choice), and the chunk's strings
+        before it are ones a decode writes back as they are (`splice.kept_json`)."""
+        root = len(self.root)
+        return event.startswith(self.root) and event.find(_FINISH_KEY, root) == pos and kept_json(event, root, pos)
 
     def _plain_finish(self, event: bytes, splice: Splice) -> bytes | None:
         """The general path's bytes for a finish chunk (finish.finish_chunk); None: not served."""
