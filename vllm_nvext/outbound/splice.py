@@ -25,13 +25,16 @@ _LIST_END = ord("]")
 _SUSPECT = re.compile(rb'[\x00-\x1f"\\\x80-\xff]')
 _KEPT = re.compile(rb'(?:[^\x00-\x1f"\\]|\\[\\bfnrt]|\\u00(?:0[0-7bef]|1[0-9a-f]))*')
 _BACKSLASH = ord("\\")
+_QUOTED = re.compile(rb'[\x00-\x1f"\\]')  # none: only UTF-8 to check
 
 
 def kept_text(event: bytes, start: int, end: int) -> bool:
     """`event[start:end]`, a JSON string's bytes, is a text a splice serves (a decode writes it back as it is)."""
     if _SUSPECT.search(event, start, end) is None:
         return True
-    if _KEPT.fullmatch(event, start, end) is None or event[end - 1] == _BACKSLASH:
+    if _QUOTED.search(event, start, end) is not None and (
+        _KEPT.fullmatch(event, start, end) is None or event[end - 1] == _BACKSLASH
+    ):
         return False
     try:
         event[start:end].decode()
@@ -42,6 +45,7 @@ def kept_text(event: bytes, start: int, end: int) -> bool:
 
 # The same for JSON's bytes from outside a string to outside a string (quotes structural or escaped).
 _SUSPECT_JSON = re.compile(rb"[\x00-\x1f\\\x80-\xff]")
+_ESCAPED = re.compile(rb"[\x00-\x1f\\]")  # none: only UTF-8 to check
 _KEPT_JSON = re.compile(rb'(?:[^\x00-\x1f\\]|\\[\\"bfnrt]|\\u00(?:0[0-7bef]|1[0-9a-f]))*')
 
 
@@ -50,7 +54,7 @@ def kept_json(event: bytes, start: int, end: int) -> bool:
     writes back as they are (no raw byte below 0x20, valid UTF-8, only the escapes orjson writes)."""
     if _SUSPECT_JSON.search(event, start, end) is None:
         return True
-    if _KEPT_JSON.fullmatch(event, start, end) is None:
+    if _ESCAPED.search(event, start, end) is not None and _KEPT_JSON.fullmatch(event, start, end) is None:
         return False
     try:
         event[start:end].decode()
