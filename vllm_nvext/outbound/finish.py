@@ -95,8 +95,8 @@ def finish_chunk(
         close < 0
         or not event.startswith(prefix)
         or not event.startswith(_FIRST_CHOICE, root_end)
-        or not kept_text(event, text, close)  # and a backslash before the quote: refused (escaped)
         or not event.startswith(finish_head, close)
+        or not kept_text(event, text, close)  # and a backslash before the quote: refused (escaped)
     ):
         return None
     m = _FINISH_TAIL.match(event, close + len(finish_head))
