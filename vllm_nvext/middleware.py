@@ -13,7 +13,7 @@ import asyncio
 import logging
 import sys
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 from . import _json, _vllm_compat, metrics
 from .agent.messages import plugin_serves_messages
@@ -53,21 +53,13 @@ from .inbound.rewrite import SpliceRoot
 from .outbound.nvext_values import Clock
 from .plan import Plan
 from .protocol import ENDPOINT_PATHS, Dialect, Endpoint, RequestError
-from .send import STREAM_SENDS, ReshapingSend, StreamSendFactory, stream_path
+from .send import STREAM_SENDS, ReshapingSend, StreamSendFactory, compiled, stream_path
 
 logger = logging.getLogger("vllm_nvext")
 
 
-def _compiled_splice_root() -> SpliceRoot | None:
-    """`_speedups.splice_root`, the request side's compiled root splice; None when the extension is not built."""
-    try:
-        from ._speedups import splice_root
-    except ImportError:
-        return None
-    return cast(SpliceRoot, splice_root)
-
-
-SPLICE_ROOT = _compiled_splice_root()
+# `_speedups.splice_root`, the request side's compiled root splice; None when the extension is not built.
+SPLICE_ROOT: SpliceRoot | None = compiled("splice_root")
 
 
 def _splice_root(settings: Settings) -> SpliceRoot | None:

@@ -17,7 +17,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from functools import partial
+from importlib import import_module
 from time import perf_counter_ns
+from typing import Any
 
 from . import _json, metrics
 from .asgi import Message, Send, is_event_stream, is_json
@@ -327,19 +329,28 @@ StreamSendFactory = Callable[[Send, Send], tuple[Callable[[Message], Awaitable[N
                                                  Callable[[], int]]]  # fmt: skip
 
 
-def _compiled_stream_send() -> StreamSendFactory | None:
-    """`_speedups.StreamSend` as a factory like `python_stream_send`; None when the extension is not built."""
+def compiled(name: str) -> Any:
+    """The compiled extension's `name` (`vllm_nvext._speedups`); None when the extension is not built
+    (or is a build without it)."""
     try:
-        from ._speedups import StreamSend
+        speedups = import_module("._speedups", __package__)
     except ImportError:
         return None
+    return getattr(speedups, name, None)
 
-    def compiled(general: Send, downstream: Send) -> tuple[Callable[[Message], Awaitable[None]], Arm,
+
+def _compiled_stream_send() -> StreamSendFactory | None:
+    """`_speedups.StreamSend` as a factory like `python_stream_send`; None when the extension is not built."""
+    stream_send = compiled("StreamSend")
+    if stream_send is None:
+        return None
+
+    def factory(general: Send, downstream: Send) -> tuple[Callable[[Message], Awaitable[None]], Arm,
                                                            Callable[[], None], Callable[[], int]]:  # fmt: skip
-        send = StreamSend(general, downstream)
+        send = stream_send(general, downstream)
         return send, send.arm, send.disarm, send.countdown
 
-    return compiled
+    return factory
 
 
 # The stream paths this install has, by the name the startup log and metrics use (`impl`).
@@ -349,28 +360,9 @@ if _compiled is not None:
     STREAM_SENDS["c"] = _compiled
 
 
-def _compiled_scan() -> Scanner | None:
-    """`_speedups.plain_chunk` (outbound/finish.first_chunk's scanner); None when the extension is not built."""
-    try:
-        from ._speedups import plain_chunk
-    except ImportError:
-        return None
-    return plain_chunk  # type: ignore[no-any-return]
-
-
-COMPILED_SCAN = _compiled_scan()
-
-
-def _compiled_learn() -> Learner | None:
-    """`_speedups.learn_splice` (splice.learn_splice's compiled twin); None when the extension is not built."""
-    try:
-        from ._speedups import learn_splice
-    except ImportError:
-        return None
-    return learn_splice  # type: ignore[no-any-return]
-
-
-COMPILED_LEARN = _compiled_learn()
+# outbound/finish.first_chunk's scanner, and splice.learn_splice's compiled twin.
+COMPILED_SCAN: Scanner | None = compiled("plain_chunk")
+COMPILED_LEARN: Learner | None = compiled("learn_splice")
 
 
 def stream_path(pure_python: bool) -> str:
