@@ -11,7 +11,6 @@ out with any value under any key, and each body the shortcut must refuse.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import replace
 from typing import Any
 
@@ -22,14 +21,13 @@ from hypothesis import strategies as st
 
 from tests.recorded import recordings
 from tests.unit.asgi import Upstream, call
-from tests.unit.test_stream_finish import IDS, KEYS, VALUES, _dumps
+from tests.unit.test_stream_finish import IDS, KEYS, VALUES, _dumps, _scanner
 from tests.unit.test_unary import UNARY, _FrozenClock, _general, _plans
 from vllm_nvext import NvextMiddleware, Settings
 from vllm_nvext.config import Mode
 from vllm_nvext.inbound.request import plan_request
 from vllm_nvext.outbound import unary
 from vllm_nvext.protocol import Endpoint
-from vllm_nvext.send import COMPILED_SCAN
 
 # Single-choice answers with plain JSON (no floats, escapes or non-ASCII text): the shortcut takes them.
 # (0.32's recorded texts hold escapes and replacement characters: those answers are decoded.)
@@ -47,15 +45,6 @@ PLAIN_VALUES: st.SearchStrategy[Any] = st.one_of(
 )
 ANY_VALUE = st.one_of(PLAIN_VALUES, VALUES)
 ANY_IDS = st.one_of(st.lists(st.integers(0, 10**6), max_size=4), IDS)
-
-
-def _scanner(compiled: bool) -> Any:
-    """The compiled scanner (`_speedups.plain_chunk`) that lets a plain body skip its decode, or None."""
-    if compiled and COMPILED_SCAN is None:
-        if os.environ.get("VLLM_NVEXT_REQUIRE_EXTENSION"):
-            pytest.fail("the compiled stream path is not built (python setup.py build_ext --inplace)")
-        pytest.skip("the compiled stream path is not built in this install")
-    return COMPILED_SCAN if compiled else None
 
 
 def _trio_plan(name: str, mode: Mode = Mode.NVEXT, vllm_ids: bool = False, selectors: list[str] | None = None) -> Any:

@@ -32,9 +32,13 @@ def kept_text(event: bytes, start: int, end: int) -> bool:
     """`event[start:end]`, a JSON string's bytes, is a text a splice serves (a decode writes it back as it is)."""
     if _SUSPECT.search(event, start, end) is None:
         return True
-    if _QUOTED.search(event, start, end) is not None and (
-        _KEPT.fullmatch(event, start, end) is None or event[end - 1] == _BACKSLASH
-    ):
+    return event[end - 1] != _BACKSLASH and _written_back(event, start, end, _QUOTED, _KEPT)
+
+
+def _written_back(event: bytes, start: int, end: int, escaped: re.Pattern[bytes], kept: re.Pattern[bytes]) -> bool:
+    """`event[start:end]` (where a suspect byte was found) is valid UTF-8 and, if `escaped` finds a byte
+    that needs it, all of it is what `kept` matches: kept_text's and kept_json's common last steps."""
+    if escaped.search(event, start, end) is not None and kept.fullmatch(event, start, end) is None:
         return False
     try:
         event[start:end].decode()
@@ -54,13 +58,7 @@ def kept_json(event: bytes, start: int, end: int) -> bool:
     writes back as they are (no raw byte below 0x20, valid UTF-8, only the escapes orjson writes)."""
     if _SUSPECT_JSON.search(event, start, end) is None:
         return True
-    if _ESCAPED.search(event, start, end) is not None and _KEPT_JSON.fullmatch(event, start, end) is None:
-        return False
-    try:
-        event[start:end].decode()
-    except UnicodeDecodeError:
-        return False
-    return True
+    return _written_back(event, start, end, _ESCAPED, _KEPT_JSON)
 
 
 # Where the text of a delta starts: chat's delta content (or reasoning) and completions' text.
