@@ -117,9 +117,10 @@ lower_hex(unsigned char c)
 }
 
 /* `splice.kept_text`: the n bytes at t, one JSON string's bytes, are ones a decode and orjson's encode give
-   back as they are: no raw byte below 0x20, no quote, valid UTF-8 (no surrogate, no overlong, nothing past
-   U+10FFFF), every backslash one of orjson's escapes (`\\` `\b` `\f` `\n` `\r` `\t`, `\u00xx` in lowercase
-   for another byte below 0x20), none at the end. */
+   back as they are: no raw byte below 0x20, no raw quote, valid UTF-8 (no surrogate, no overlong, nothing
+   past U+10FFFF), every backslash the start of one of orjson's escapes (`\"` `\\` `\b` `\f` `\n` `\r` `\t`,
+   `\u00xx` in lowercase for another byte below 0x20), read from the string's start: a backslash that ends the
+   bytes starts no escape (the quote after it is escaped), so it is refused. */
 static int
 kept_text(const unsigned char *t, Py_ssize_t n)
 {
@@ -134,7 +135,7 @@ kept_text(const unsigned char *t, Py_ssize_t n)
             if (i + 1 >= n)
                 return 0;
             unsigned char e = t[i + 1];
-            if (e == '\\' || e == 'b' || e == 'f' || e == 'n' || e == 'r' || e == 't') {
+            if (e == '"' || e == '\\' || e == 'b' || e == 'f' || e == 'n' || e == 'r' || e == 't') {
                 i += 2;
                 continue;
             }
@@ -178,7 +179,7 @@ kept_text(const unsigned char *t, Py_ssize_t n)
                 return 0;
         i += len;
     }
-    return n == 0 || t[n - 1] != '\\';
+    return 1;
 }
 
 /* `Splice.locate` over a splice's parts: where the ids of a delta the splice serves start; -1 for any other event. */

@@ -19,12 +19,13 @@ _ID_BYTES = b"0123456789,"
 _NVEXT_IDS = b',"nvext":{"completion_token_ids":'
 _LIST_END = ord("]")
 # A delta's text (one JSON string's bytes) a splice serves is one a decode and orjson's encode give back
-# byte for byte: no raw byte below 0x20 (a line end neither), no quote (escaped or not), valid UTF-8,
-# every backslash one of the escapes orjson writes (`\\` `\b` `\f` `\n` `\r` `\t`, and `\u00xx` in
-# lowercase for another byte below 0x20), none at the text's end. `_SUSPECT`: a byte that needs a closer look.
+# byte for byte: no raw byte below 0x20 (a line end neither), no raw quote, valid UTF-8, every backslash
+# the start of one of the escapes orjson writes (`\"` `\\` `\b` `\f` `\n` `\r` `\t`, and `\u00xx` in lowercase
+# for another byte below 0x20), read from the string's start. So a text whose last backslash starts no
+# escape (the quote after it would be escaped) is refused; one ending in an escaped backslash is not.
+# `_SUSPECT`: a byte that needs a closer look.
 _SUSPECT = re.compile(rb'[\x00-\x1f"\\\x80-\xff]')
-_KEPT = re.compile(rb'(?:[^\x00-\x1f"\\]|\\[\\bfnrt]|\\u00(?:0[0-7bef]|1[0-9a-f]))*')
-_BACKSLASH = ord("\\")
+_KEPT = re.compile(rb'(?:[^\x00-\x1f"\\]|\\[\\"bfnrt]|\\u00(?:0[0-7bef]|1[0-9a-f]))*')
 _QUOTED = re.compile(rb'[\x00-\x1f"\\]')  # none: only UTF-8 to check
 
 
@@ -32,7 +33,7 @@ def kept_text(event: bytes, start: int, end: int) -> bool:
     """`event[start:end]`, a JSON string's bytes, is a text a splice serves (a decode writes it back as it is)."""
     if _SUSPECT.search(event, start, end) is None:
         return True
-    return event[end - 1] != _BACKSLASH and _written_back(event, start, end, _QUOTED, _KEPT)
+    return _written_back(event, start, end, _QUOTED, _KEPT)
 
 
 def _written_back(event: bytes, start: int, end: int, escaped: re.Pattern[bytes], kept: re.Pattern[bytes]) -> bool:
