@@ -6,7 +6,10 @@
   ASGI middleware costs;
 - `CalibrationMiddleware`: the floor plus a fixed Python loop per request (a few hundred µs):
   how much more a small piece of Python costs inside vLLM's app than warm, to read the
-  middleware's own in-app/warm ratio against.
+  middleware's own in-app/warm ratio against;
+- `SpreadMiddleware`: the floor plus one call each of `SPREAD_FUNCTIONS` distinct small functions
+  per request, each with its own code and its own data (a few µs warm in all): what entering many
+  different pieces of Python costs inside vLLM's app, against the calibration's one tight loop.
 """
 
 from __future__ import annotations
@@ -45,4 +48,29 @@ class CalibrationMiddleware:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         _loop(CALIBRATION_ITERATIONS)
+        await self.app(scope, receive, send)
+
+
+SPREAD_FUNCTIONS = 100
+
+
+def _spread(count: int) -> tuple[Any, ...]:
+    """`count` functions, each its own code object reading and writing its own dict."""
+    body = "_d{i} = {{'n': 0}}\ndef _f{i}(x):\n    _d{i}['n'] = _d{i}['n'] + x\n    return x + {i}\n"
+    source = "\n".join(body.format(i=i) for i in range(count))
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "<spread>", "exec"), namespace)
+    return tuple(namespace[f"_f{i}"] for i in range(count))
+
+
+_SPREAD = _spread(SPREAD_FUNCTIONS)
+
+
+class SpreadMiddleware:
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        for function in _SPREAD:
+            function(1)
         await self.app(scope, receive, send)

@@ -105,6 +105,7 @@ MIDDLEWARES = {
     "python": "benchmarks._middlewares.PurePythonNvextMiddleware",
     "floor": "benchmarks._middlewares.FloorMiddleware",
     "calibration": "benchmarks._middlewares.CalibrationMiddleware",
+    "spread": "benchmarks._middlewares.SpreadMiddleware",
 }
 
 ARMS = (
@@ -116,8 +117,10 @@ ARMS = (
     # The floor plus a fixed Python loop: its in-app "added" over its warm figure is what the app
     # does to a small, tight piece of Python, against the middleware's own ratio of the two.
     Arm("calibration (Python loop)", "ids", "ids", "calibration"),
+    # The floor plus 100 distinct small functions entered once each: a few µs warm, many pieces of code.
+    Arm("spread (100 functions)", "ids", "ids", "spread"),
 )
-REFERENCE_ARMS = ("floor", "calibration")  # read beside the targets, never targets themselves
+REFERENCE_ARMS = ("floor", "calibration", "spread")  # read beside the targets, never targets themselves
 # The cross-process table's arms: its middleware server runs NvextMiddleware as installed.
 SERVER_ARMS = tuple(arm for arm in ARMS if arm.middleware == "default")
 
@@ -468,12 +471,18 @@ def warm_fixed_costs(answers: dict[tuple[str, str], Exchange], bodies: dict[tupl
     No vLLM code runs between the middleware's steps here, so its code and data stay in the caches:
     a lower bound of what it adds inside a real server (where vLLM's work between two events evicts them).
     """
-    from benchmarks._middlewares import CalibrationMiddleware, FloorMiddleware, PurePythonNvextMiddleware
+    from benchmarks._middlewares import (
+        CalibrationMiddleware,
+        FloorMiddleware,
+        PurePythonNvextMiddleware,
+        SpreadMiddleware,
+    )
     from vllm_nvext import NvextMiddleware
 
     classes: dict[str, Callable[[Any], Any]] = {
         "default": NvextMiddleware, "python": PurePythonNvextMiddleware, "floor": FloorMiddleware,
         "calibration": CalibrationMiddleware,
+        "spread": SpreadMiddleware,
     }  # fmt: skip
 
     async def sink(message: dict[str, Any]) -> None:

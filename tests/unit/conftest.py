@@ -11,6 +11,19 @@ import pytest
 from vllm_nvext import _json, _vllm_compat
 
 
+@pytest.fixture(autouse=True)
+def _no_nvext_settings_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every unit test starts from the documented defaults: a VLLM_NVEXT_* variable set in the shell
+    that runs the suite (VLLM_NVEXT_PURE_PYTHON=1 while trying the pure-Python path) changes no test's
+    settings. Tests that read a variable set it themselves. VLLM_NVEXT_REQUIRE_EXTENSION is the suite's
+    own switch (the compiled tests must not skip), not a setting."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("VLLM_NVEXT_") and name != "VLLM_NVEXT_REQUIRE_EXTENSION":
+            monkeypatch.delenv(name)
+
+
 def _forget_vllm() -> None:
     """Drop every answer _vllm_compat cached about the installed vLLM (its root, the probes, the key rule)."""
     for value in vars(_vllm_compat).values():
