@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import email.message
+import itertools
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from . import _json, _vllm_compat, metrics
@@ -29,28 +30,50 @@ HANDLED = "vllm_nvext.handled"
 _MODE_HEADER = MODE_HEADER.encode()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class RequestHeaders:
     """The request headers the middleware reads, each as vLLM (starlette) reads it."""
 
-    content_type: bytes | None = None  # the first one
-    content_length: int = -1  # the last one; -1 when absent or not a number
-    dp_rank: bytes | None = None  # the first `x-data-parallel-rank`
-    modes: list[bytes] = field(default_factory=list)  # every `x-nvext-mode` (repeats must agree)
+    content_type: bytes | None  # the first one
+    content_length: int  # the last one; -1 when absent or not a number
+    dp_rank: bytes | None  # the first `x-data-parallel-rank`
+    modes: list[bytes]  # every `x-nvext-mode` (repeats must agree)
 
     @classmethod
     def read(cls, scope: Scope) -> RequestHeaders:
-        headers = cls()
+        content_type = dp_rank = None
+        content_length = -1
+        modes: list[bytes] = []
         for name, value in scope["headers"]:
             if name == b"content-type":
-                headers.content_type = value if headers.content_type is None else headers.content_type
+                content_type = value if content_type is None else content_type
             elif name == _MODE_HEADER:
-                headers.modes.append(value)
+                modes.append(value)
             elif name == b"x-data-parallel-rank":
-                headers.dp_rank = value if headers.dp_rank is None else headers.dp_rank
+                dp_rank = value if dp_rank is None else dp_rank
             elif name == b"content-length":
-                headers.content_length = int(value) if value.isdigit() else -1
+                content_length = int(value) if value.isdigit() else -1
+        headers = cls()  # no `__init__` of its own (one function per request): every field is set here
+        headers.content_type = content_type
+        headers.content_length = content_length
+        headers.dp_rank = dp_rank
+        headers.modes = modes
         return headers
+
+
+async def _replayed(message: Message) -> Message:
+    return message
+
+
+def replay_body(body: bytes, receive: Receive) -> Receive:
+    """`Replay([body], False, receive)` for a body that came in one message: the body, then the
+    server's own `receive()`.
+
+    Chained C iterators: the body's message is one coroutine (made when the app first asks), and
+    every later call of the app's reaches the server's `receive` without entering Python of ours.
+    """
+    message: Message = {"type": "http.request", "body": body, "more_body": False}
+    return itertools.chain(map(_replayed, (message,)), iter(receive, None)).__next__
 
 
 class Replay:
@@ -178,6 +201,15 @@ def first_header(scope: Scope, name: bytes) -> bytes | None:
         if key == name:
             return bytes(value)
     return None
+
+
+def body_read_as_json(scope: Scope) -> bool:
+    """`read_as_json` of the request's first Content-Type (`first_header`), in one function."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            known = _JSON_TYPES.get(value := bytes(value))
+            return read_as_json(value) if known is None else known
+    return _vllm_compat.untyped_body_is_json()
 
 
 async def internal_post(
