@@ -28,8 +28,8 @@ _LONGEST_KEY_TOKEN = 2 + 6 * len("return_token_ids")
 
 
 def _mentions_key(data: bytes) -> bool:
-    if b'"nvext"' in data or b'"return_token_ids"' in data:
-        return True  # a key's plain spelling (a match of _KEY_TOKEN): one C scan instead of the pattern's
+    if (b"nvext" in data and b'"nvext"' in data) or b'"return_token_ids"' in data:
+        return True  # a key's plain spelling (a match of _KEY_TOKEN): C scans instead of the pattern's
     return b"\\u" in data and _KEY_TOKEN.search(data) is not None  # any other spelling has an escape
 
 
@@ -46,7 +46,7 @@ def opts_in_whole(body: bytes) -> bool:
     """
     if len(body) >= 4 and (not body[1] or body[0] in _json.NOT_UTF8_FIRST) and _json.needs_decoding(body):
         return True
-    if b'"nvext"' in body or b'"return_token_ids"' in body:
+    if (b"nvext" in body and b'"nvext"' in body) or b'"return_token_ids"' in body:
         return True
     return b"\\u" in body and _KEY_TOKEN.search(body) is not None
 
