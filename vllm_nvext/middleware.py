@@ -144,9 +144,9 @@ class NvextMiddleware:
             await self.app(scope, receive, send)
             return
         scope[HANDLED] = True
-        body_request_id = facts.paths_from_request_ids and request_id is None  # vLLM then takes the body's
+        body_request_id = facts.paths_from_request_ids and request_id is None  # vLLM takes the body's `request_id`
         arrived = (time.time(), time.perf_counter())  # when the request came, before its body (nvext `timing`)
-        whole = None  # the body, when it came in one message and opts in
+        whole = None  # the body, when it came in one message, opts in and is read as JSON
         if not body_request_id and not self.settings.strip_kv_remote_address:
             # Only the opt-in keys make this body one to read: one that comes whole is scanned here
             # (`optin.opts_in_whole`, the verdict of `_Exchange._read_body`'s scan), and goes on to
