@@ -100,10 +100,10 @@ class Replay:
         replay._messages.append(message)
         return replay
 
-    async def __call__(self) -> Message:
+    def __call__(self) -> Awaitable[Message]:
         if self._messages:
-            return self._messages.pop()
-        return await self._receive()
+            return _replayed(self._messages.pop())
+        return self._receive()  # the server's own, awaited by the app without a layer of ours
 
 
 class PassThrough:
