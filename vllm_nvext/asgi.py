@@ -38,6 +38,7 @@ class RequestHeaders:
     content_length: int  # the last one; -1 when absent or not a number
     dp_rank: bytes | None  # the first `x-data-parallel-rank`
     modes: list[bytes]  # every `x-nvext-mode` (repeats must agree)
+    json_body: bool  # vLLM reads the body as JSON (`read_as_json` of the first Content-Type)
 
     @classmethod
     def read(cls, scope: Scope) -> RequestHeaders:
@@ -58,6 +59,11 @@ class RequestHeaders:
         headers.content_length = content_length
         headers.dp_rank = dp_rank
         headers.modes = modes
+        if content_type is None:
+            headers.json_body = _vllm_compat.untyped_body_is_json()
+        else:
+            known = _JSON_TYPES.get(bytes(content_type))  # `read_as_json`'s memo, without entering it
+            headers.json_body = read_as_json(bytes(content_type)) if known is None else known
         return headers
 
 
@@ -201,15 +207,6 @@ def first_header(scope: Scope, name: bytes) -> bytes | None:
         if key == name:
             return bytes(value)
     return None
-
-
-def body_read_as_json(scope: Scope) -> bool:
-    """`read_as_json` of the request's first Content-Type (`first_header`), in one function."""
-    for name, value in scope["headers"]:
-        if name == b"content-type":
-            known = _JSON_TYPES.get(value := bytes(value))
-            return read_as_json(value) if known is None else known
-    return _vllm_compat.untyped_body_is_json()
 
 
 async def internal_post(

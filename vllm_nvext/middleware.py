@@ -38,7 +38,6 @@ from .asgi import (
     RequestHeaders,
     Scope,
     Send,
-    body_read_as_json,
     first_header,
     internal_post,
     read_as_json,
@@ -155,7 +154,7 @@ class NvextMiddleware:
             if message["type"] == "http.request" and not message.get("more_body", False):
                 body = message.get("body", b"")
                 whole = body if type(body) is bytes else bytes(body)
-                if not opts_in_whole(whole) or not body_read_as_json(scope):
+                if not opts_in_whole(whole) or not RequestHeaders.read(scope).json_body:
                     metrics.REQUESTS[endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN].inc()
                     await self.app(scope, replay_body(whole, receive), send)
                     return

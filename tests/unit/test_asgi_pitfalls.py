@@ -20,7 +20,6 @@ from vllm_nvext import Mode, NvextMiddleware, Settings, _vllm_compat
 from vllm_nvext.asgi import (
     Replay,
     RequestHeaders,
-    body_read_as_json,
     first_header,
     read_as_json,
     replay_body,
@@ -231,7 +230,7 @@ HEADER_VALUES = st.sampled_from([b"application/json", b"text/plain", b"Applicati
 
 @given(headers=st.lists(st.tuples(HEADER_NAMES, HEADER_VALUES), max_size=6), untyped_json=st.booleans())
 def test_the_request_headers_are_read_in_one_pass_as_starlette_reads_each(headers, untyped_json):
-    """`RequestHeaders.read` and `body_read_as_json` against `first_header`/`read_as_json`, the rule
+    """`RequestHeaders.read` in one pass against `first_header` and `read_as_json`, the rules
     vLLM's routes read by: the first Content-Type, the last Content-Length, every mode header."""
     scope = {"headers": headers}
     read = RequestHeaders.read(scope)
@@ -242,4 +241,4 @@ def test_the_request_headers_are_read_in_one_pass_as_starlette_reads_each(header
     assert read.content_length == (int(lengths[-1]) if lengths and lengths[-1].isdigit() else -1)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_vllm_compat, "untyped_body_is_json", lambda: untyped_json)
-        assert body_read_as_json(scope) is read_as_json(read.content_type)
+        assert RequestHeaders.read(scope).json_body is read_as_json(read.content_type)
