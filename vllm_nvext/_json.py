@@ -74,12 +74,12 @@ def object_as_vllm(data: bytes) -> dict[str, Any] | None:
 
 
 # First bytes of the encodings `json.detect_encoding` tells from UTF-8: a BOM (EF, FE, FF) or a NUL.
-_NOT_UTF8_FIRST = (0, 0xEF, 0xFE, 0xFF)
+NOT_UTF8_FIRST = (0, 0xEF, 0xFE, 0xFF)
 
 
 def needs_decoding(data: bytes) -> bool:
     """True when the body is not plain UTF-8 text (a BOM, UTF-16 or UTF-32)."""
-    if len(data) >= 2 and data[1] and data[0] not in _NOT_UTF8_FIRST:
+    if len(data) >= 2 and data[1] and data[0] not in NOT_UTF8_FIRST:
         # Shortcut: no BOM starts so and no NUL is among the first two bytes, so json.detect_encoding
         # says UTF-8: tests/unit/test_json.py::test_needs_decoding_is_json_detect_encoding.
         return False

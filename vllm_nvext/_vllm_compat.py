@@ -189,21 +189,30 @@ class ServerFacts:
         self.hides_reasoning_ids = hides_reasoning_ids(args)
 
 
-# The servers' facts by the identity of (scope's API_KEYS, server args), each entry holding both
-# objects (so an id names no other object while kept): one process usually serves one app, a few
-# when several are built in one process (tests, benchmarks). Without a server, the facts of the
-# last `VLLM_API_KEY` value (read on every request, as before a server exists).
-_servers: dict[tuple[int, int], tuple[Any, Any, ServerFacts]] = {}
+# The servers' facts by the identity of (scope's API_KEYS, scope's SERVER_ARGS, scope's app), each
+# entry holding the three objects (so an id names no other object while kept): one process usually
+# serves one app, a few when several are built in one process (tests, benchmarks). Without a server
+# (neither the proxy's keys nor `app.state.args`), the facts of the last `VLLM_API_KEY` value (read
+# on every request, as before a server exists).
+_servers: dict[tuple[int, int, int], tuple[Any, Any, Any, ServerFacts]] = {}
 _SERVERS_MAX = 8
 _last_env: tuple[str | None, ServerFacts | None] = (None, None)
 
 
 def server_facts(scope: MutableMapping[str, Any]) -> ServerFacts:
-    """`ServerFacts` of the server whose request this is (the proxy's keys and arguments, or vLLM's
-    `app.state.args`: each the same object for the server's life); without a server the keys are
-    `VLLM_API_KEY`'s as it reads now."""
+    """`ServerFacts` of the server whose request this is: the proxy's keys and arguments, or vLLM's
+    `app.state.args`, read at the app's first request (vLLM sets them when it builds the app, and
+    builds its key check from them then); without a server the keys are `VLLM_API_KEY`'s as it
+    reads now.
+
+    A known server's facts cost three scope lookups and one dict hit: no function is entered
+    (`app.state.args` is starlette's `State.__getattr__`, a Python function, on every read).
+    """
     global _last_env
-    proxy_keys = scope.get(API_KEYS)
+    proxy_keys, proxy_args, app = scope.get(API_KEYS), scope.get(SERVER_ARGS), scope.get("app")
+    known = _servers.get((id(proxy_keys), id(proxy_args), id(app)))
+    if known is not None and known[0] is proxy_keys and known[1] is proxy_args and known[2] is app:
+        return known[3]
     args = server_args(scope)
     if args is None and proxy_keys is None:
         key = os.environ.get("VLLM_API_KEY")
@@ -212,11 +221,8 @@ def server_facts(scope: MutableMapping[str, Any]) -> ServerFacts:
             env_facts = ServerFacts(None, [key] if key else [])
             _last_env = (key, env_facts)
         return env_facts
-    known = _servers.get((id(proxy_keys), id(args)))
-    if known is not None and known[0] is proxy_keys and known[1] is args:
-        return known[2]
     facts = ServerFacts(args, api_keys(scope))
-    keep(_servers, (id(proxy_keys), id(args)), (proxy_keys, args, facts), _SERVERS_MAX)
+    keep(_servers, (id(proxy_keys), id(proxy_args), id(app)), (proxy_keys, proxy_args, app, facts), _SERVERS_MAX)
     return facts
 
 

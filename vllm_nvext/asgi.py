@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import email.message
+import itertools
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from . import _json, _vllm_compat, metrics
@@ -29,28 +30,56 @@ HANDLED = "vllm_nvext.handled"
 _MODE_HEADER = MODE_HEADER.encode()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class RequestHeaders:
     """The request headers the middleware reads, each as vLLM (starlette) reads it."""
 
-    content_type: bytes | None = None  # the first one
-    content_length: int = -1  # the last one; -1 when absent or not a number
-    dp_rank: bytes | None = None  # the first `x-data-parallel-rank`
-    modes: list[bytes] = field(default_factory=list)  # every `x-nvext-mode` (repeats must agree)
+    content_type: bytes | None  # the first one
+    content_length: int  # the last one; -1 when absent or not a number
+    dp_rank: bytes | None  # the first `x-data-parallel-rank`
+    modes: list[bytes]  # every `x-nvext-mode` (repeats must agree)
+    json_body: bool  # vLLM reads the body as JSON (`read_as_json` of the first Content-Type)
 
     @classmethod
     def read(cls, scope: Scope) -> RequestHeaders:
-        headers = cls()
+        content_type = dp_rank = None
+        content_length = -1
+        modes: list[bytes] = []
         for name, value in scope["headers"]:
             if name == b"content-type":
-                headers.content_type = value if headers.content_type is None else headers.content_type
+                content_type = value if content_type is None else content_type
             elif name == _MODE_HEADER:
-                headers.modes.append(value)
+                modes.append(value)
             elif name == b"x-data-parallel-rank":
-                headers.dp_rank = value if headers.dp_rank is None else headers.dp_rank
+                dp_rank = value if dp_rank is None else dp_rank
             elif name == b"content-length":
-                headers.content_length = int(value) if value.isdigit() else -1
+                content_length = int(value) if value.isdigit() else -1
+        headers = cls()  # no `__init__` of its own (one function per request): every field is set here
+        headers.content_type = content_type
+        headers.content_length = content_length
+        headers.dp_rank = dp_rank
+        headers.modes = modes
+        if content_type is None:
+            headers.json_body = _vllm_compat.untyped_body_is_json()
+        else:
+            known = _JSON_TYPES.get(bytes(content_type))  # `read_as_json`'s memo, without entering it
+            headers.json_body = read_as_json(bytes(content_type)) if known is None else known
         return headers
+
+
+async def _replayed(message: Message) -> Message:
+    return message
+
+
+def replay_body(body: bytes, receive: Receive) -> Receive:
+    """`Replay([body], False, receive)` for a body that came in one message: the body, then the
+    server's own `receive()`.
+
+    Chained C iterators: the body's message is one coroutine (made when the app first asks), and
+    every later call of the app's reaches the server's `receive` without entering Python of ours.
+    """
+    message: Message = {"type": "http.request", "body": body, "more_body": False}
+    return itertools.chain(map(_replayed, (message,)), iter(receive, None)).__next__
 
 
 class Replay:
@@ -77,10 +106,10 @@ class Replay:
         replay._messages.append(message)
         return replay
 
-    async def __call__(self) -> Message:
+    def __call__(self) -> Awaitable[Message]:
         if self._messages:
-            return self._messages.pop()
-        return await self._receive()
+            return _replayed(self._messages.pop())
+        return self._receive()  # the server's own, awaited by the app without a layer of ours
 
 
 class PassThrough:

@@ -146,22 +146,27 @@ def _label(value: Any) -> str:
     return str(getattr(value, "value", value))  # an Endpoint, Dialect or Mode member, or a plain string
 
 
-_requests: dict[tuple[Any, Any, Any, str], Any] = {}
+class _RequestCounters(dict[tuple[Any, Any, Any, str], Any]):
+    """The `requests` counter's children by (endpoint, dialect, placement, kind), each resolved on
+    first use (after vLLM's multiprocess set-up); after that a lookup is a plain dict hit."""
+
+    __slots__ = ()
+
+    def __missing__(self, key: tuple[Any, Any, Any, str]) -> Any:
+        state = _counters()
+        child = _NOOP if state is None else state.requests.labels(*map(_label, key))
+        self[key] = child
+        return child
+
+
+# `REQUESTS[endpoint, dialect, placement, kind].inc()` counts one request handed to vLLM: the same
+# as `count_request`, without entering it (every request to a token route counts one).
+REQUESTS = _RequestCounters()
 
 
 def count_request(endpoint: Any, dialect: Dialect, placement: Any, kind: str) -> None:
     """One request handed to vLLM. `endpoint` and `placement` are Endpoint and Mode members."""
-    key = (endpoint, dialect, placement, kind)
-    child = _requests.get(key)
-    if child is None:
-        state = _counters()
-        child = (
-            _NOOP
-            if state is None
-            else state.requests.labels(_label(endpoint), _label(dialect), _label(placement), kind)
-        )
-        _requests[key] = child
-    child.inc()
+    REQUESTS[endpoint, dialect, placement, kind].inc()
 
 
 def refusal_param(param: str | None) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from functools import partial
 from typing import Any
 
@@ -40,6 +41,7 @@ from .asgi import (
     first_header,
     internal_post,
     read_as_json,
+    replay_body,
     send_error,
     set_header,
     too_large,
@@ -117,21 +119,22 @@ class NvextMiddleware:
         endpoint: Endpoint | AgentRoute | None = ENDPOINT_PATHS.get(path)
         if endpoint is None:
             endpoint = AGENT_PATHS.get(path)  # /v1/responses, /v1/messages: agent/
-        # A server whose kv connector joins request ids into file paths gets plain names only.
         facts = _vllm_compat.server_facts(scope)
-        guard = facts.paths_from_request_ids
-        request_id = first_header(scope, b"x-request-id") if guard else None
-        if (
-            request_id is not None
-            and not client_params.is_plain_name(request_id.decode("latin-1"))
-            and not _vllm_compat.auth_refuses(scope, facts)
-        ):
-            refusal = RequestError(client_params.not_plain_message("X-Request-Id"), client_params.REQUEST_ID_HEADER)
-            await send_error(send, refusal)
-            return
+        request_id = None
+        if facts.paths_from_request_ids:
+            # A server whose kv connector joins request ids into file paths gets plain names only.
+            request_id = first_header(scope, b"x-request-id")
+            if (
+                request_id is not None
+                and not client_params.is_plain_name(request_id.decode("latin-1"))
+                and not _vllm_compat.auth_refuses(scope, facts)
+            ):
+                refusal = RequestError(client_params.not_plain_message("X-Request-Id"), client_params.REQUEST_ID_HEADER)
+                await send_error(send, refusal)
+                return
         if (
             endpoint is None
-            or _vllm_compat.auth_refuses(scope, facts)
+            or (facts.key_digests and _vllm_compat.auth_refuses(scope, facts))  # without a key vLLM refuses nothing
             or (endpoint is AgentRoute.MESSAGES and not self.serve_messages and plugin_serves_messages(scope))
         ):
             # Mounted outside vLLM's key check, a request it refuses reaches it untouched: nothing
@@ -140,28 +143,24 @@ class NvextMiddleware:
             await self.app(scope, receive, send)
             return
         scope[HANDLED] = True
-        body_request_id = guard and request_id is None  # vLLM then takes the body's `request_id`
-        clock = Clock()  # when the request came, before its body (nvext `timing`)
-        whole = None  # the body, when it came in one message and opts in
-        if (
-            not body_request_id
-            and not self.settings.strip_kv_remote_address
-            and read_as_json(first_header(scope, b"content-type"))
-        ):
+        body_request_id = facts.paths_from_request_ids and request_id is None  # vLLM takes the body's `request_id`
+        arrived = (time.time(), time.perf_counter())  # when the request came, before its body (nvext `timing`)
+        whole = None  # the body, when it came in one message, opts in and is read as JSON
+        if not body_request_id and not self.settings.strip_kv_remote_address:
             # Only the opt-in keys make this body one to read: one that comes whole is scanned here
             # (`optin.opts_in_whole`, the verdict of `_Exchange._read_body`'s scan), and goes on to
-            # vLLM at once when it names none.
+            # vLLM at once when it names none or vLLM does not read it as JSON.
             message = await receive()
             if message["type"] == "http.request" and not message.get("more_body", False):
                 body = message.get("body", b"")
                 whole = body if type(body) is bytes else bytes(body)
-                if not opts_in_whole(whole):
-                    metrics.count_request(endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN)
-                    await self.app(scope, Replay([whole], False, receive), send)
+                if not opts_in_whole(whole) or not RequestHeaders.read(scope).json_body:
+                    metrics.REQUESTS[endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN].inc()
+                    await self.app(scope, replay_body(whole, receive), send)
                     return
             else:
                 receive = Replay.again(message, receive)  # `_Exchange` reads it as the first of many
-        exchange = _Exchange(self.app, self.settings, endpoint, scope, receive, send, self._stream_send, clock)
+        exchange = _Exchange(self.app, self.settings, endpoint, scope, receive, send, self._stream_send, arrived)
         exchange.serve_messages = self.serve_messages
         exchange.body_request_id = body_request_id
         exchange.hides_reasoning_ids = facts.hides_reasoning_ids
@@ -171,7 +170,7 @@ class NvextMiddleware:
 class _Exchange:
     """One request/response cycle through the middleware."""
 
-    __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "clock", "stream_send", "body_request_id",
+    __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "arrived", "stream_send", "body_request_id",
                  "serve_messages", "hides_reasoning_ids")  # fmt: skip
 
     def __init__(
@@ -183,7 +182,7 @@ class _Exchange:
         receive: Receive,
         send: Send,
         stream_send: StreamSendFactory,
-        clock: Clock,
+        arrived: tuple[float, float],
     ) -> None:
         self.app = app
         self.stream_send = stream_send
@@ -193,7 +192,7 @@ class _Exchange:
         self.scope = scope
         self.receive = receive
         self.send = send
-        self.clock = clock
+        self.arrived = arrived  # `time.time()` and `time.perf_counter()` when the request came (`Clock`)
         self.body_request_id = False  # the body's `request_id` must be a plain name
         self.hides_reasoning_ids = False  # the server withholds ids (`_vllm_compat.hides_reasoning_ids`)
 
@@ -286,20 +285,20 @@ class _Exchange:
 
     async def _forward(self, body: bytes | None) -> None:
         """To vLLM as the client sent it (`body` once read, else the client's own stream), answer untouched."""
-        metrics.count_request(self.endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN)
-        await self.app(self.scope, self.receive if body is None else Replay([body], False, self.receive), self.send)
+        metrics.REQUESTS[self.endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN].inc()
+        await self.app(self.scope, self.receive if body is None else replay_body(body, self.receive), self.send)
 
     async def _forward_planned(self, endpoint: Endpoint, plan: Plan, mode: Mode, body: bytes, model: Any) -> None:
         """To vLLM with the plan's body; its answer reshaped as the plan says."""
-        metrics.count_request(endpoint, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY)
-        receive = Replay([body], False, self.receive)
+        metrics.REQUESTS[endpoint, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY].inc()
+        receive = replay_body(body, self.receive)
         if not plan.reshapes_response:
             await self.app(self.scope, receive, self.send)
             return
         decode_echo = None
         if any(not isinstance(p, str) for p in plan.echo_prompts):
             decode_echo = partial(self._decode_echo_prompts, model=model)
-        reshaping = ReshapingSend(plan, self.clock, self.send, self.stream_send, endpoint, decode_echo)
+        reshaping = ReshapingSend(plan, Clock(*self.arrived), self.send, self.stream_send, endpoint, decode_echo)
         try:
             await self.app(self.scope, receive, reshaping.app_send)
         finally:

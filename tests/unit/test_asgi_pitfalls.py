@@ -10,13 +10,21 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.recorded import recording
 from tests.unit.asgi import Upstream, call
-from vllm_nvext import Mode, NvextMiddleware, Settings
-from vllm_nvext.asgi import set_header
+from vllm_nvext import Mode, NvextMiddleware, Settings, _vllm_compat
+from vllm_nvext.asgi import (
+    Replay,
+    RequestHeaders,
+    first_header,
+    read_as_json,
+    replay_body,
+    set_header,
+)
 
 NVEXT_IDS = {"extra_fields": ["completion_token_ids"]}
 
@@ -187,3 +195,50 @@ def test_a_set_header_leaves_the_others_in_order_and_its_own_last(headers, name,
         assert scope["headers"] == list(headers), "a header the client sent is kept"
     else:
         assert scope["headers"] == [(n, v) for n, v in headers if n != name] + [(name, b"new")]
+
+
+async def _received(receive, calls: int) -> list[Any]:
+    return [await receive() for _ in range(calls)]
+
+
+@given(calls=st.integers(1, 4), body=st.sampled_from([b"", b"{}", b'{"a": 1}']))
+async def test_a_replayed_whole_body_is_what_the_general_replay_gives(calls, body):
+    """`replay_body` (the one-message case, no Python of ours after the body) against `Replay`:
+    the same messages, then the server's own, called only when the app asks."""
+
+    def server() -> tuple[Any, list[int]]:
+        asked: list[int] = []
+
+        async def receive():
+            asked.append(1)
+            return {"type": "http.disconnect", "n": len(asked)}
+
+        return receive, asked
+
+    (fast_server, fast_asked), (general_server, general_asked) = server(), server()
+    fast = replay_body(body, fast_server)
+    assert fast_asked == [], "nothing is received before the app asks"
+    got = await _received(fast, calls)
+    assert got == await _received(Replay([body], False, general_server), calls)
+    assert got[0] == {"type": "http.request", "body": body, "more_body": False} and got[0]["body"] is body
+    assert len(fast_asked) == len(general_asked) == calls - 1
+
+
+HEADER_NAMES = st.sampled_from([b"content-type", b"content-length", b"x-nvext-mode", b"x-data-parallel-rank", b"host"])
+HEADER_VALUES = st.sampled_from([b"application/json", b"text/plain", b"Application/X+JSON; q=1", b"12", b"x", b""])
+
+
+@given(headers=st.lists(st.tuples(HEADER_NAMES, HEADER_VALUES), max_size=6), untyped_json=st.booleans())
+def test_the_request_headers_are_read_in_one_pass_as_starlette_reads_each(headers, untyped_json):
+    """`RequestHeaders.read` in one pass against `first_header` and `read_as_json`, the rules
+    vLLM's routes read by: the first Content-Type, the last Content-Length, every mode header."""
+    scope = {"headers": headers}
+    read = RequestHeaders.read(scope)
+    assert read.content_type == first_header(scope, b"content-type")
+    assert read.dp_rank == first_header(scope, b"x-data-parallel-rank")
+    assert read.modes == [v for n, v in headers if n == b"x-nvext-mode"]
+    lengths = [v for n, v in headers if n == b"content-length"]
+    assert read.content_length == (int(lengths[-1]) if lengths and lengths[-1].isdigit() else -1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_vllm_compat, "untyped_body_is_json", lambda: untyped_json)
+        assert RequestHeaders.read(scope).json_body is read_as_json(read.content_type)

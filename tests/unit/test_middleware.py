@@ -358,6 +358,38 @@ async def test_memoryview_bodies_are_read_as_bytes():
     assert "nvext" in json.loads(sent[-1]["body"])
 
 
+@pytest.mark.parametrize("request_cuts", [(), (5,)], ids=["whole", "in pieces"])
+async def test_timing_says_when_the_request_came_before_its_body(request_cuts, monkeypatch):
+    """`request_received_ms` is the middleware's reading before the body, though the clock is only
+    built once vLLM's answer is to be reshaped (docs/protocol.md §3.3)."""
+    import time
+
+    from vllm_nvext import middleware
+
+    rec = recording("chat_unary_ids")
+    app, _ = _app(rec)
+    body = json.dumps({**json.loads(_nvext_request(rec)), "nvext": {"extra_fields": ["timing"]}}).encode()
+    pending = [{"type": "http.request", "body": body[: request_cuts[0]], "more_body": True}] if request_cuts else []
+    pending.append({"type": "http.request", "body": body[request_cuts[0] if request_cuts else 0 :], "more_body": False})
+    received: list[dict] = []
+    sent: list[dict] = []
+
+    async def receive():
+        received.append(pending.pop(0) if pending else {"type": "http.disconnect"})
+        return received[-1]
+
+    async def send(message):
+        sent.append(message)
+
+    clock = type("Clock", (), {"time": lambda: 2000.0 if received else 1000.0, "perf_counter": time.perf_counter})
+    monkeypatch.setattr(middleware, "time", clock)
+    scope = {"type": "http", "method": "POST", "path": rec.path, "headers": [(b"content-type", b"application/json")]}
+    await app(scope, receive, send)
+    timing = json.loads(sent[-1]["body"])["nvext"]["timing"]
+    assert timing["request_received_ms"] == 1_000_000, "read before the body came"
+    assert 0 <= timing["total_time_ms"] < 60_000
+
+
 async def test_both_mounts_translate_once():
     rec = recording("chat_unary_ids")
     upstream = Upstream(body=rec.body)

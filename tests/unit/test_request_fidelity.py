@@ -261,6 +261,30 @@ def test_a_whole_body_opts_in_as_the_scan_of_its_one_piece_decides(body):
     assert opts_in_whole(body) is OptInScan().feed(body)
 
 
+# Heads json.detect_encoding tells apart (BOMs, NULs) and pieces of every spelling of the keys.
+_HEADS = st.sampled_from([b"", b"{", b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff", b"\x00", b"{\x00", b"\x00\x00", b" "])
+_PIECES = st.sampled_from(
+    [b'"nvext"', b'"return_token_ids"', b"nvext", b"return_token_ids", b'"', b"\\u", b"\x00", b"x", b":1", b"\xff"]
+    + [b'"\\u006evext"', b'"nvex\\u0074"', b'"return_token_id\\u0073"']
+)
+
+
+@SLOW
+@given(head=_HEADS, pieces=st.lists(_PIECES, max_size=6))
+def test_the_one_piece_opt_in_test_is_the_scan_split_at_every_boundary(head, pieces):
+    """`opts_in_whole`, the one function an opt-out request enters, decides as the general scan does
+    however the same bytes are split (and as `might_opt_in` for a body of four bytes or more)."""
+    body = head + b"".join(pieces)
+    whole = opts_in_whole(body)
+    for cut in range(len(body) + 1):
+        scan = OptInScan()
+        scan.feed(body[:cut])
+        scan.feed(body[cut:])
+        assert scan.found is whole, (body, cut)
+    if len(body) >= 4:
+        assert whole is might_opt_in(body)
+
+
 @SLOW
 @given(case=hazardous_bodies())
 def test_a_body_that_does_not_look_in_never_opts_in(case):

@@ -142,6 +142,18 @@ def test_a_servers_facts_are_read_once_per_server_object():
     assert not _vllm_compat.server_facts({"app": app}).hides_reasoning_ids
 
 
+def test_an_apps_facts_are_those_of_its_first_request_as_vllms_key_check_keeps_its_start_keys():
+    """vLLM builds its key check from `app.state.args` when it builds the app: a later change of
+    the args object changes neither (and the middleware reads no `State.__getattr__` per request)."""
+    from starlette.datastructures import State
+
+    app = type("App", (), {"state": State()})
+    app.state.args = type("Args", (), {"api_key": ["first"]})
+    facts = _vllm_compat.server_facts({"app": app})
+    app.state.args = type("Args", (), {"api_key": ["a", "b"]})
+    assert _vllm_compat.server_facts({"app": app}) is facts and len(facts.key_digests) == 1
+
+
 def test_servers_built_in_one_process_each_keep_their_own_facts():
     """Apps built side by side in one process (tests, benchmarks) alternate without mixing or re-reading facts."""
 

@@ -15,9 +15,12 @@ class Clock:
 
     __slots__ = ("received_ms", "_t0")
 
-    def __init__(self) -> None:
-        self.received_ms = int(time.time() * 1000)
-        self._t0 = time.perf_counter()
+    def __init__(self, received_s: float | None = None, t0: float | None = None) -> None:
+        """`received_s` (`time.time()`) and `t0` (`time.perf_counter()`): both read when the request
+        came, now when not given (the middleware reads them before the body, and builds the clock
+        only for a response it reshapes)."""
+        self.received_ms = int((time.time() if received_s is None else received_s) * 1000)
+        self._t0 = time.perf_counter() if t0 is None else t0
 
     def elapsed_ms(self) -> float:
         """Milliseconds since the request arrived, at full precision (as Dynamo reports them)."""
