@@ -40,16 +40,23 @@ class RequestHeaders:
 
     @classmethod
     def read(cls, scope: Scope) -> RequestHeaders:
-        headers = cls()
+        content_type = dp_rank = None
+        content_length = -1
+        modes: list[bytes] = []
         for name, value in scope["headers"]:
             if name == b"content-type":
-                headers.content_type = value if headers.content_type is None else headers.content_type
-            elif name == _MODE_HEADER:
-                headers.modes.append(value)
-            elif name == b"x-data-parallel-rank":
-                headers.dp_rank = value if headers.dp_rank is None else headers.dp_rank
+                if content_type is None:
+                    content_type = value
             elif name == b"content-length":
-                headers.content_length = int(value) if value.isdigit() else -1
+                content_length = int(value) if value.isdigit() else -1
+            elif name == _MODE_HEADER:
+                modes.append(value)
+            elif name == b"x-data-parallel-rank" and dp_rank is None:
+                dp_rank = value
+        # Set on a bare instance: the same members as `cls(...)`, without entering its `__init__`.
+        headers = object.__new__(cls)
+        headers.content_type, headers.content_length, headers.dp_rank, headers.modes = (
+            content_type, content_length, dp_rank, modes)  # fmt: skip
         return headers
 
 
@@ -160,15 +167,21 @@ def set_header(scope: Scope, name: bytes, value: bytes, *, replace: bool = True)
     headers = scope["headers"]
     if not isinstance(headers, list):
         headers = scope["headers"] = list(headers)
+    # One pass: where the header is and whether it repeats (a client's Content-Length: once).
+    found = -1
+    repeated = False
     for i, (n, _) in enumerate(headers):
         if n == name:
             if not replace:
                 return
-            if any(n == name for n, _ in headers[i + 1 :]):
-                headers[:] = [(n, v) for n, v in headers if n != name]
-            else:
-                del headers[i]  # the one there was (a client's Content-Length)
-            break
+            if found >= 0:
+                repeated = True
+                break
+            found = i
+    if repeated:
+        headers[:] = [(n, v) for n, v in headers if n != name]
+    elif found >= 0:
+        del headers[found]
     headers.append((name, value))
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tests.recorded import recording
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings
-from vllm_nvext.asgi import set_header
+from vllm_nvext.asgi import RequestHeaders, set_header
 
 NVEXT_IDS = {"extra_fields": ["completion_token_ids"]}
 
@@ -187,3 +187,21 @@ def test_a_set_header_leaves_the_others_in_order_and_its_own_last(headers, name,
         assert scope["headers"] == list(headers), "a header the client sent is kept"
     else:
         assert scope["headers"] == [(n, v) for n, v in headers if n != name] + [(name, b"new")]
+
+
+HEADER_NAMES = st.sampled_from([b"content-length", b"content-type", b"x-data-parallel-rank", b"x-nvext-mode", b"host"])
+
+
+@given(headers=st.lists(st.tuples(HEADER_NAMES, st.sampled_from([b"1", b"12", b"-1", b"x", b""])), max_size=8))
+def test_the_headers_read_are_the_ones_vllm_reads(headers):
+    """The first Content-Type and X-data-parallel-rank, the last Content-Length, every mode header."""
+    read = RequestHeaders.read({"headers": headers})
+    first = {n: v for n, v in reversed(headers)}
+    lengths = [v for n, v in headers if n == b"content-length"]
+    want = RequestHeaders(
+        content_type=first.get(b"content-type"),
+        content_length=int(lengths[-1]) if lengths and lengths[-1].isdigit() else -1,
+        dp_rank=first.get(b"x-data-parallel-rank"),
+        modes=[v for n, v in headers if n == b"x-nvext-mode"],
+    )
+    assert read == want
