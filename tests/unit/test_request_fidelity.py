@@ -678,7 +678,7 @@ def test_an_nvext_plan_is_kept_with_each_requests_own_body():
     plans = [plan(request, Mode.AUTO) for request in requests]  # type: ignore[arg-type]
     reading = requests[1].reading  # type: ignore[union-attr]
     assert reading is not None and requests[0].reading is reading, "one reading for both bodies"
-    template, _ = reading.plans[(Mode.AUTO, False)]
+    template, _, _ = reading.plans[(Mode.AUTO, False)]
     assert template.body is None, "no body is kept"
     assert [json.loads(p.body)["user"] for p in plans] == ["a", "bc"]  # type: ignore[arg-type]
     assert _outcome(lambda: plans[1]) == _made_anew(lambda: plan(read_request(bodies[1], CHAT), Mode.AUTO))  # type: ignore[arg-type]

@@ -46,22 +46,18 @@ ECHO_EMBEDS = (
 )
 
 
+@dataclass(slots=True, eq=False)
 class Reading:
     """What `read_request` read from a body whose decision fields and `nvext` are plain values, kept
     per their values (`fields.reading_key`), with the plans made from it (`plan`)."""
 
-    __slots__ = ("fields", "nvext", "plans")
-
-    def __init__(self, fields: DecisionFields, nvext: dict[str, Any]) -> None:
-        self.fields = fields
-        self.nvext = nvext
-        # By (mode, hides_reasoning_ids): the plan, and the rewrite that makes the body with
-        # `splice_root`'s arguments (the plan is then a template without a body; None: vLLM gets the
-        # client's bytes).
-        self.plans: dict[tuple[Mode, bool], tuple[Plan, _KeptRewrite | None]] = {}
-
-
-_KeptRewrite = tuple[BodyRewrite, tuple[bytes, ...], bytes]
+    fields: DecisionFields
+    nvext: dict[str, Any]
+    # By (mode, hides_reasoning_ids): the plan, the rewrite that makes the body (the plan is then a
+    # template without a body; None: vLLM gets the client's bytes) and its `splice_root` arguments.
+    plans: dict[tuple[Mode, bool], tuple[Plan, BodyRewrite | None, tuple[tuple[bytes, ...], bytes]]] = field(
+        default_factory=dict
+    )
 
 
 @dataclass(frozen=True)
@@ -106,36 +102,14 @@ def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> R
         key = reading_key(data, endpoint)
         reading = _READINGS.get(key) if key is not None else None
         if reading is not None:
-            request = _new_request(Request)  # the members `Request(...)` sets, without entering its __init__
+            request = _new(Request)  # with the members `Request(...)` sets
             vars(request).update(endpoint=endpoint, body=body, data=data, fields=reading.fields,
                                  nvext=reading.nvext, reading=reading)  # fmt: skip
             return request
-    if "nvext" not in data:
-        # Shortcut: a literal `true` reads as true (vLLM's field is a bool), so only another value is
-        # read alone first: tests/unit/test_request_fidelity.py::test_decision_matches_vllms_own_parse.
-        if (
-            data.get("return_token_ids") is not True
-            and read_fields(data, endpoint, ("return_token_ids",)).return_token_ids is not True
-        ):
-            return None  # opts into nothing
-        fields = read_fields(data, endpoint)
-    else:
-        # Shortcut: the nvext dialect opts in whatever return_token_ids says, so the fields are
-        # read once; on an error return_token_ids is read alone first, as the opt-in test reads
-        # it, so the same field is named:
-        # tests/unit/test_request.py::test_nvext_dialect_names_the_field_the_two_reads_named.
-        try:
-            fields = read_fields(data, endpoint)
-        except RequestError:
-            read_fields(data, endpoint, ("return_token_ids",))
-            raise
-    nvext = data.get("nvext")
-    if nvext is None:
-        nvext = {}
-    elif not isinstance(nvext, dict):
-        raise RequestError(f"`nvext` must be an object, got {json_type(nvext)}", "nvext")
-    if "nvext" in data:
-        nvext = read_nvext(nvext)  # kept per value when plain
+    read = _read_anew(data, endpoint)
+    if read is None:
+        return None  # opts into nothing
+    fields, nvext = read
     if key is None:
         return Request(endpoint, body, data, fields, nvext)
     # Plain: both readings are the kept ones (`fields.reading_key`'s rules are theirs).
@@ -143,7 +117,36 @@ def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> R
     return Request(endpoint, body, data, fields, nvext, reading)
 
 
-_new_request = object.__new__
+def _read_anew(data: dict[str, Any], endpoint: Endpoint) -> tuple[DecisionFields, dict[str, Any]] | None:
+    """The decision fields and `nvext` of `data` as read without a kept reading; None when it opts into
+    nothing. Raises RequestError as `read_request` says."""
+    if "nvext" not in data:
+        # Shortcut: a literal `true` reads as true (vLLM's field is a bool), so only another value is
+        # read alone first: tests/unit/test_request_fidelity.py::test_decision_matches_vllms_own_parse.
+        if (
+            data.get("return_token_ids") is not True
+            and read_fields(data, endpoint, ("return_token_ids",)).return_token_ids is not True
+        ):
+            return None
+        return read_fields(data, endpoint), {}
+    # Shortcut: the nvext dialect opts in whatever return_token_ids says, so the fields are
+    # read once; on an error return_token_ids is read alone first, as the opt-in test reads
+    # it, so the same field is named:
+    # tests/unit/test_request.py::test_nvext_dialect_names_the_field_the_two_reads_named.
+    try:
+        fields = read_fields(data, endpoint)
+    except RequestError:
+        read_fields(data, endpoint, ("return_token_ids",))
+        raise
+    nvext = data["nvext"]
+    if nvext is None:
+        nvext = {}
+    elif not isinstance(nvext, dict):
+        raise RequestError(f"`nvext` must be an object, got {json_type(nvext)}", "nvext")
+    return fields, read_nvext(nvext)  # kept per value when plain
+
+
+_new = object.__new__  # an instance whose members are then set without entering its __init__
 # Readings by `fields.reading_key` (never the chat batch route's).
 _READINGS: dict[tuple[Any, ...], Reading] = {}
 _READINGS_MAX = 1024
@@ -195,27 +198,23 @@ def plan(
     if kept is None:
         made, rewrite = _plan(request, mode, dp_rank_header, hides_reasoning_ids, splice_root)
         if not any(reading.nvext.get(name) is not None for name in _PLANNED_FROM_MORE):
-            if made.body is None:
-                reading.plans[(mode, hides_reasoning_ids)] = (made, None)
-            else:  # the template holds no body: the client's bytes are never kept
-                template = dataclasses.replace(made, body=None)
-                reading.plans[(mode, hides_reasoning_ids)] = (template, (rewrite, *rewrite.splice_args()))
+            # A template holds no body: the client's bytes are never kept.
+            entry = (made, None) if made.body is None else (dataclasses.replace(made, body=None), rewrite)
+            reading.plans[(mode, hides_reasoning_ids)] = (*entry, rewrite.splice_args())
         return made
-    template, kept_rewrite = kept
+    template, kept_rewrite, (names, added) = kept
     if kept_rewrite is None:
         return template  # vLLM gets the client's bytes: the same plan
-    rewrite, names, added = kept_rewrite
     body = splice_root(request.body, names, added) if splice_root is not None else None
     if body is None:
-        body = rewrite.apply(request.body)
-    made = _new_plan(Plan)  # the template with this body, without entering Plan's __init__
+        body = kept_rewrite.apply(request.body)
+    made = _new(Plan)  # the template with this body
     members = vars(made)
     members.update(vars(template))
     members["body"] = body
     return made
 
 
-_new_plan = object.__new__
 # nvext members whose plan follows from more than the reading: the body's messages or
 # `thinking_token_budget`, what this vLLM takes, the client's X-data-parallel-rank header.
 _PLANNED_FROM_MORE = ("token_data", "max_thinking_tokens", "dp_rank")
