@@ -736,7 +736,13 @@ def test_a_reader_that_reads_other_keys_is_never_kept():
     assert fields_module._scalar_key(replica_model(CHAT), {"n": 2}) is not None
 
 
-NVEXT_VALUES = st.none() | st.sampled_from([5, "x", [1], {"agent_hints": {"osl": 1}}]) | PLAIN_NVEXT
+NVEXT_VALUES = (
+    st.none()
+    | PLAIN_NVEXT
+    | st.sampled_from(
+        [5, "x", [1], {"agent_hints": {"osl": 1}}, {"extra_fields": ["timing"] * 17}, {"annotations": ["a" * 65]}]
+    )
+)
 
 
 @SLOW
