@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 import pytest
@@ -785,3 +786,22 @@ def test_a_kept_reading_of_a_body_is_the_request_read_anew(data, case, nvext, mo
         kept = _outcome(lambda: plan(again, mode))
         anew = _made_anew(lambda: plan(read_request(body, endpoint), mode))  # type: ignore[arg-type]
         assert kept == _outcome(lambda: plan(again, mode)) == anew
+
+
+def test_a_reader_that_reads_other_keys_keeps_no_reading(monkeypatch):
+    """Under an aliased reader a body's key would be wrong: no reading is kept for it, each is read anew."""
+    from pydantic import ConfigDict, Field, create_model
+
+    aliased = create_model("Aliased", __config__=ConfigDict(extra="ignore"), n=(int, Field(1, alias="count")))
+    monkeypatch.setitem(fields_module._readers, (CHAT, True), aliased)
+    assert fields_module.reading_key({"count": 2, "nvext": NVEXT_IDS}, CHAT) is None
+
+
+def test_without_vllms_serving_code_the_fields_are_read_by_the_replica(monkeypatch):
+    """Outside a vLLM server (the CLI, the proxy's tests) the replica reads the fields, until vLLM's models load."""
+    monkeypatch.delitem(fields_module._readers, (CHAT, True), raising=False)
+    for module_name, _ in fields_module._VLLM_MODELS[CHAT]:
+        monkeypatch.delitem(sys.modules, module_name, raising=False)
+    assert field_reader(CHAT) is replica_model(CHAT)
+    monkeypatch.undo()
+    assert field_reader(CHAT) is not replica_model(CHAT), "vLLM's own field definitions once loaded"
