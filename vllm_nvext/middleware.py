@@ -297,7 +297,8 @@ class _Exchange:
             await self.app(self.scope, receive, self.send)
             return
         decode_echo = None
-        if plan.echo_prompts and any(not isinstance(p, str) for p in plan.echo_prompts):  # no echo: no generator entered
+        # No echo (the common case): no generator entered.
+        if plan.echo_prompts and any(not isinstance(p, str) for p in plan.echo_prompts):
             decode_echo = partial(self._decode_echo_prompts, model=model)
         reshaping = ReshapingSend(plan, self.clock, self.send, self.stream_send, endpoint, decode_echo)
         try:
