@@ -189,15 +189,21 @@ def set_header(scope: Scope, name: bytes, value: bytes, *, replace: bool = True)
     headers = scope["headers"]
     if not isinstance(headers, list):
         headers = scope["headers"] = list(headers)
+    # One pass: where the header is and whether it repeats (a client's Content-Length: once).
+    found = -1
+    repeated = False
     for i, (n, _) in enumerate(headers):
         if n == name:
             if not replace:
                 return
-            if any(n == name for n, _ in headers[i + 1 :]):
-                headers[:] = [(n, v) for n, v in headers if n != name]
-            else:
-                del headers[i]  # the one there was (a client's Content-Length)
-            break
+            if found >= 0:
+                repeated = True
+                break
+            found = i
+    if repeated:
+        headers[:] = [(n, v) for n, v in headers if n != name]
+    elif found >= 0:
+        del headers[found]
     headers.append((name, value))
 
 

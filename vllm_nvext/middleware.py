@@ -60,13 +60,9 @@ from .send import STREAM_SENDS, ReshapingSend, StreamSendFactory, compiled, stre
 logger = logging.getLogger("vllm_nvext")
 
 
-# `_speedups.splice_root`, the request side's compiled root splice; None when the extension is not built.
+# `_speedups.splice_root`, the request side's compiled root splice (unless the settings ask for the
+# pure-Python path); None when the extension is not built.
 SPLICE_ROOT: SpliceRoot | None = compiled("splice_root")
-
-
-def _splice_root(settings: Settings) -> SpliceRoot | None:
-    """The compiled root splice for a request's body, unless the pure-Python path is asked for."""
-    return None if settings.pure_python else SPLICE_ROOT
 
 
 class NvextMiddleware:
@@ -224,15 +220,19 @@ class _Exchange:
             if request is None:
                 await self._forward(body)
                 return
-            mode = self._mode(headers.modes)
-            hides = self.hides_reasoning_ids
-            splice = _splice_root(self.settings)
-            plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank, hides_reasoning_ids=hides,
-                                    splice_root=splice)  # fmt: skip
+            settings = self.settings
+            mode = self._mode(headers.modes) if headers.modes else settings.mode  # no header: the setting
+            splice = None if settings.pure_python else SPLICE_ROOT
+            plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank,
+                                    hides_reasoning_ids=self.hides_reasoning_ids, splice_root=splice)  # fmt: skip
         except RequestError as exc:
             await self._refuse(exc)
             return
-        body = self._rewrite(body, plan.body, plan.headers)
+        if plan.body is not None:  # `_rewrite`, inline: one function less per request
+            body = plan.body
+            set_header(self.scope, b"content-length", str(len(body)).encode())
+        for name, value in plan.headers:
+            set_header(self.scope, name, value, replace=False)
         await self._forward_planned(endpoint, plan, mode, body, request.data.get("model"))
 
     async def _read_body(self, declared_length: int) -> tuple[bytes, bool] | None:
@@ -296,7 +296,8 @@ class _Exchange:
             await self.app(self.scope, receive, self.send)
             return
         decode_echo = None
-        if any(not isinstance(p, str) for p in plan.echo_prompts):
+        # No echo (the common case): no generator entered.
+        if plan.echo_prompts and any(not isinstance(p, str) for p in plan.echo_prompts):
             decode_echo = partial(self._decode_echo_prompts, model=model)
         reshaping = ReshapingSend(plan, Clock(*self.arrived), self.send, self.stream_send, endpoint, decode_echo)
         try:

@@ -3,14 +3,18 @@ response side (`outbound/`) and the ASGI layer; nothing else passes between them
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .protocol import Dialect, Endpoint
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Plan:
-    """What to send upstream and how to reshape what comes back, for one request."""
+    """What to send upstream and how to reshape what comes back, for one request.
+
+    Its members live in the instance's `__dict__` (no slots): a plan kept per reading of a request
+    is copied with another body in two C calls (`inbound.request.plan`).
+    """
 
     endpoint: Endpoint
     # The client gets vLLM's own placement of the ids (docs/protocol.md §1).
@@ -56,17 +60,20 @@ class Plan:
     # every chunk says "not reported", the role chunk before any id too (docs/protocol.md §3.4).
     ids_withheld: bool = False
 
-    @property
-    def reshapes_answer(self) -> bool:
-        """A successful answer changes (error bodies and events are `error_params`' business)."""
-        return bool(
+    # A successful answer changes (error bodies and events are `error_params`' business); set from the
+    # members above when the plan is made, so reading it enters no function.
+    reshapes_answer: bool = field(init=False, repr=False, compare=False)
+    # The answer changes, successful or not.
+    reshapes_response: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        answer = bool(
             self.nvext_trio
             or self.nvext_prompt_ids
             or self.nvext_only_selectors
             or self.strip_vllm_ids
             or self.echo_prompts
         )
-
-    @property
-    def reshapes_response(self) -> bool:
-        return self.reshapes_answer or bool(self.error_params)
+        members = self.__dict__
+        members["reshapes_answer"] = answer
+        members["reshapes_response"] = answer or bool(self.error_params)

@@ -325,10 +325,10 @@ def test_a_request_after_another_gets_the_plan_or_refusal_it_gets_alone(case, en
 def test_two_bodies_of_one_kept_plan_each_reach_vllm_as_their_own():
     bodies = [_body(CHAT, {"extra_fields": ["completion_token_ids"], "greed_sampling": True}, user=u, temperature=t)
               for u, t in (("a", 0.5), ("b", None), ("c", 1))]  # fmt: skip
-    plans = [plan_request(b, CHAT, Mode.NVEXT) for b in bodies]
+    plans = [_outcome(lambda b=b: plan_request(b, CHAT, Mode.NVEXT)) for b in bodies]
     alone = [_made_anew(lambda b=b: plan_request(b, CHAT, Mode.NVEXT)) for b in bodies]
     assert plans == alone
-    sent = [json.loads(p.body) for p in plans if p is not None and p.body is not None]
+    sent = [json.loads(p.body) for p, _, _ in plans if p.body is not None]
     assert [(s["user"], s["temperature"], "nvext" in s) for s in sent] == [("a", 0.0, False), ("b", 0.0, False),
                                                                             ("c", 0.0, False)]  # fmt: skip
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from vllm_nvext.inbound import request as request_module
 from vllm_nvext.inbound.fields import DECISION_FIELDS, DecisionFields, field_reader, read_fields, replica_model
 from vllm_nvext.inbound.optin import OptInScan, might_opt_in, opts_in_whole
 from vllm_nvext.inbound.request import plan, plan_request, read_request
+from vllm_nvext.plan import Plan
 from vllm_nvext.protocol import PATHS, Endpoint, RequestError
 
 vllm_completion = pytest.importorskip("vllm.entrypoints.openai.completion.protocol")
@@ -553,16 +555,19 @@ def test_dumps_text_writes_what_json_dumps_writes(value):
 
 def _outcome(make: Any) -> Any:
     try:
-        return make()
+        made = make()
     except RequestError as exc:
         return ("refused", exc.message, exc.param, exc.status)
+    if isinstance(made, Plan):  # what the ASGI layer and the response side read of it, too
+        return made, made.reshapes_answer, made.reshapes_response
+    return made
 
 
 def _made_anew(make: Any) -> Any:
     """`make()` with nothing kept: read_fields validates, plan plans."""
     fields_module._READ.clear()
     nvext_schema._READ.clear()
-    request_module._PLANS.clear()
+    request_module._READINGS.clear()
     return _outcome(make)
 
 
@@ -585,14 +590,13 @@ def test_a_kept_reading_is_the_reading_made_anew(data, endpoint, names):
         assert again is first, "kept: the same reading"
 
 
-def test_only_a_kept_reading_is_marked_kept():
-    """A reading made anew (fields that are not plain values, or built elsewhere) is never taken for a kept one."""
+def test_only_plain_fields_are_kept():
+    """Plain values are read once and handed out again; a prompt of ids is read anew each time."""
     scalar = read_fields({"n": 2, "stream": True}, COMPLETIONS)
-    assert scalar.kept and read_fields({"stream": True, "n": 2}, COMPLETIONS) is scalar
+    assert read_fields({"stream": True, "n": 2}, COMPLETIONS) is scalar
     ids = read_fields({"prompt": [1, 2], "n": 2}, COMPLETIONS)
-    assert not ids.kept and read_fields({"prompt": [1, 2], "n": 2}, COMPLETIONS) is not ids
-    assert not DecisionFields(n=2, stream=True).kept
-    assert DecisionFields(n=2, stream=True) == scalar, "the mark is no part of the reading's value"
+    assert read_fields({"prompt": [1, 2], "n": 2}, COMPLETIONS) is not ids
+    assert DecisionFields(n=2, stream=True) == scalar
 
 
 @pytest.mark.parametrize(("one", "other"), [(True, 1), ("1", 1), (0, False), ("true", True), (2, "2")])
@@ -695,11 +699,14 @@ def test_an_nvext_plan_is_kept_with_each_requests_own_body():
     bodies = [
         json.dumps({"nvext": NVEXT_IDS, **BASE[CHAT], "stream": True, "user": user}).encode() for user in ("a", "bc")
     ]
-    plans = [plan(read_request(body, CHAT), Mode.AUTO) for body in bodies]  # type: ignore[arg-type]
-    kept = request_module._PLANS[next(iter(request_module._PLANS))]
-    assert kept[2] is None and all(value is not b for _, value in kept[4] for b in bodies), "no body is kept"
+    requests = [read_request(body, CHAT) for body in bodies]
+    plans = [plan(request, Mode.AUTO) for request in requests]  # type: ignore[arg-type]
+    reading = requests[1].reading  # type: ignore[union-attr]
+    assert reading is not None and requests[0].reading is reading, "one reading for both bodies"
+    template, _, _ = reading.plans[(Mode.AUTO, False)]
+    assert template.body is None, "no body is kept"
     assert [json.loads(p.body)["user"] for p in plans] == ["a", "bc"]  # type: ignore[arg-type]
-    assert plans[1] == _made_anew(lambda: plan(read_request(bodies[1], CHAT), Mode.AUTO))  # type: ignore[arg-type]
+    assert _outcome(lambda: plans[1]) == _made_anew(lambda: plan(read_request(bodies[1], CHAT), Mode.AUTO))  # type: ignore[arg-type]
 
 
 def test_an_nvext_reading_is_kept_only_when_valid_and_made_of_plain_values():
@@ -724,7 +731,8 @@ def test_a_vllm_dialect_plan_is_kept_per_mode_and_server():
     assert request is not None
     kept_plan = plan(request, Mode.AUTO)
     assert plan(read_request(body, CHAT), Mode.AUTO) is kept_plan  # type: ignore[arg-type]
-    assert plan(request, Mode.NVEXT) == _made_anew(lambda: plan(request, Mode.NVEXT)) != kept_plan
+    assert _outcome(lambda: plan(request, Mode.NVEXT)) == _made_anew(lambda: plan(request, Mode.NVEXT))
+    assert plan(request, Mode.NVEXT) != kept_plan
     hidden = plan(request, Mode.AUTO, hides_reasoning_ids=True)
     assert hidden.ids_withheld and not kept_plan.ids_withheld
 
@@ -733,7 +741,7 @@ def test_what_is_kept_stays_bounded_whatever_clients_send(monkeypatch):
     """Made-up values (a `cache_salt`, an `n`) cannot grow what the request side keeps."""
     monkeypatch.setattr(fields_module, "_READ_MAX", 4)
     monkeypatch.setattr(nvext_schema, "_READ_MAX", 4)
-    monkeypatch.setattr(request_module, "_PLANS_MAX", 4)
+    monkeypatch.setattr(request_module, "_READINGS_MAX", 4)
     for n in range(1, 12):
         body = json.dumps({**BASE[COMPLETIONS], "return_token_ids": True, "n": n, "logprobs": n}).encode()
         request = read_request(body, COMPLETIONS)
@@ -741,7 +749,7 @@ def test_what_is_kept_stays_bounded_whatever_clients_send(monkeypatch):
         assert plan(request, Mode.AUTO).n == n
         salted = json.dumps({**BASE[COMPLETIONS], "nvext": {**NVEXT_IDS, "cache_salt": f"s{n}"}}).encode()
         assert json.loads(plan(read_request(salted, COMPLETIONS), Mode.AUTO).body)["cache_salt"] == f"s{n}"  # type: ignore[arg-type]
-        assert len(fields_module._READ) <= 4 and len(nvext_schema._READ) <= 4 and len(request_module._PLANS) <= 4
+        assert len(fields_module._READ) <= 4 and len(nvext_schema._READ) <= 4 and len(request_module._READINGS) <= 4
 
 
 def test_a_reader_that_reads_other_keys_is_never_kept():
@@ -751,3 +759,73 @@ def test_a_reader_that_reads_other_keys_is_never_kept():
     aliased = create_model("Aliased", __config__=ConfigDict(extra="ignore"), n=(int, Field(1, alias="count")))
     assert fields_module._scalar_key(aliased, {"count": 2}) is None
     assert fields_module._scalar_key(replica_model(CHAT), {"n": 2}) is not None
+
+
+NVEXT_VALUES = (
+    st.none()
+    | PLAIN_NVEXT
+    | st.sampled_from(
+        [5, "x", [1], {"agent_hints": {"osl": 1}}, {"extra_fields": ["timing"] * 17}, {"annotations": ["a" * 65]}]
+    )
+)
+
+
+@SLOW
+@given(
+    data=st.dictionaries(st.sampled_from(sorted(DECISION_FIELDS | {"model", "max_tokens"})), SCALARS, max_size=6),
+    nvext=st.just(None) | NVEXT_VALUES.map(lambda v: {"nvext": v}),
+    endpoint=st.sampled_from([COMPLETIONS, CHAT]),
+)
+def test_one_reading_per_body_is_the_two_readings(data, nvext, endpoint):
+    """`reading_key` (one reading per body) is made of exactly the fields' key and `nvext`'s plain key
+    (each proven by the kept-reading tests above), and is None when either is."""
+    data = {**data, **(nvext or {})}
+    reader = field_reader(endpoint)
+    scalar = fields_module._scalar_key(reader, data)
+    if "nvext" not in data:
+        tail: tuple[Any, ...] | None = ()
+    elif data["nvext"] is None:
+        tail = (fields_module._NULL_NVEXT,)
+    elif isinstance(data["nvext"], dict):
+        plain = nvext_schema._plain_key(data["nvext"])
+        tail = None if plain is None else (fields_module._NVEXT, *plain)
+    else:
+        tail = None
+    want = None if scalar is None or tail is None else (*scalar, *tail)
+    assert fields_module.reading_key(data, endpoint) == want
+
+
+@SLOW
+@given(data=st.data(), case=hazardous_bodies(), nvext=PLAIN_NVEXT, mode=st.sampled_from(list(Mode)))
+def test_a_kept_reading_of_a_body_is_the_request_read_anew(data, case, nvext, mode):
+    """The request read from a kept reading (a body read before with the same readings) is the one read anew."""
+    body, endpoint = case
+    if data.draw(st.booleans()):
+        body = data.draw(nvext_bodies(nvext, {}, endpoint))
+    first = _outcome(lambda: read_request(body, endpoint))
+    again = _outcome(lambda: read_request(body, endpoint))
+    assert again == first == _made_anew(lambda: read_request(body, endpoint))
+    if isinstance(again, request_module.Request) and again.reading is not None:
+        assert again.fields is again.reading.fields and again.nvext is again.reading.nvext
+        kept = _outcome(lambda: plan(again, mode))
+        anew = _made_anew(lambda: plan(read_request(body, endpoint), mode))  # type: ignore[arg-type]
+        assert kept == _outcome(lambda: plan(again, mode)) == anew
+
+
+def test_a_reader_that_reads_other_keys_keeps_no_reading(monkeypatch):
+    """Under an aliased reader a body's key would be wrong: no reading is kept for it, each is read anew."""
+    from pydantic import ConfigDict, Field, create_model
+
+    aliased = create_model("Aliased", __config__=ConfigDict(extra="ignore"), n=(int, Field(1, alias="count")))
+    monkeypatch.setitem(fields_module._readers, (CHAT, True), aliased)
+    assert fields_module.reading_key({"count": 2, "nvext": NVEXT_IDS}, CHAT) is None
+
+
+def test_without_vllms_serving_code_the_fields_are_read_by_the_replica(monkeypatch):
+    """Outside a vLLM server (the CLI, the proxy's tests) the replica reads the fields, until vLLM's models load."""
+    monkeypatch.delitem(fields_module._readers, (CHAT, True), raising=False)
+    for module_name, _ in fields_module._VLLM_MODELS[CHAT]:
+        monkeypatch.delitem(sys.modules, module_name, raising=False)
+    assert field_reader(CHAT) is replica_model(CHAT)
+    monkeypatch.undo()
+    assert field_reader(CHAT) is not replica_model(CHAT), "vLLM's own field definitions once loaded"

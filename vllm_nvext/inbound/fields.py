@@ -16,6 +16,8 @@ from typing import Annotated, Any
 
 from .._bounded import keep
 from ..protocol import Endpoint, RequestError
+from .nvext_schema import KEY_LIST_MAX as _NVEXT_LIST_MAX
+from .nvext_schema import KEY_STR_MAX as _NVEXT_STR_MAX
 
 _VLLM_MODELS = {
     Endpoint.COMPLETIONS: (
@@ -51,13 +53,10 @@ class DecisionFields:
     prompt_logprobs: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
     include_reasoning: bool = True  # chat only
-    # Not a field: set when `read_fields` makes a reading it keeps and hands out again for the same
-    # scalar fields, never on one made anew or built elsewhere (it stays set once `_READ` lets go).
-    kept: bool = dataclasses.field(default=False, compare=False, repr=False)
 
 
 # The fields read, over both endpoints: the replica models' fields (metrics names its refusal labels by them).
-DECISION_FIELDS = frozenset(field.name for field in dataclasses.fields(DecisionFields) if field.compare)
+DECISION_FIELDS = frozenset(field.name for field in dataclasses.fields(DecisionFields))
 
 # vLLM's /invocations tries its request models in this order and serves the body on the first that
 # validates it (`get_generate_invocation_types`: chat, then completions), else answers its own 400.
@@ -118,6 +117,11 @@ def field_reader(endpoint: Endpoint) -> Any:
     reader = _readers.get((endpoint, True))
     if reader is not None:
         return reader
+    for module_name, _ in _VLLM_MODELS[endpoint]:
+        if module_name in sys.modules:
+            break
+    else:  # no vLLM serving code loaded (yet): the replica
+        return _readers.get((endpoint, False)) or replica_model(endpoint)
     replica = replica_model(endpoint)
     vllm_model = vllm_request_model(endpoint)
     if vllm_model is None:
@@ -144,7 +148,7 @@ def read_fields(data: dict[str, Any], endpoint: Endpoint, names: tuple[str, ...]
         if known is not None:
             return known
     try:
-        fields = DecisionFields(**reader.model_validate(data).__dict__, kept=key is not None)
+        fields = DecisionFields(**reader.model_validate(data).__dict__)
     except _validation_error() as exc:
         error = exc.errors(include_url=False)[0]
         name = str(error["loc"][0]) if error["loc"] else None
@@ -181,6 +185,58 @@ def _scalar_key(reader: Any, data: dict[str, Any]) -> tuple[Any, ...] | None:
                 return None
             key += (name, kind, value)
     return tuple(key)
+
+
+def reading_key(data: dict[str, Any], endpoint: Endpoint) -> tuple[Any, ...] | None:
+    """A key for all that `inbound.request.read_request` reads from the body `data` on `endpoint` (not
+    the chat batch route): the reader, each of its fields in `data` and each member of `data`'s
+    `nvext`, each with its type and value; None when one is not a plain value.
+
+    One reading per body for the common case: bodies with the same key read the same (the decision
+    fields as `_scalar_key`'s argue, `nvext` as `nvext_schema._plain_key`'s), and the key is made only
+    of what those two keys are made of (tests/unit/test_request_fidelity.py::
+    test_one_reading_per_body_is_the_two_readings).
+    """
+    reader = _readers.get((endpoint, True))
+    if reader is None:
+        reader = field_reader(endpoint)
+    names = _plain_fields.get(reader, ())
+    if names == ():
+        names = _plain_fields[reader] = _field_names(reader)
+    if names is None:
+        return None
+    key: list[Any] = [reader]
+    for name in names:
+        if name in data:
+            value = data[name]
+            kind = type(value)
+            if kind not in _SCALARS or (kind is str and len(value) > _KEY_STR_MAX):
+                return None
+            key += (name, kind, value)
+    nvext = data.get("nvext", key)  # `key`: no `nvext`
+    if nvext is None:
+        key.append(_NULL_NVEXT)
+    elif nvext is not key:
+        if type(nvext) is not dict:
+            return None  # refused, or read anew
+        key.append(_NVEXT)
+        for name, value in nvext.items():
+            kind = type(value)
+            if kind is list:
+                if len(value) > _NVEXT_LIST_MAX:
+                    return None
+                for item in value:
+                    if type(item) is not str or len(item) > _NVEXT_STR_MAX:
+                        return None
+                value = tuple(value)
+            elif kind not in _SCALARS or (kind is str and len(value) > _NVEXT_STR_MAX):
+                return None
+            key += (name, kind, value)
+    return tuple(key)
+
+
+# In a `reading_key`, after the fields: `nvext` is null, or the members of an `nvext` object follow.
+_NULL_NVEXT, _NVEXT = object(), object()
 
 
 def _field_names(reader: Any) -> tuple[str, ...] | None:

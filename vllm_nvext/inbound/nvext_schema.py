@@ -125,8 +125,8 @@ def read_nvext(nvext: dict[str, Any]) -> dict[str, Any]:
 _READ: dict[tuple[Any, ...], KeptNvext] = {}
 _READ_MAX = 1024
 _SCALARS = (type(None), bool, int, str)
-_KEY_STR_MAX = 64
-_KEY_LIST_MAX = 16
+KEY_STR_MAX = 64
+KEY_LIST_MAX = 16  # also `fields.reading_key`'s bounds on `nvext`
 
 
 def _plain_key(nvext: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -135,13 +135,13 @@ def _plain_key(nvext: dict[str, Any]) -> tuple[Any, ...] | None:
     for name, value in nvext.items():
         kind = type(value)
         if kind is list:
-            if len(value) > _KEY_LIST_MAX:
+            if len(value) > KEY_LIST_MAX:
                 return None
             for item in value:
-                if type(item) is not str or len(item) > _KEY_STR_MAX:
+                if type(item) is not str or len(item) > KEY_STR_MAX:
                     return None
             value = tuple(value)
-        elif kind not in _SCALARS or (kind is str and len(value) > _KEY_STR_MAX):
+        elif kind not in _SCALARS or (kind is str and len(value) > KEY_STR_MAX):
             return None
         key += (name, kind, value)
     return tuple(key)

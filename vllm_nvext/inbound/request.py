@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from .. import _json, _vllm_compat
@@ -31,8 +30,8 @@ from ..protocol import (
     Placement,
     RequestError,
 )
-from .fields import DecisionFields, invocation_route, read_fields
-from .nvext_schema import KeptNvext, json_type, read_nvext
+from .fields import DecisionFields, invocation_route, read_fields, reading_key
+from .nvext_schema import json_type, read_nvext
 from .optin import might_opt_in
 from .rewrite import BodyRewrite as BodyRewrite  # re-exported: the agent routes rewrite bodies too
 from .rewrite import SpliceRoot
@@ -47,7 +46,21 @@ ECHO_EMBEDS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
+class Reading:
+    """What `read_request` read from a body whose decision fields and `nvext` are plain values, kept
+    per their values (`fields.reading_key`), with the plans made from it (`plan`)."""
+
+    fields: DecisionFields
+    nvext: dict[str, Any]
+    # By (mode, hides_reasoning_ids): the plan, the rewrite that makes the body (the plan is then a
+    # template without a body; None: vLLM gets the client's bytes) and its `splice_root` arguments.
+    plans: dict[tuple[Mode, bool], tuple[Plan, BodyRewrite | None, tuple[tuple[bytes, ...], bytes]]] = field(
+        default_factory=dict
+    )
+
+
+@dataclass(frozen=True)
 class Request:
     """A token-endpoint body that opts in, read as vLLM reads it."""
 
@@ -56,6 +69,8 @@ class Request:
     data: dict[str, Any]
     fields: DecisionFields
     nvext: dict[str, Any]
+    # Kept per value: the fields and nvext above are its own (no part of the request's value).
+    reading: Reading | None = field(default=None, compare=False, repr=False)
 
 
 def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> Request | None:
@@ -78,8 +93,33 @@ def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> R
         if route is None:
             return None  # vLLM's own 400: no request model of its takes the body
         endpoint = route
-    if endpoint is Endpoint.CHAT_BATCH and not _conversations(data.get("messages")):
-        return None  # vLLM's own validation error: `messages` is not a list of conversations
+    key = None
+    if endpoint is Endpoint.CHAT_BATCH:
+        if not _conversations(data.get("messages")):
+            return None  # vLLM's own validation error: `messages` is not a list of conversations
+    else:
+        # One reading per body: plain decision fields and `nvext` read before are not read again.
+        key = reading_key(data, endpoint)
+        reading = _READINGS.get(key) if key is not None else None
+        if reading is not None:
+            request = _new(Request)  # with the members `Request(...)` sets
+            vars(request).update(endpoint=endpoint, body=body, data=data, fields=reading.fields,
+                                 nvext=reading.nvext, reading=reading)  # fmt: skip
+            return request
+    read = _read_anew(data, endpoint)
+    if read is None:
+        return None  # opts into nothing
+    fields, nvext = read
+    if key is None:
+        return Request(endpoint, body, data, fields, nvext)
+    # Plain: both readings are the kept ones (`fields.reading_key`'s rules are theirs).
+    reading = keep(_READINGS, key, Reading(fields, nvext), _READINGS_MAX)  # made-up values cannot grow it
+    return Request(endpoint, body, data, fields, nvext, reading)
+
+
+def _read_anew(data: dict[str, Any], endpoint: Endpoint) -> tuple[DecisionFields, dict[str, Any]] | None:
+    """The decision fields and `nvext` of `data` as read without a kept reading; None when it opts into
+    nothing. Raises RequestError as `read_request` says."""
     if "nvext" not in data:
         # Shortcut: a literal `true` reads as true (vLLM's field is a bool), so only another value is
         # read alone first: tests/unit/test_request_fidelity.py::test_decision_matches_vllms_own_parse.
@@ -87,26 +127,29 @@ def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> R
             data.get("return_token_ids") is not True
             and read_fields(data, endpoint, ("return_token_ids",)).return_token_ids is not True
         ):
-            return None  # opts into nothing
+            return None
+        return read_fields(data, endpoint), {}
+    # Shortcut: the nvext dialect opts in whatever return_token_ids says, so the fields are
+    # read once; on an error return_token_ids is read alone first, as the opt-in test reads
+    # it, so the same field is named:
+    # tests/unit/test_request.py::test_nvext_dialect_names_the_field_the_two_reads_named.
+    try:
         fields = read_fields(data, endpoint)
-    else:
-        # Shortcut: the nvext dialect opts in whatever return_token_ids says, so the fields are
-        # read once; on an error return_token_ids is read alone first, as the opt-in test reads
-        # it, so the same field is named:
-        # tests/unit/test_request.py::test_nvext_dialect_names_the_field_the_two_reads_named.
-        try:
-            fields = read_fields(data, endpoint)
-        except RequestError:
-            read_fields(data, endpoint, ("return_token_ids",))
-            raise
-    nvext = data.get("nvext")
+    except RequestError:
+        read_fields(data, endpoint, ("return_token_ids",))
+        raise
+    nvext = data["nvext"]
     if nvext is None:
         nvext = {}
     elif not isinstance(nvext, dict):
         raise RequestError(f"`nvext` must be an object, got {json_type(nvext)}", "nvext")
-    if "nvext" in data:
-        nvext = read_nvext(nvext)  # kept per value when plain: `plan` keeps its plans by it
-    return Request(endpoint, body, data, fields, nvext)
+    return fields, read_nvext(nvext)  # kept per value when plain
+
+
+_new = object.__new__  # an instance whose members are then set without entering its __init__
+# Readings by `fields.reading_key` (never the chat batch route's).
+_READINGS: dict[tuple[Any, ...], Reading] = {}
+_READINGS_MAX = 1024
 
 
 def plan_request(body: bytes, endpoint: Endpoint, mode: Mode, *, dp_rank_header: bytes | None = None) -> Plan | None:
@@ -144,55 +187,37 @@ def plan(
     `hides_reasoning_ids`: the server withholds the ids of chat requests with `include_reasoning: false`
     (`_vllm_compat.hides_reasoning_ids`); `splice_root`: the compiled splice that may rewrite the body
     (None: the Python path, as `Settings.pure_python` asks)."""
-    endpoint, fields = request.endpoint, request.fields
-    reading = request.nvext if "nvext" in request.data else None
-    if not fields.kept or endpoint is Endpoint.CHAT_BATCH or (reading is not None and type(reading) is not KeptNvext):
+    reading = request.reading
+    if reading is None:
         return _plan(request, mode, dp_rank_header, hides_reasoning_ids, splice_root)[0]
-    # Past the body's own bytes (spliced anew each time), the plan follows from the fields, the nvext
-    # reading, the endpoint, the mode and the server: one per kept fields and nvext reading
+    # Past the body's own bytes (spliced anew each time), the plan follows from the reading (of the
+    # fields and of `nvext`, on one endpoint), the mode and the server: one per reading, mode and server
     # (tests/unit/test_request_fidelity.py::test_a_kept_plan_is_the_plan_made_anew and
     # ::test_a_kept_nvext_plan_is_the_plan_made_anew).
-    key = (id(fields), id(reading), endpoint, mode, hides_reasoning_ids)
-    known = _PLANS.get(key)
-    if known is not None and known[0] is fields and known[1] is reading:
-        kept_plan = known[2]
-        return kept_plan if kept_plan is not None else _with_body(known[4], known[3].apply(request.body, splice_root))
-    made, rewrite = _plan(request, mode, dp_rank_header, hides_reasoning_ids, splice_root)
-    if reading is None or not any(reading.get(name) is not None for name in _PLANNED_FROM_MORE):
-        # Holds `fields` and `reading`, so their ids name no other object while kept; never the body.
-        entry = (made, ()) if made.body is None else (None, _members(made))
-        keep(_PLANS, key, (fields, reading, entry[0], rewrite, entry[1]), _PLANS_MAX)
+    kept = reading.plans.get((mode, hides_reasoning_ids))
+    if kept is None:
+        made, rewrite = _plan(request, mode, dp_rank_header, hides_reasoning_ids, splice_root)
+        if not any(reading.nvext.get(name) is not None for name in _PLANNED_FROM_MORE):
+            # A template holds no body: the client's bytes are never kept.
+            entry = (made, None) if made.body is None else (dataclasses.replace(made, body=None), rewrite)
+            reading.plans[(mode, hides_reasoning_ids)] = (*entry, rewrite.splice_args())
+        return made
+    template, kept_rewrite, (names, added) = kept
+    if kept_rewrite is None:
+        return template  # vLLM gets the client's bytes: the same plan
+    body = splice_root(request.body, names, added) if splice_root is not None else None
+    if body is None:
+        body = kept_rewrite.apply(request.body)
+    made = _new(Plan)  # the template with this body
+    members = vars(made)
+    members.update(vars(template))
+    members["body"] = body
     return made
 
 
-_Members = tuple[tuple[Callable[[Plan, Any], None], Any], ...]
-# Plans by (the fields' id, the nvext reading's id, endpoint, mode, hides_reasoning_ids): (fields,
-# reading, the plan when vLLM gets the client's bytes (else None), the rewrite that makes the body,
-# and the plan's other members).
-_KeptPlan = tuple[DecisionFields, Any, Plan | None, BodyRewrite, _Members]
-_PLANS: dict[tuple[int, int, Endpoint, Mode, bool], _KeptPlan] = {}
-_PLANS_MAX = 1024
 # nvext members whose plan follows from more than the reading: the body's messages or
 # `thinking_token_budget`, what this vLLM takes, the client's X-data-parallel-rank header.
 _PLANNED_FROM_MORE = ("token_data", "max_thinking_tokens", "dp_rank")
-# Plan's slots but `body`: a kept plan's members are set on a copy with this request's body (a
-# third of `dataclasses.replace`, half the frozen `__init__`).
-_PLAN_SLOTS = tuple(Plan.__dict__[f.name] for f in dataclasses.fields(Plan) if f.name != "body")
-_SET_BODY = Plan.__dict__["body"].__set__
-
-
-def _members(plan: Plan) -> _Members:
-    """Each member of `plan` but its body, with the setter that puts it on another Plan."""
-    return tuple((slot.__set__, slot.__get__(plan)) for slot in _PLAN_SLOTS)
-
-
-def _with_body(members: _Members, body: bytes | None) -> Plan:
-    """The Plan of `members` with `body`."""
-    copy = object.__new__(Plan)
-    for set_member, value in members:
-        set_member(copy, value)
-    _SET_BODY(copy, body)
-    return copy
 
 
 def _plan(

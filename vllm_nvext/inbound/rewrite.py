@@ -30,7 +30,7 @@ class BodyRewrite:
         self.added: dict[str, str] = {}
         self.kv_prompt_ids: list[int] | None = None
         self.sources: dict[str, str] = {}  # vLLM's field -> the nvext field it was set from
-        self._args: tuple[tuple[bytes, ...], bytes] | None = None  # `_splice_args`, once asked
+        self._args: tuple[tuple[bytes, ...], bytes] | None = None  # `splice_args`, once asked
 
     def drop(self, key: str) -> None:
         self._args = None
@@ -49,7 +49,7 @@ class BodyRewrite:
         if not self.dropped and self.kv_prompt_ids is None:
             return None
         if splice_root is not None and self.kv_prompt_ids is None:
-            spliced = splice_root(body, *self._splice_args())
+            spliced = splice_root(body, *self.splice_args())
             if spliced is not None:
                 return spliced
         text = _json.text_of(body)
@@ -69,7 +69,7 @@ class BodyRewrite:
         text = _json.splice_object(text, start, frozenset(self.dropped), list(self.added.items()))
         return _json.encode_text(text)
 
-    def _splice_args(self) -> tuple[tuple[bytes, ...], bytes]:
+    def splice_args(self) -> tuple[tuple[bytes, ...], bytes]:
         """`splice_root`'s names to drop and members to append, kept per rewrite (a few kinds) and
         on the rewrite itself (a kept plan's rewrite splices every body of its kind)."""
         if self._args is not None:
