@@ -40,7 +40,6 @@ from .asgi import (
     Send,
     first_header,
     internal_post,
-    read_as_json,
     replay_body,
     send_error,
     set_header,
@@ -203,7 +202,7 @@ class _Exchange:
             read = (whole, True) if len(whole) <= self.settings.max_body_bytes else None
             if read is None:
                 await self._refuse(too_large(self.settings.max_body_bytes))  # as `_read_body` refuses it
-        elif not read_as_json(headers.content_type):
+        elif not headers.json_body:
             await self._forward(None)  # vLLM does not read this body as JSON
             return
         else:
