@@ -289,9 +289,10 @@ class ChunkReshaper(PromptIds):
         return self.engine and (self.logprobs is not None or not self.plan.single_choice)
 
     @property
-    def needs_delta_ids(self) -> bool:
-        """The byte-level path must report a delta's ids to `delta_ids` (engine_data, or no first token yet)."""
-        return self.engine or self.ttft_ms is None
+    def on_ids(self) -> Any:
+        """What the byte-level path must report a delta's ids to: `delta_ids` (engine_data, or no first token
+        yet); None: nothing to record."""
+        return self.delta_ids if self.engine or self.ttft_ms is None else None
 
     def delta_ids(self, event: bytes, start: int, end: int) -> None:
         """What `reshape` records from the only choice's listed ids, found by the byte-level path at
@@ -313,6 +314,16 @@ class ChunkReshaper(PromptIds):
         encoded = self.encoded_prompt_ids()
         prompt = b"" if encoded is None else b',"prompt_token_ids":' + encoded
         return b'{"completion_token_ids":' + event[start:end] + prompt + b"}"
+
+    def finish_parts(self) -> tuple[bytes, _Choice] | None:
+        """What the compiled send serves choice 0's finish chunk with, as `finish_first_choice` would: the bytes
+        after the ids (the nvext's prompt ids and end, the chunk's end) and the choice's state, which it marks
+        finished (the ids it reports to `on_ids` first); None once finished."""
+        state = self._choices[0]
+        if state.finished:
+            return None
+        encoded = self.encoded_prompt_ids()
+        return (b"}}\n\n" if encoded is None else b',"prompt_token_ids":' + encoded + b"}}\n\n"), state
 
     def withhold_ids(self) -> None:
         """The byte-level path saw `token_ids: null` on the only choice (see `_reported_ids`)."""

@@ -59,11 +59,16 @@ def _held(prefix: bytes, key: bytes) -> bool:
     return at >= 0 and not prefix.startswith(b"null", at + len(key))
 
 
+_MAX_KEYS = 64  # a tail with more keys is refused (the compiled twin keeps as many)
+
+
 def _key_twice(event: bytes, tail: int) -> bool:
     """A key of the tail from `tail` on is written twice in it or also before it (a decode keeps the last
     value at the first key's place; anywhere before counts, a stricter check than per object)."""
     keys = _TAIL_KEY.findall(event, tail)
-    return len(set(keys)) != len(keys) or any(event.find(b'"' + key + b'":', 0, tail) >= 0 for key in keys)
+    if len(set(keys)) != len(keys) or len(keys) > _MAX_KEYS:
+        return True
+    return any(event.find(b'"' + key + b'":', 0, tail) >= 0 for key in keys)
 
 
 _LIST = ord("[")
@@ -81,13 +86,17 @@ def serves(plan: Plan) -> bool:
     )
 
 
-def finish_chunk(
-    event: bytes, prefix: bytes, finish_head: bytes, root_end: int, strip: bool, chunks: ChunkReshaper
-) -> bytes | None:
-    """The client's bytes for the finish chunk `event` of choice 0, or None (nothing recorded) to decode it.
+def finishes(prefix: bytes) -> bool:
+    """A splice with this prefix may serve finish chunks: it holds no value the finish moves (`_MOVED`)."""
+    return not (_held(prefix, _MOVED[0]) or _held(prefix, _MOVED[1]))
+
+
+def finish_ids(event: bytes, prefix: bytes, finish_head: bytes, root_end: int) -> tuple[int, int] | None:
+    """Where the ids of the finish chunk `event` of choice 0 sit, when `finish_chunk` serves it; None: decode it.
 
     `prefix`: the armed splice's bytes up to a delta's text; `finish_head`: its bytes from the
     text's closing quote to `"finish_reason":`; `root_end`: where `choices`' first element starts.
+    `_speedups.finish_ids` is its compiled twin (the compiled send's): tests/unit/test_stream_finish.py.
     """
     text = len(prefix)
     close = event.find(b'"', text)  # the splice's texts hold no quote: the first one closes it
@@ -100,9 +109,20 @@ def finish_chunk(
     ):
         return None
     m = _FINISH_TAIL.match(event, close + len(finish_head))
-    if m is None or any(_held(prefix, key) for key in _MOVED) or _key_twice(event, m.start()):
+    if m is None or _key_twice(event, m.start()):
         return None
-    start, end = m.span(1)
+    return m.span(1)
+
+
+def finish_chunk(
+    event: bytes, prefix: bytes, finish_head: bytes, root_end: int, strip: bool, chunks: ChunkReshaper
+) -> bytes | None:
+    """The client's bytes for the finish chunk `event` of choice 0, or None (nothing recorded) to decode it
+    (`finish_ids`, under a splice whose prefix `finishes`)."""
+    span = finish_ids(event, prefix, finish_head, root_end) if finishes(prefix) else None
+    if span is None:
+        return None
+    start, end = span
     nvext = chunks.finish_first_choice(event, start, end)
     if nvext is None:
         return None
@@ -181,14 +201,3 @@ def first_chunk(event: bytes, plan: Plan, chunks: ChunkReshaper, scan: Scanner) 
         a, a_end = (ids, ids_end) if strip_ids else (prompt, prompt_end)
         return b"".join((event[:a], b"null", event[a_end:-_CHUNK_END], tail))
     return event[:-_CHUNK_END] + tail
-
-
-def served_finish(
-    prefix: bytes, finish_head: bytes, root_end: int, strip: bool, chunks: ChunkReshaper, event: bytes
-) -> bytes | None:
-    """`finish_chunk` for the compiled send (`_speedups.StreamSend`), which serves a finish chunk it gives
-    bytes for itself; None (anything unexpected included) hands the chunk to the general path."""
-    try:
-        return finish_chunk(event, prefix, finish_head, root_end, strip, chunks)
-    except Exception:  # the general path tries it again, and forwards the chunk unchanged if it fails again
-        return None

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
 from typing import Any
 
 from .. import _json
 from ..plan import Plan
 from ..sse import EventFramer, data_payload
 from .chunks import ChunkReshaper
-from .finish import Scanner, finish_chunk, first_chunk, reshape_single, serves
+from .finish import Scanner, finish_chunk, finishes, first_chunk, reshape_single, serves
 from .nvext_values import Clock
 from .splice import Learner, Splice, checked_splice, kept_json
 
@@ -50,6 +49,9 @@ _LIST = ord("[")
 _NOT_JSON = object()
 
 
+# `StreamReshaper.arm_parts`: prefix, head, tail, mid, strip, trio, on_ids, usage root, finish.
+ArmParts = tuple[bytes, bytes, bytes, bytes, bool, bool, Any, bytes, "tuple[bytes, int, bytes, Any] | None"]
+
 # How many times a stream learns a splice (its first delta, then after a layout change).
 ARMINGS = 3
 
@@ -73,7 +75,7 @@ class StreamReshaper:
 
     __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "root", "splice", "_armings", "_head", "_tail",
                  "_held", "_waiting", "framed", "framed_events", "unchanged", "_renames", "_finishes",
-                 "_scan", "_learn")  # fmt: skip
+                 "_scan", "_learn", "_finish_head")  # fmt: skip
 
     def __init__(self, plan: Plan, clock: Clock, scan: Scanner | None = None, learn: Learner | None = None) -> None:
         self.chunks = ChunkReshaper(plan, clock)
@@ -89,6 +91,7 @@ class StreamReshaper:
         # same root keys before `choices` on every chunk of a stream, and a delta must repeat them.
         self.root = b""
         self.splice: Splice | None = None  # serves mid-stream deltas once armed (see Splice)
+        self._finish_head: bytes | None = None  # the splice's finish_head when it may serve finish chunks
         self._armings = ARMINGS
         self._head = b""  # the bytes from finish_reason to the ids, and after them, of the last delta matched
         self._tail = b""
@@ -222,9 +225,9 @@ class StreamReshaper:
 
     def _plain_finish(self, event: bytes, splice: Splice) -> bytes | None:
         """The general path's bytes for a finish chunk (finish.finish_chunk); None: not served."""
-        if not self._finishes or splice.finish_head is None:
+        if self._finish_head is None:
             return None
-        return finish_chunk(event, splice.prefix, splice.finish_head, len(self.root), self._strip, self.chunks)
+        return finish_chunk(event, splice.prefix, self._finish_head, len(self.root), self._strip, self.chunks)
 
     def _plain_first(self, event: bytes, scan: Scanner) -> bytes | None:
         """The general path's bytes for a plain chunk without a decode (finish.first_chunk); None: not served."""
@@ -242,26 +245,35 @@ class StreamReshaper:
         without decoding the delta; the stream tests run the armed splice against the decoding path.
         """
         self._armings -= 1
-        self.splice = None
+        self.splice = splice = None
         new = self._delta(event, start, end)
         out = event if new is None else new
         learn = self._learn
         if learn is None:
-            self.splice = checked_splice(event, start, end, self._strip, self._trio, out)
+            self.splice = splice = checked_splice(event, start, end, self._strip, self._trio, out)
         elif (parts := learn(event, start, end, self._strip, self._trio, out)) is not None:
-            self.splice = Splice(*parts, self._strip, self._trio)
+            self.splice = splice = Splice(*parts, self._strip, self._trio)
+        self._finish_head = None  # the finish chunks it may serve (finish.finish_chunk)
+        if splice is not None and self._finishes and splice.finish_head is not None and finishes(splice.prefix):
+            self._finish_head = splice.finish_head
         return out
 
-    @property
-    def armed(self) -> bool:
-        """The next message may be served by the splice alone: nothing held back, nothing waiting."""
-        return self.splice is not None and self._fast and not self._held and self._waiting is None
-
-    @property
-    def on_ids(self) -> Callable[[bytes, int, int], None] | None:
-        """What a delta served by the splice is reported to (`ChunkReshaper.delta_ids`); None: nothing to record."""
+    def arm_parts(self) -> ArmParts | None:
+        """What the send handed to vLLM is armed with (`send.Arm`'s arguments after the metrics' two): the splice's
+        parts, what a delta's ids are reported to, the root of a usage chunk that goes out as it came (b"": none
+        does), and (finish.finish_chunk's bytes) the finish head, where `choices`' first element starts and
+        `ChunkReshaper.finish_parts`, or None. None: not armed, the next message may not be served by the
+        splice alone (something held back or waiting)."""
+        splice = self.splice
+        if splice is None or not self._fast or self._held or self._waiting is not None:
+            return None
         chunks = self.chunks
-        return chunks.delta_ids if chunks.needs_delta_ids else None
+        finish = None
+        if self._finish_head is not None and (parts := chunks.finish_parts()) is not None:
+            finish = (self._finish_head, len(self.root), *parts)
+        usage_root = b"" if self._renames else self.root  # the general path may rename an error in it
+        strip, trio = self._strip, self._trio
+        return splice.prefix, splice.head, splice.tail, splice.mid, strip, trio, chunks.on_ids, usage_root, finish
 
     def _delta(self, event: bytes, start: int, end: int) -> bytes | None:
         """A mid-stream delta whose ids (a list, or null) sit at event[start:end]."""
