@@ -167,10 +167,17 @@ class ReshapingSend:
         self._left = metrics.StreamTally.FIRST  # body messages until the next timed one
         # The send to hand vLLM: serves armed streams' deltas itself, everything else through this object.
         make = STREAM_SENDS[stream_path(False)] if stream_send is None else stream_send
-        self.app_send, self._arm, self._disarm, self._countdown = make(self, send)
-        compiled = make is STREAM_SENDS.get("c")
-        self._scan = COMPILED_SCAN if compiled else None  # the compiled path's chunk scanner
-        self._learn = COMPILED_LEARN if compiled else None  # and its splice learner (splice.learn_splice's twin)
+        if make is _compiled and _StreamSend is not None:  # the factory's work, inlined
+            app_send = _StreamSend(self, send)
+            self.app_send, self._arm, self._disarm = app_send, app_send.arm, app_send.disarm
+            self._countdown = app_send.countdown
+            self._scan = COMPILED_SCAN  # the compiled path's chunk scanner
+            self._learn = COMPILED_LEARN  # and its splice learner (splice.learn_splice's twin)
+        else:
+            self.app_send, self._arm, self._disarm, self._countdown = make(self, send)
+            compiled = make is _compiled
+            self._scan = COMPILED_SCAN if compiled else None
+            self._learn = COMPILED_LEARN if compiled else None
         self._armed = False  # app_send is armed: its countdown is the one that counts
 
     async def __call__(self, message: Message) -> None:
@@ -238,7 +245,8 @@ class ReshapingSend:
                 encoded = True
             elif lower == b"content-length":
                 sized = True
-        json_body, event_stream = _body_kind(content_type)
+        # (no Content-Type reads as an empty one: neither)
+        json_body, event_stream = _BODY_KINDS.get(content_type or b"") or _body_kind(content_type)
         if status >= 400 and self.plan.error_params and not encoded and json_body:
             self._kind = self._ERROR
             self._start = message
@@ -334,9 +342,12 @@ def compiled(name: str) -> Any:
     return getattr(speedups, name, None)
 
 
+_StreamSend: Any = compiled("StreamSend")
+
+
 def _compiled_stream_send() -> StreamSendFactory | None:
     """`_speedups.StreamSend` as a factory like `python_stream_send`; None when the extension is not built."""
-    stream_send = compiled("StreamSend")
+    stream_send = _StreamSend
     if stream_send is None:
         return None
 

@@ -267,7 +267,8 @@ class ChunkReshaper(PromptIds):
     and is not taken while `decode_every_chunk` is set.
     """
 
-    __slots__ = ("plan", "clock", "ids", "logprobs", "ttft_ms", "engine", "_choices", "pending", "_echoed")
+    __slots__ = ("plan", "clock", "ids", "logprobs", "ttft_ms", "engine", "_choices", "pending", "_echoed",
+                 "decode_every_chunk")  # fmt: skip
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
         self._prompt_ids = self._prompt_json = None  # PromptIds: none reported yet (no call: a stream's start)
@@ -282,17 +283,8 @@ class ChunkReshaper(PromptIds):
         # completed from the usage chunk (`complete_from_usage`) before the chunk goes out.
         self.pending: tuple[dict[str, Any], dict[str, Any] | None] | None = None
         self._echoed: set[Any] = set()  # choice indexes whose echoed prompt was put back
-
-    @property
-    def decode_every_chunk(self) -> bool:
-        """engine_data with logprobs, or with several choices to keep apart, reads every chunk."""
-        return self.engine and (self.logprobs is not None or not self.plan.single_choice)
-
-    @property
-    def on_ids(self) -> Any:
-        """What the byte-level path must report a delta's ids to: `delta_ids` (engine_data, or no first token
-        yet); None: nothing to record."""
-        return self.delta_ids if self.engine or self.ttft_ms is None else None
+        # engine_data with logprobs, or with several choices to keep apart, reads every chunk.
+        self.decode_every_chunk = self.engine and (self.logprobs is not None or not plan.single_choice)
 
     def delta_ids(self, event: bytes, start: int, end: int) -> None:
         """What `reshape` records from the only choice's listed ids, found by the byte-level path at
@@ -322,8 +314,10 @@ class ChunkReshaper(PromptIds):
         state = self._choices[0]
         if state.finished:
             return None
-        encoded = self.encoded_prompt_ids()
-        return (b"}}\n\n" if encoded is None else b',"prompt_token_ids":' + encoded + b"}}\n\n"), state
+        kept, ids = self._prompt_json, self._prompt_ids  # encoded_prompt_ids, inlined
+        if kept is None and ids is None:
+            return b"}}\n\n", state
+        return b',"prompt_token_ids":' + (_json.dumps(ids) if kept is None else kept) + b"}}\n\n", state
 
     def withhold_ids(self) -> None:
         """The byte-level path saw `token_ids: null` on the only choice (see `_reported_ids`)."""

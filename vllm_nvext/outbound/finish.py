@@ -51,14 +51,6 @@ _FIRST_CHOICE = b'{"index":0,'
 _TAIL_KEY = re.compile(rb'"([a-z_]+)":')
 # Keys the general path moves or nulls on a finish chunk when they hold a value: not before the text either.
 _MOVED = (b'"kv_transfer_params":', b'"prompt_token_ids":')
-
-
-def _held(prefix: bytes, key: bytes) -> bool:
-    """`key` holds something other than null in `prefix` (a key's quotes are never a string's)."""
-    at = prefix.find(key)
-    return at >= 0 and not prefix.startswith(b"null", at + len(key))
-
-
 _MAX_KEYS = 64  # a tail with more keys is refused (the compiled twin keeps as many)
 
 
@@ -88,7 +80,11 @@ def serves(plan: Plan) -> bool:
 
 def finishes(prefix: bytes) -> bool:
     """A splice with this prefix may serve finish chunks: it holds no value the finish moves (`_MOVED`)."""
-    return not (_held(prefix, _MOVED[0]) or _held(prefix, _MOVED[1]))
+    for key in _MOVED:
+        at = prefix.find(key)  # a key's quotes are never a string's
+        if at >= 0 and not prefix.startswith(b"null", at + len(key)):
+            return False
+    return True
 
 
 def finish_ids(event: bytes, prefix: bytes, finish_head: bytes, root_end: int) -> tuple[int, int] | None:
@@ -187,8 +183,8 @@ def first_chunk(event: bytes, plan: Plan, chunks: ChunkReshaper, scan: Scanner) 
         chunks.keep_prompt_json(prompt_value)  # plain: the bytes its decode encodes to (finish_first_choice)
     if delta == b"null":
         chunks.withhold_ids()
-    else:
-        chunks.delta_ids(event, ids, ids_end)  # the first token's time
+    elif ids_end - ids > 2:
+        chunks.delta_ids(event, ids, ids_end)  # the first token's time (an empty list or none: nothing to record)
     strip_ids = plan.strip_vllm_ids and ids >= 0 and delta != b"null"
     strip_prompt = plan.strip_vllm_ids and prompt >= 0 and prompt_value != b"null"
     if strip_prompt and completions and plan.vllm_sends_prompt_ids:

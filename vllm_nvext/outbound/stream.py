@@ -79,12 +79,12 @@ class StreamReshaper:
 
     def __init__(self, plan: Plan, clock: Clock, scan: Scanner | None = None, learn: Learner | None = None) -> None:
         self.chunks = ChunkReshaper(plan, clock)
-        self._scan = scan if serves(plan) else None  # lets a plain chunk skip its decode (finish.first_chunk)
+        self._finishes = finishes = serves(plan)  # single-choice shortcuts for the trio (finish.py)
+        self._scan = scan if finishes else None  # lets a plain chunk skip its decode (finish.first_chunk)
         self._learn = learn  # learns and checks the splice a delta teaches (None: `learn_splice`, here in Python)
         self._framer: EventFramer | None = None  # made for the first message that is not one whole event
         self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
         self._trio = plan.nvext_trio
-        self._finishes = serves(plan)  # single-choice shortcuts for the trio (finish.py)
         self._renames = bool(plan.error_params)  # the general path may rename an error in a chunk
         self._fast = False  # the byte-level path serves deltas once the first chunk was decoded
         # The bytes up to `"choices":[` of the chunk that armed the byte-level path: vLLM writes the
@@ -183,7 +183,8 @@ class StreamReshaper:
                 if start >= 0:
                     self.chunks.delta_ids(event, start, len(event) - len(splice.tail))
                     return splice.render(event, start)
-            if self._unchanged_usage_chunk(event):
+            lr = len(self.root)
+            if event[lr : lr + 1] == b"]" and self._unchanged_usage_chunk(event):
                 return None  # before the delta checks: `"choices":[]` holds no delta
             if splice is not None and (out := self._plain_finish(event, splice)) is not None:
                 return out
@@ -213,8 +214,13 @@ class StreamReshaper:
                     if self._armings and (splice is None or not event.startswith(splice.prefix)):
                         return self._arm(event, start, end)  # the first delta, or the layout changed
                 return self._delta(event, start, end)
-        elif self._scan is not None and self._waiting is None and (out := self._plain_first(event, self._scan)):
-            return out
+        elif self._scan is not None and self._waiting is None:
+            # The general path's bytes for a plain chunk without a decode (finish.first_chunk).
+            chunks = self.chunks
+            out = first_chunk(event, chunks.plan, chunks, self._scan)
+            if out is not None:  # and what the general path learns from a decoded chunk
+                self._fast = not chunks.decode_every_chunk and self._learn_root(event)
+                return out
         return self._decoded_event(event)
 
     def _only_choice(self, event: bytes, pos: int) -> bool:
@@ -228,13 +234,6 @@ class StreamReshaper:
         if self._finish_head is None:
             return None
         return finish_chunk(event, splice.prefix, self._finish_head, len(self.root), self._strip, self.chunks)
-
-    def _plain_first(self, event: bytes, scan: Scanner) -> bytes | None:
-        """The general path's bytes for a plain chunk without a decode (finish.first_chunk); None: not served."""
-        out = first_chunk(event, self.chunks.plan, self.chunks, scan)
-        if out is not None:  # what the general path learns from a decoded chunk
-            self._fast = not self.chunks.decode_every_chunk and self._learn_root(event)
-        return out
 
     def _arm(self, event: bytes, start: int, end: int) -> bytes:
         """Serve a mid-stream delta by the byte-level path, and arm the splice it teaches if that reproduces it.
@@ -273,7 +272,8 @@ class StreamReshaper:
             finish = (self._finish_head, len(self.root), *parts)
         usage_root = b"" if self._renames else self.root  # the general path may rename an error in it
         strip, trio = self._strip, self._trio
-        return splice.prefix, splice.head, splice.tail, splice.mid, strip, trio, chunks.on_ids, usage_root, finish
+        on_ids = chunks.delta_ids if chunks.engine or chunks.ttft_ms is None else None  # else nothing to record
+        return splice.prefix, splice.head, splice.tail, splice.mid, strip, trio, on_ids, usage_root, finish
 
     def _delta(self, event: bytes, start: int, end: int) -> bytes | None:
         """A mid-stream delta whose ids (a list, or null) sit at event[start:end]."""
