@@ -27,7 +27,8 @@ from .outbound.finish import Scanner
 from .outbound.nvext_values import Clock
 from .outbound.splice import Learner, kept_text
 from .outbound.stream import StreamReshaper
-from .outbound.unary import reshape_unary_body
+from .outbound.unary import plain_body, reshape_unary_body
+from .outbound.unary import serves as unary_serves
 from .plan import Plan
 from .protocol import Endpoint
 
@@ -202,7 +203,7 @@ class ReshapingSend:
                 out += stream.flush()  # an unterminated tail goes out as it came
             if out is not body:
                 message["body"] = out  # vLLM's message dict is its own per send: reused, not copied
-            if more and (parts := stream.arm_parts()) is not None:
+            if more and stream.splice is not None and (parts := stream.arm_parts()) is not None:
                 tally = self._tally
                 if tally is None:
                     self._arm(_UNTIMED, None, *parts)
@@ -268,18 +269,27 @@ class ReshapingSend:
         await self.send(message)
 
     async def _on_unary_body(self, message: Message) -> None:
-        self._parts.append(bytes(message.get("body", b"")))
-        if message.get("more_body", False):
-            return
-        body = b"".join(self._parts)
-        self._parts = []
+        body = message.get("body", b"")
+        if message.get("more_body", False) or self._parts:
+            self._parts.append(bytes(body))
+            if message.get("more_body", False):
+                return
+            body = b"".join(self._parts)
+            self._parts = []
+        elif type(body) is not bytes:
+            body = bytes(body)  # the body in one message, usually: no list, no join
         t0 = perf_counter_ns()
         unchanged = 0
+        plan = self.plan
         try:
             if self._kind == self._ERROR:
-                new = _renamed_error(body, self.plan)
+                new = _renamed_error(body, plan)
+            elif self._scan is not None and unary_serves(plan):  # reshape_unary_body's first step, inlined
+                new = plain_body(body, plan, self._scan)
+                if new is None:
+                    new = reshape_unary_body(body, plan, self.clock)
             else:
-                new = reshape_unary_body(body, self.plan, self.clock, self._scan)
+                new = reshape_unary_body(body, plan, self.clock, self._scan)
             if new is not None:
                 body = new
         except ValueError:
@@ -290,7 +300,10 @@ class ReshapingSend:
         metrics.count_reshaping(self.route, metrics.UNARY, 1, (perf_counter_ns() - t0) / 1e9, unchanged)
         start = self._start
         assert start is not None
-        headers = [(n, v) for n, v in start.get("headers", ()) if n.lower() != b"content-length"]
+        headers = []
+        for name, value in start.get("headers", ()):  # a loop, not a comprehension: no function of its own
+            if name.lower() != b"content-length":
+                headers.append((name, value))
         headers.append((b"content-length", str(len(body)).encode()))
         start["headers"] = headers
         await self.send(start)
