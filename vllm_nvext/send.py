@@ -62,8 +62,7 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
     strip = trio = armed = False
     on_ids: Callable[[bytes, int, int], None] | None = None
     tally_add: Callable[[int], int] | None = None
-    left = 0
-    clock = perf_counter_ns
+    left, clock = 0, perf_counter_ns
 
     def send(message: Message) -> Awaitable[None]:
         nonlocal left

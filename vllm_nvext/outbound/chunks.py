@@ -298,23 +298,19 @@ class ChunkReshaper(PromptIds):
     def finish_first_choice(self, event: bytes, start: int, end: int) -> bytes | None:
         """What `reshape` records from choice 0's finish chunk (ids listed at event[start:end], nothing else
         read; see finish.serves), and the encoded `nvext` it adds; None, nothing recorded, once finished."""
-        state = self._choices[0]
-        if state.finished:
+        parts = self.finish_parts()
+        if parts is None:
             return None
         self.delta_ids(event, start, end)
-        state.finished = True
-        encoded = self.encoded_prompt_ids()
-        prompt = b"" if encoded is None else b',"prompt_token_ids":' + encoded
-        return b'{"completion_token_ids":' + event[start:end] + prompt + b"}"
+        parts[1].finished = True
+        return b'{"completion_token_ids":' + event[start:end] + parts[0][: -len(b"}\n\n")]
 
     def finish_parts(self) -> tuple[bytes, _Choice] | None:
-        """What the compiled send serves choice 0's finish chunk with, as `finish_first_choice` would: the bytes
-        after the ids (the nvext's prompt ids and end, the chunk's end) and the choice's state, which it marks
-        finished (the ids it reports to `on_ids` first); None once finished."""
+        """The bytes after choice 0's finish ids (its nvext's rest, the chunk's end) and state; None: finished."""
         state = self._choices[0]
         if state.finished:
             return None
-        kept, ids = self._prompt_json, self._prompt_ids  # encoded_prompt_ids, inlined
+        kept, ids = self._prompt_json, self._prompt_ids  # the prompt ids as `_json.dumps` writes them
         if kept is None and ids is None:
             return b"}}\n\n", state
         return b',"prompt_token_ids":' + (_json.dumps(ids) if kept is None else kept) + b"}}\n\n", state
