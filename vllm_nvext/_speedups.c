@@ -509,41 +509,47 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
                             &fs, &fe))
             goto general;
         /* the finish chunk of choice 0: what chunks.ChunkReshaper.finish_first_choice records, then its bytes */
+        PyObject *fin_end = self->finish_end, *state = self->finish_state; /* held across the calls below */
+        int strip = self->strip;
         Py_INCREF(body);
+        Py_INCREF(fin_end);
+        Py_INCREF(state);
+        Py_CLEAR(self->finish_head); /* served once: a second finish chunk goes to the general path */
+        int recorded = 1;
         if (self->on_ids != Py_None) {
             PyObject *r = PyObject_CallFunction(self->on_ids, "Onn", body, fs, fe);
-            if (r == NULL) { /* the general path tries it again, and forwards it unchanged if it fails again */
-                PyErr_Clear();
-                Py_DECREF(body);
-                goto general;
-            }
-            Py_DECREF(r);
+            recorded = r != NULL;
+            Py_XDECREF(r);
         }
-        if (PyObject_SetAttr(self->finish_state, s_finished, Py_True) < 0) {
-            PyErr_Clear();
+        if (!recorded || PyObject_SetAttr(state, s_finished, Py_True) < 0) {
+            PyErr_Clear(); /* the general path tries it again, and forwards it unchanged if it fails again */
             Py_DECREF(body);
+            Py_DECREF(fin_end);
+            Py_DECREF(state);
             goto general;
         }
-        Py_CLEAR(self->finish_head); /* served once: a second finish chunk goes to the general path */
-        Py_ssize_t cut = self->strip ? fs : n - 3, kept = self->strip ? n - 3 - fe : 0;
-        Py_ssize_t lk = sizeof(NVEXT_IDS) - 1, ids = fe - fs, le = PyBytes_Size(self->finish_end);
-        PyObject *finished = PyBytes_FromStringAndSize(NULL, cut + (self->strip ? 4 : 0) + kept + lk + ids + le);
+        Py_DECREF(state);
+        Py_ssize_t cut = strip ? fs : n - 3, kept = strip ? n - 3 - fe : 0;
+        Py_ssize_t lk = sizeof(NVEXT_IDS) - 1, ids = fe - fs, le = PyBytes_Size(fin_end);
+        PyObject *finished = PyBytes_FromStringAndSize(NULL, cut + (strip ? 4 : 0) + kept + lk + ids + le);
         if (finished == NULL) {
             Py_DECREF(body);
+            Py_DECREF(fin_end);
             return NULL;
         }
         char *o = PyBytes_AsString(finished);
         memcpy(o, b, cut);
         o += cut;
-        if (self->strip) {
+        if (strip) {
             memcpy(o, "null", 4);
             memcpy(o + 4, b + fe, kept);
             o += 4 + kept;
         }
         memcpy(o, NVEXT_IDS, lk);
         memcpy(o + lk, b + fs, ids);
-        memcpy(o + lk + ids, PyBytes_AsString(self->finish_end), le);
+        memcpy(o + lk + ids, PyBytes_AsString(fin_end), le);
         Py_DECREF(body);
+        Py_DECREF(fin_end);
         int unset = PyDict_SetItem(message, s_body, finished);
         Py_DECREF(finished);
         if (unset)

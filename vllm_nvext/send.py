@@ -268,15 +268,13 @@ class ReshapingSend:
         await self.send(message)
 
     async def _on_unary_body(self, message: Message) -> None:
-        body = message.get("body", b"")
-        if message.get("more_body", False) or self._parts:
-            self._parts.append(bytes(body))
+        body = bytes(message.get("body", b""))  # bytes as they are, not copied
+        if message.get("more_body", False) or self._parts:  # else the body in one message, usually: no join
+            self._parts.append(body)
             if message.get("more_body", False):
                 return
             body = b"".join(self._parts)
             self._parts = []
-        elif type(body) is not bytes:
-            body = bytes(body)  # the body in one message, usually: no list, no join
         t0 = perf_counter_ns()
         unchanged = 0
         plan = self.plan

@@ -131,6 +131,17 @@ def test_the_metrics_count_every_event_whichever_path_serves_it(impl, monkeypatc
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_with_the_metrics_off_the_send_gives_the_general_paths_bytes(impl, monkeypatch):
+    monkeypatch.setattr(metrics, "enabled", lambda: False)  # prometheus_client not importable: nothing timed
+    for name, mode, selectors in (p.values for p in RECORDED_CASES):
+        plan = _plan(recordings()[name], mode, selectors)
+        events = _events(recordings()[name].body)
+        got, reshaping = _through_send(plan, events, impl)
+        assert got == _general(plan, events), f"{impl} {name}: other bytes than the general path"
+        assert reshaping._tally is None
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_the_send_serves_memoryview_bodies_and_message_shapes_it_does_not_know_through_the_general_path(impl):
     rec = recordings()["chat_stream_ids_long"]
     plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
