@@ -268,7 +268,7 @@ class ChunkReshaper(PromptIds):
     """
 
     __slots__ = ("plan", "clock", "ids", "logprobs", "ttft_ms", "engine", "_choices", "pending", "_echoed",
-                 "decode_every_chunk")  # fmt: skip
+                 "decode_every_chunk", "timed")  # fmt: skip
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
         self._prompt_ids = self._prompt_json = None  # PromptIds: none reported yet (no call: a stream's start)
@@ -277,7 +277,7 @@ class ChunkReshaper(PromptIds):
         self.ids: list[int] = []  # choice 0's completion ids so far (engine_data only)
         self.logprobs: list[Any] | None = [] if plan.logprobs_requested else None
         self.ttft_ms: float | None = None
-        self.engine = ENGINE_DATA in plan.nvext_only_selectors
+        self.engine, self.timed = ENGINE_DATA in plan.nvext_only_selectors, TIMING in plan.nvext_only_selectors
         self._choices: dict[int, _Choice] = {0: _Choice(self.ids, self.logprobs)}
         # With plan.finish_waits_for_usage: the finish chunk's nvext and engine_data arguments, to be
         # completed from the usage chunk (`complete_from_usage`) before the chunk goes out.
@@ -288,9 +288,9 @@ class ChunkReshaper(PromptIds):
 
     def delta_ids(self, event: bytes, start: int, end: int) -> None:
         """What `reshape` records from the only choice's listed ids, found by the byte-level path at
-        event[start:end]: the first-token time, the engine ids."""
+        event[start:end]: the first-token time (only `timing` reads it), the engine ids."""
         if end - start > 2:
-            if self.ttft_ms is None:
+            if self.timed and self.ttft_ms is None:
                 self.ttft_ms = self.clock.elapsed_ms()
             if self.engine:
                 self.ids.extend(_json.loads(event[start:end]))
@@ -369,7 +369,7 @@ class ChunkReshaper(PromptIds):
         delta_ids: list[int] | None = (
             delta if isinstance(delta, list) else None if "token_ids" in choice or plan.ids_withheld else []
         )
-        if delta_ids and self.ttft_ms is None:
+        if delta_ids and self.timed and self.ttft_ms is None:
             self.ttft_ms = self.clock.elapsed_ms()
         state = self.choice_state(choice.get("index"))
         if delta_ids is None:

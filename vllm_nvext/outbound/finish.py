@@ -128,8 +128,9 @@ def finish_chunk(
 
 def reshape_single(chunks: ChunkReshaper, obj: Any) -> bool | None:
     """`chunks.reshape(obj)` for a decoded chunk with one choice under a plan `serves` accepts, in fewer
-    steps; None (nothing done) for any other chunk. Same bytes: the stream tests above, whose general
-    path (`stream.DecodingStreamReshaper`) runs `ChunkReshaper.reshape` itself."""
+    steps (no first-token time: such a plan asks for no `timing`); None (nothing done) for any other chunk.
+    Same bytes: the stream tests above, whose general path (`stream.DecodingStreamReshaper`) runs
+    `ChunkReshaper.reshape` itself."""
     choices = obj.get("choices") if type(obj) is dict else None
     if type(choices) is not list or len(choices) != 1 or type(choices[0]) is not dict:
         return None
@@ -140,8 +141,6 @@ def reshape_single(chunks: ChunkReshaper, obj: Any) -> bool | None:
         chunks.prompt_ids = owner.get("prompt_token_ids")
     delta = choice.get("token_ids")
     ids = delta if isinstance(delta, list) else None if "token_ids" in choice or plan.ids_withheld else []
-    if ids and chunks.ttft_ms is None:
-        chunks.ttft_ms = chunks.clock.elapsed_ms()
     state = chunks.choice_state(choice.get("index"))
     if ids is None:
         state.withheld = True
@@ -183,8 +182,8 @@ def first_chunk(event: bytes, plan: Plan, chunks: ChunkReshaper, scan: Scanner) 
         chunks.keep_prompt_json(prompt_value)  # plain: the bytes its decode encodes to (finish_first_choice)
     if delta == b"null":
         chunks.withhold_ids()
-    elif ids_end - ids > 2:
-        chunks.delta_ids(event, ids, ids_end)  # the first token's time (an empty list or none: nothing to record)
+    elif ids_end - ids > 2 and (chunks.engine or chunks.timed):
+        chunks.delta_ids(event, ids, ids_end)  # what a delta's ids are recorded for (none under `serves`)
     strip_ids = plan.strip_vllm_ids and ids >= 0 and delta != b"null"
     strip_prompt = plan.strip_vllm_ids and prompt >= 0 and prompt_value != b"null"
     if strip_prompt and completions and plan.vllm_sends_prompt_ids:

@@ -272,17 +272,18 @@ class StreamReshaper:
             finish = (self._finish_head, len(self.root), *parts)
         usage_root = b"" if self._renames else self.root  # the general path may rename an error in it
         strip, trio = self._strip, self._trio
-        on_ids = chunks.delta_ids if chunks.engine or chunks.ttft_ms is None else None  # else nothing to record
+        on_ids = chunks.delta_ids if chunks.engine or (chunks.timed and chunks.ttft_ms is None) else None
         return splice.prefix, splice.head, splice.tail, splice.mid, strip, trio, on_ids, usage_root, finish
 
     def _delta(self, event: bytes, start: int, end: int) -> bytes | None:
         """A mid-stream delta whose ids (a list, or null) sit at event[start:end]."""
         ids = event[start:end]
         listed = ids[0] == _LIST  # else null: vLLM withheld the ids, which stay unreported
+        chunks = self.chunks
         if not listed:
-            self.chunks.withhold_ids()
-        else:
-            self.chunks.delta_ids(event, start, end)
+            chunks.withhold_ids()
+        elif chunks.engine or chunks.timed:  # else nothing reads a delta's ids
+            chunks.delta_ids(event, start, end)
         strip = self._strip and listed  # vLLM's copy goes back to null, an empty one too
         if self._trio:
             return b"".join(
