@@ -8,7 +8,9 @@ re-encodes every other value as vLLM wrote it. So the chunk is served only when 
 keeps is one orjson writes the same way: the delta's learned prefix and a text of the splice's
 kind (`splice.kept_text`), then only `null`, plain ASCII strings and small integers under keys
 the general path leaves alone, and a list of small non-negative ids. Anything else is decoded.
-Same bytes: tests/unit/test_stream_layouts.py, test_stream.py and test_stream_send.py.
+Same bytes: tests/unit/test_stream_layouts.py, test_stream.py and test_stream_send.py. On the
+compiled path the send handed to vLLM serves it itself, with `finish_ids`' C twin
+(`_speedups.finish_ids`) and what `chunks.ChunkReshaper.finish_parts` hands it when it is armed.
 
 `first_chunk` serves, with the compiled scanner (`_speedups.plain_chunk`, which `send.py` hands
 `stream.StreamReshaper` on the compiled path), a decoded chunk's
