@@ -182,10 +182,8 @@ def first_chunk(event: bytes, plan: Plan, chunks: ChunkReshaper, scan: Scanner) 
         return None  # another value where the general path reads ids: decoded
     if prompt_value[:1] == b"[":
         chunks.keep_prompt_json(prompt_value)  # plain: the bytes its decode encodes to (finish_first_choice)
-    if delta == b"null":
+    if delta == b"null":  # (listed ids are recorded only for engine_data or timing, which `serves` excludes)
         chunks.withhold_ids()
-    elif ids_end - ids > 2 and (chunks.engine or chunks.timed):
-        chunks.delta_ids(event, ids, ids_end)  # what a delta's ids are recorded for (none under `serves`)
     strip_ids = plan.strip_vllm_ids and ids >= 0 and delta != b"null"
     strip_prompt = plan.strip_vllm_ids and prompt >= 0 and prompt_value != b"null"
     if strip_prompt and completions and plan.vllm_sends_prompt_ids:
