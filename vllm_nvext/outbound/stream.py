@@ -230,8 +230,9 @@ class StreamReshaper:
         return event.startswith(self.root) and event.find(_FINISH_KEY, root) == pos and kept_json(event, root, pos)
 
     def _plain_finish(self, event: bytes, splice: Splice) -> bytes | None:
-        """The general path's bytes for a finish chunk (finish.finish_chunk); None: not served."""
-        if self._finish_head is None:
+        """The general path's bytes for a finish chunk (finish.finish_chunk); None: not served (and, without a
+        finish reason after the splice's prefix, not tried: finish.finish_ids finds one there or serves none)."""
+        if self._finish_head is None or event.find(b'"finish_reason":"', len(splice.prefix)) < 0:
             return None
         return finish_chunk(event, splice.prefix, self._finish_head, len(self.root), self._strip, self.chunks)
 
