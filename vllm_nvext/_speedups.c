@@ -2,8 +2,9 @@
  * reshaped response. Until armed it hands every message to `general` (the ReshapingSend);
  * armed with a stream's `splice.Splice` it serves the mid-stream deltas the splice serves, with
  * the same checks (`Splice.locate`) and the same bytes (`Splice.render`), and `data: [DONE]` and the
- * usage chunk as they came (`send._is_usage`), and a finish chunk `finish.served_finish` gives bytes
- * for, and returns `downstream`'s awaitable. The pure-Python twin is the oracle: tests/unit/test_stream_send.py
+ * usage chunk as they came (`send._is_usage`), the stream's closing empty message, and the finish chunk of
+ * choice 0 when it was armed for one (`finish.finish_chunk`'s bytes, `finish_span` below), and returns
+ * `downstream`'s awaitable. The pure-Python twin is the oracle: tests/unit/test_stream_send.py
  * runs both against the general path on every recorded stream and on hypothesis layouts.
  *
  * Built on the limited API (abi3, CPython >= 3.10): one wheel per platform serves every version.
@@ -15,8 +16,12 @@
 
 /* Py_XSETREF is not part of the limited API */
 #define SET_REF(field, value) do { PyObject *old_ = (field); Py_INCREF(value); (field) = (value); Py_XDECREF(old_); } while (0)
+/* the same for a new reference or NULL */
+#define Py_XSETREF_(field, value) do { PyObject *old_ = (field); (field) = (value); Py_XDECREF(old_); } while (0)
 
-static PyObject *s_type, *s_body, *s_more_body, *s_body_type, *s_clock;
+#define NVEXT_IDS ",\"nvext\":{\"completion_token_ids\":"
+
+static PyObject *s_type, *s_body, *s_more_body, *s_body_type, *s_clock, *s_finished;
 
 typedef struct {
     PyObject_HEAD
@@ -26,7 +31,11 @@ typedef struct {
     PyObject *on_ids;     /* None, or called with (event, start, end) for each delta served */
     PyObject *tally_add;  /* None (metrics off), or metrics.StreamTally.add */
     PyObject *root;       /* bytes: the root of a usage chunk that goes out as it came (empty: none does) */
-    PyObject *on_finish;  /* None, or finish.served_finish for this stream: a finish chunk's bytes, or None */
+    /* The finish chunk of choice 0 (finish.finish_chunk): NULL, or the armed splice's bytes before a finish
+       reason; where `choices`' first element starts; what follows the ids in the chunk's nvext (the prompt's
+       ids, the nvext's and chunk's ends); the choice's state (chunks._Choice), marked finished once served */
+    PyObject *finish_head, *finish_end, *finish_state;
+    Py_ssize_t finish_root;
     int armed, strip, trio;
     long long left;       /* the metrics countdown: the message at 1 is timed */
 } StreamSend;
@@ -44,7 +53,9 @@ StreamSend_traverse(StreamSend *self, visitproc visit, void *arg)
     Py_VISIT(self->on_ids);
     Py_VISIT(self->tally_add);
     Py_VISIT(self->root);
-    Py_VISIT(self->on_finish);
+    Py_VISIT(self->finish_head);
+    Py_VISIT(self->finish_end);
+    Py_VISIT(self->finish_state);
     return 0;
 }
 
@@ -61,7 +72,9 @@ StreamSend_clear(StreamSend *self)
     Py_CLEAR(self->on_ids);
     Py_CLEAR(self->tally_add);
     Py_CLEAR(self->root);
-    Py_CLEAR(self->on_finish);
+    Py_CLEAR(self->finish_head);
+    Py_CLEAR(self->finish_end);
+    Py_CLEAR(self->finish_state);
     return 0;
 }
 
@@ -241,6 +254,206 @@ is_usage(StreamSend *self, const char *b, Py_ssize_t n)
     return 1;
 }
 
+/* ------------------------------------------------------------------ the finish chunk: finish_span
+ *
+ * The compiled twin of `finish.finish_ids`: where the ids of choice 0's finish chunk sit, when the chunk is
+ * one `finish.finish_chunk` serves (the armed splice's prefix, a kept text, the splice's bytes before the
+ * finish reason, then only what `finish._FINISH_TAIL` matches, no key of that tail written twice or before
+ * it). The Python twin is the oracle: tests/unit/test_stream_finish.py runs both on every recorded finish
+ * chunk and on hypothesis layouts.
+ */
+
+#define FS_MAX_KEYS 64 /* a tail with more keys is refused (finish._key_twice refuses it too) */
+
+/* The length of the name [a-z_]+ at b[i] when `":` follows it; 0 if none does. */
+static Py_ssize_t
+fs_name(const char *b, Py_ssize_t i, Py_ssize_t n)
+{
+    Py_ssize_t k = i;
+    while (k < n && ((b[k] >= 'a' && b[k] <= 'z') || b[k] == '_'))
+        k++;
+    if (k == i || k + 2 > n || b[k] != '"' || b[k + 1] != ':')
+        return 0;
+    return k - i;
+}
+
+static int
+fs_is(const char *b, Py_ssize_t at, Py_ssize_t len, const char *name)
+{
+    return (size_t)len == strlen(name) && memcmp(b + at, name, (size_t)len) == 0;
+}
+
+/* A kept member of the finish tail (finish._KEPT_KEY) at b[i]: `,"name":` and null under a key the general
+   path neither reads nor writes, or a string of printable ASCII without escapes or an integer of at most 15
+   digits under one it does not move either. The index past it (its name's place in *at, *len), or -1. */
+static Py_ssize_t
+fs_kept(const char *b, Py_ssize_t i, Py_ssize_t n, Py_ssize_t *at, Py_ssize_t *len)
+{
+    if (i + 2 > n || b[i] != ',' || b[i + 1] != '"')
+        return -1;
+    Py_ssize_t a = i + 2, l = fs_name(b, a, n);
+    if (l == 0 || fs_is(b, a, l, "token_ids") || fs_is(b, a, l, "finish_reason") || fs_is(b, a, l, "choices")
+        || fs_is(b, a, l, "nvext"))
+        return -1;
+    *at = a;
+    *len = l;
+    Py_ssize_t v = a + l + 2;
+    if (v + 4 <= n && memcmp(b + v, "null", 4) == 0)
+        return v + 4;
+    if (v >= n || fs_is(b, a, l, "prompt_token_ids") || fs_is(b, a, l, "kv_transfer_params")
+        || fs_is(b, a, l, "index"))
+        return -1;
+    if (b[v] == '"') {
+        for (v++; v < n; v++) {
+            unsigned char c = (unsigned char)b[v];
+            if (c == '"')
+                return v + 1;
+            if (c < 0x20 || c > 0x7e || c == '\\')
+                return -1;
+        }
+        return -1;
+    }
+    if (b[v] == '0')
+        return v + 1;
+    if (b[v] == '-')
+        v++;
+    Py_ssize_t first = v;
+    if (v >= n || b[v] < '1' || b[v] > '9')
+        return -1;
+    while (v < n && b[v] >= '0' && b[v] <= '9')
+        v++;
+    return v - first <= 15 ? v : -1;
+}
+
+/* A list of ids (finish._ID: 0, or up to 15 digits without a leading zero) at b[i]: the index past it, or -1. */
+static Py_ssize_t
+fs_ids(const char *b, Py_ssize_t i, Py_ssize_t n)
+{
+    if (i >= n || b[i] != '[')
+        return -1;
+    i++;
+    if (i < n && b[i] == ']')
+        return i + 1;
+    for (;;) {
+        Py_ssize_t first = i;
+        if (i >= n)
+            return -1;
+        if (b[i] == '0')
+            i++;
+        else if (b[i] >= '1' && b[i] <= '9') {
+            while (i < n && b[i] >= '0' && b[i] <= '9')
+                i++;
+            if (i - first > 15)
+                return -1;
+        }
+        else
+            return -1;
+        if (i >= n)
+            return -1;
+        if (b[i] == ']')
+            return i + 1;
+        if (b[i] != ',')
+            return -1;
+        i++;
+    }
+}
+
+/* `finish.finish_ids`: 1 with the ids at b[*start:*end] when the finish chunk b is served, else 0. */
+static int
+finish_span(const char *b, Py_ssize_t n, const char *prefix, Py_ssize_t lp, const char *fh, Py_ssize_t lf,
+            Py_ssize_t root_end, Py_ssize_t *start, Py_ssize_t *end)
+{
+    if (n < lp || memcmp(b, prefix, lp) != 0 || root_end < 0 || root_end + 11 > n
+        || memcmp(b + root_end, "{\"index\":0,", 11) != 0)
+        return 0;
+    const char *q = memchr(b + lp, '"', n - lp); /* the splice's texts hold no quote: the first one closes it */
+    if (q == NULL)
+        return 0;
+    Py_ssize_t close = q - b;
+    if (close + lf > n || memcmp(b + close, fh, lf) != 0 || !kept_text((const unsigned char *)b + lp, close - lp))
+        return 0;
+    Py_ssize_t keys[2 * FS_MAX_KEYS]; /* each key's name: where it starts, its length */
+    int count = 0;
+    Py_ssize_t tail = close + lf, i = tail + 17;
+    if (i > n || memcmp(b + tail, "\"finish_reason\":\"", 17) != 0)
+        return 0;
+    keys[count * 2] = tail + 1;
+    keys[count * 2 + 1] = 13;
+    count++;
+    Py_ssize_t reason = i;
+    while (i < n && ((b[i] >= 'a' && b[i] <= 'z') || b[i] == '_'))
+        i++;
+    if (i == reason || i >= n || b[i] != '"')
+        return 0;
+    i++;
+    for (;;) { /* kept members, then the ids */
+        if (i + 13 <= n && memcmp(b + i, ",\"token_ids\":", 13) == 0) {
+            keys[count * 2] = i + 2;
+            keys[count * 2 + 1] = 9;
+            count++;
+            i += 13;
+            break;
+        }
+        Py_ssize_t at, len;
+        i = fs_kept(b, i, n, &at, &len);
+        if (i < 0 || count == FS_MAX_KEYS - 1)
+            return 0;
+        keys[count * 2] = at;
+        keys[count * 2 + 1] = len;
+        count++;
+    }
+    *start = i;
+    i = fs_ids(b, i, n);
+    if (i < 0)
+        return 0;
+    *end = i;
+    for (int closed = 0;;) { /* kept members, the end of the choice and of `choices`, kept root members, the end */
+        if (!closed && i + 2 <= n && b[i] == '}' && b[i + 1] == ']') {
+            closed = 1;
+            i += 2;
+            continue;
+        }
+        if (closed && i + 3 == n && memcmp(b + i, "}\n\n", 3) == 0)
+            break;
+        Py_ssize_t at, len;
+        i = fs_kept(b, i, n, &at, &len);
+        if (i < 0 || count == FS_MAX_KEYS)
+            return 0;
+        keys[count * 2] = at;
+        keys[count * 2 + 1] = len;
+        count++;
+    }
+    for (int k = 0; k < count; k++) { /* finish._key_twice */
+        const char *name = b + keys[2 * k];
+        Py_ssize_t len = keys[2 * k + 1];
+        for (int o = k + 1; o < count; o++)
+            if (keys[2 * o + 1] == len && memcmp(b + keys[2 * o], name, len) == 0)
+                return 0;
+        for (Py_ssize_t p = 0; p + len + 3 <= tail; p++) { /* `"name":` before the tail */
+            const char *r = memchr(b + p, '"', tail - len - 3 - p + 1);
+            if (r == NULL)
+                break;
+            p = r - b;
+            if (memcmp(r + 1, name, len) == 0 && r[len + 1] == '"' && r[len + 2] == ':')
+                return 0;
+        }
+    }
+    return 1;
+}
+
+static PyObject *
+py_finish_ids(PyObject *module, PyObject *args)
+{
+    PyObject *event, *prefix, *finish_head;
+    Py_ssize_t root_end, start, end;
+    if (!PyArg_ParseTuple(args, "SSSn:finish_ids", &event, &prefix, &finish_head, &root_end))
+        return NULL;
+    if (!finish_span(PyBytes_AsString(event), PyBytes_Size(event), PyBytes_AsString(prefix), PyBytes_Size(prefix),
+                     PyBytes_AsString(finish_head), PyBytes_Size(finish_head), root_end, &start, &end))
+        Py_RETURN_NONE;
+    return Py_BuildValue("(nn)", start, end);
+}
+
 static PyObject *
 StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
 {
@@ -248,17 +461,6 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
     if (!PyArg_UnpackTuple(args, "send", 1, 1, &message))
         return NULL;
     if (!self->armed || !PyDict_Check(message))
-        goto general;
-    PyObject *more = PyDict_GetItemWithError(message, s_more_body);
-    if (more == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
-        goto general;
-    }
-    int truth = PyObject_IsTrue(more);
-    if (truth < 0)
-        return NULL;
-    if (!truth)
         goto general;
     PyObject *kind = PyDict_GetItemWithError(message, s_type);
     if (kind == NULL) {
@@ -271,13 +473,23 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
         return NULL;
     if (!is_body)
         goto general;
+    PyObject *more = PyDict_GetItemWithError(message, s_more_body);
+    if (more == NULL && PyErr_Occurred())
+        return NULL;
+    int truth = more == NULL ? 0 : PyObject_IsTrue(more);
+    if (truth < 0)
+        return NULL;
     PyObject *body = PyDict_GetItemWithError(message, s_body);
-    if (body == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
+    if (body == NULL && PyErr_Occurred())
+        return NULL;
+    if (!truth) {
+        /* the stream's closing message, empty: out as it came (nothing is held or waits while armed), not
+           counted (the general path counts it as a framed message of no event) */
+        if (body == NULL || (PyBytes_CheckExact(body) && PyBytes_Size(body) == 0))
+            return PyObject_CallFunctionObjArgs(self->downstream, message, NULL);
         goto general;
     }
-    if (!PyBytes_CheckExact(body))
+    if (body == NULL || !PyBytes_CheckExact(body))
         goto general;
     long long t0 = 0;
     if (self->left == 1 && self->tally_add != Py_None) {
@@ -291,21 +503,59 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
     if (start < 0) {
         if ((n == 14 && memcmp(b, "data: [DONE]\n\n", 14) == 0) || is_usage(self, b, n))
             goto count; /* the end of the stream, the usage chunk: out as they came (nothing waits while armed) */
-        Py_ssize_t lp = PyBytes_Size(self->prefix);
-        if (self->on_finish == Py_None || n < lp || memcmp(b, PyBytes_AsString(self->prefix), lp) != 0)
+        Py_ssize_t fs, fe;
+        if (self->finish_head == NULL
+            || !finish_span(b, n, PyBytes_AsString(self->prefix), PyBytes_Size(self->prefix),
+                            PyBytes_AsString(self->finish_head), PyBytes_Size(self->finish_head), self->finish_root,
+                            &fs, &fe))
             goto general;
-        PyObject *finished = PyObject_CallFunctionObjArgs(self->on_finish, body, NULL);
-        if (finished == NULL)
-            return NULL;
-        if (!PyBytes_CheckExact(finished)) { /* None: the general path decides */
-            Py_DECREF(finished);
+        /* the finish chunk of choice 0: what chunks.ChunkReshaper.finish_first_choice records, then its bytes */
+        PyObject *fin_end = self->finish_end, *state = self->finish_state; /* held across the calls below */
+        int strip = self->strip;
+        Py_INCREF(body);
+        Py_INCREF(fin_end);
+        Py_INCREF(state);
+        Py_CLEAR(self->finish_head); /* served once: a second finish chunk goes to the general path */
+        int recorded = 1;
+        if (self->on_ids != Py_None) {
+            PyObject *r = PyObject_CallFunction(self->on_ids, "Onn", body, fs, fe);
+            recorded = r != NULL;
+            Py_XDECREF(r);
+        }
+        if (!recorded || PyObject_SetAttr(state, s_finished, Py_True) < 0) {
+            PyErr_Clear(); /* the general path tries it again, and forwards it unchanged if it fails again */
+            Py_DECREF(body);
+            Py_DECREF(fin_end);
+            Py_DECREF(state);
             goto general;
         }
+        Py_DECREF(state);
+        Py_ssize_t cut = strip ? fs : n - 3, kept = strip ? n - 3 - fe : 0;
+        Py_ssize_t lk = sizeof(NVEXT_IDS) - 1, ids = fe - fs, le = PyBytes_Size(fin_end);
+        PyObject *finished = PyBytes_FromStringAndSize(NULL, cut + (strip ? 4 : 0) + kept + lk + ids + le);
+        if (finished == NULL) {
+            Py_DECREF(body);
+            Py_DECREF(fin_end);
+            return NULL;
+        }
+        char *o = PyBytes_AsString(finished);
+        memcpy(o, b, cut);
+        o += cut;
+        if (strip) {
+            memcpy(o, "null", 4);
+            memcpy(o + 4, b + fe, kept);
+            o += 4 + kept;
+        }
+        memcpy(o, NVEXT_IDS, lk);
+        memcpy(o + lk, b + fs, ids);
+        memcpy(o + lk + ids, PyBytes_AsString(fin_end), le);
+        Py_DECREF(body);
+        Py_DECREF(fin_end);
         int unset = PyDict_SetItem(message, s_body, finished);
         Py_DECREF(finished);
         if (unset)
             return NULL;
-        goto count; /* a finish chunk (finish.finish_chunk) */
+        goto count;
     }
     Py_ssize_t end = n - PyBytes_Size(self->tail);
     Py_INCREF(body); /* the message's body is replaced below */
@@ -374,11 +624,16 @@ general:
 static PyObject *
 StreamSend_arm(StreamSend *self, PyObject *args)
 {
-    PyObject *prefix, *head, *tail, *mid, *on_ids, *tally_add, *root, *on_finish;
+    PyObject *prefix, *head, *tail, *mid, *on_ids, *tally_add, *root, *finish;
+    PyObject *finish_head = NULL, *finish_end = NULL, *finish_state = NULL;
+    Py_ssize_t finish_root = 0;
     int strip, trio;
     long long left;
-    if (!PyArg_ParseTuple(args, "SSSSppOLOSO:arm", &prefix, &head, &tail, &mid, &strip, &trio, &on_ids, &left,
-                          &tally_add, &root, &on_finish))
+    if (!PyArg_ParseTuple(args, "LOSSSSppOSO:arm", &left, &tally_add, &prefix, &head, &tail, &mid, &strip, &trio,
+                          &on_ids, &root, &finish))
+        return NULL;
+    if (finish != Py_None
+        && !PyArg_ParseTuple(finish, "SnSO:arm's finish", &finish_head, &finish_root, &finish_end, &finish_state))
         return NULL;
     if (!PyBytes_CheckExact(prefix) || !PyBytes_CheckExact(head) || !PyBytes_CheckExact(tail)
         || !PyBytes_CheckExact(mid) || !PyBytes_CheckExact(root)) {
@@ -396,7 +651,13 @@ StreamSend_arm(StreamSend *self, PyObject *args)
     SET_REF(self->on_ids, on_ids);
     SET_REF(self->tally_add, tally_add);
     SET_REF(self->root, root);
-    SET_REF(self->on_finish, on_finish);
+    Py_XINCREF(finish_head);
+    Py_XSETREF_(self->finish_head, finish_head);
+    Py_XINCREF(finish_end);
+    Py_XSETREF_(self->finish_end, finish_end);
+    Py_XINCREF(finish_state);
+    Py_XSETREF_(self->finish_state, finish_state);
+    self->finish_root = finish_root;
     self->strip = strip;
     self->trio = trio;
     self->left = left;
@@ -419,7 +680,8 @@ StreamSend_countdown(StreamSend *self, PyObject *unused)
 
 static PyMethodDef StreamSend_methods[] = {
     {"arm", (PyCFunction)StreamSend_arm, METH_VARARGS,
-     "arm(prefix, head, tail, mid, strip, trio, on_ids, countdown, tally_add): serve the deltas of this splice"},
+     "arm(countdown, tally_add, prefix, head, tail, mid, strip, trio, on_ids, root, finish): serve the deltas of "
+     "this splice (finish: None, or (finish_head, root_end, nvext_end, state) to serve choice 0's finish chunk)"},
     {"disarm", (PyCFunction)StreamSend_disarm, METH_NOARGS, "Hand every message to general again."},
     {"countdown", (PyCFunction)StreamSend_countdown, METH_NOARGS, "The metrics countdown while armed."},
     {NULL, NULL, 0, NULL},
@@ -474,7 +736,6 @@ find_in(const char *b, Py_ssize_t from, Py_ssize_t to, const char *key, Py_ssize
     return -1;
 }
 
-#define NVEXT_IDS ",\"nvext\":{\"completion_token_ids\":"
 #define FINISH_KEY "\"finish_reason\":"
 
 /* `Splice.render(event, start) == out`, compared in place: the delta's client bytes are `out`. */
@@ -982,6 +1243,9 @@ static PyMethodDef speedups_functions[] = {
     {"learn_splice", learn_splice, METH_VARARGS,
      "learn_splice(event, start, end, strip, trio, out): (prefix, head, tail, mid, finish_head) of the splice "
      "the delta teaches, if it renders out; None: not armed"},
+    {"finish_ids", py_finish_ids, METH_VARARGS,
+     "finish_ids(event, prefix, finish_head, root_end): (start, end) of the ids of a finish chunk "
+     "outbound/finish.py's finish_chunk serves; None: decode it"},
     {"plain_chunk", plain_chunk, METH_O,
      "plain_chunk(event): None, or the spans outbound/finish.py's first_chunk reads (see _speedups.c)"},
     {NULL, NULL, 0, NULL},
@@ -999,7 +1263,8 @@ PyInit__speedups(void)
     s_body = PyUnicode_InternFromString("body");
     s_more_body = PyUnicode_InternFromString("more_body");
     s_body_type = PyUnicode_InternFromString("http.response.body");
-    if (!s_type || !s_body || !s_more_body || !s_body_type)
+    s_finished = PyUnicode_InternFromString("finished");
+    if (!s_type || !s_body || !s_more_body || !s_body_type || !s_finished)
         return NULL;
     PyObject *time = PyImport_ImportModule("time");
     if (time == NULL)

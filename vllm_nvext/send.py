@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from functools import partial
 from importlib import import_module
 from time import perf_counter_ns
 from typing import Any
@@ -24,11 +23,12 @@ from typing import Any
 from . import _json, metrics
 from .asgi import Message, Send, is_event_stream, is_json
 from .outbound.chunks import rename_error
-from .outbound.finish import Scanner, served_finish, serves
+from .outbound.finish import Scanner
 from .outbound.nvext_values import Clock
-from .outbound.splice import Learner, Splice, kept_text
+from .outbound.splice import Learner, kept_text
 from .outbound.stream import StreamReshaper
-from .outbound.unary import reshape_unary_body
+from .outbound.unary import plain_body, reshape_unary_body
+from .outbound.unary import serves as unary_serves
 from .plan import Plan
 from .protocol import Endpoint
 
@@ -38,17 +38,20 @@ _PASS_STATUSES = frozenset({204, 206, 304})
 _ID_BYTES = b"0123456789,"
 _UNTIMED = 1 << 62  # the countdown to the next timed message when metrics are off: never reached
 
-# The splice's parts, as `splice.Splice` holds them, the on-ids callback, the metrics countdown, the
-# tally's `add` (None: metrics off), the root of a usage chunk that goes out as it came (b"": none does)
-# and what serves a finish chunk (finish.served_finish; None: none is served; the compiled send only).
-Arm = Callable[[bytes, bytes, bytes, bytes, bool, bool, "Callable[[bytes, int, int], None] | None", int,
-                "Callable[[int], int] | None", bytes, "Callable[[bytes], bytes | None] | None"], None]  # fmt: skip
+# The metrics countdown, the tally's `add` (None: metrics off), then `stream.StreamReshaper.arm_parts`: the
+# splice's parts, as `splice.Splice` holds them, the on-ids callback, the root of a usage chunk that goes out
+# as it came (b"": none does) and what serves choice 0's finish chunk (None: none is; the compiled send only).
+Arm = Callable[[int, "Callable[[int], int] | None", bytes, bytes, bytes, bytes, bool, bool,
+                "Callable[[bytes, int, int], None] | None", bytes, "tuple[bytes, int, bytes, Any] | None"],
+               None]  # fmt: skip
 
 
 # Until armed, every message goes to `general` (the `ReshapingSend`). Armed with a stream's
 # `splice.Splice`, it serves the mid-stream deltas the splice serves (the checks of `Splice.locate`,
-# the bytes of `Splice.render`), and `data: [DONE]` and the usage chunk as they came (nothing waits
-# while armed), as a plain function that returns `downstream`'s awaitable: no coroutine of its own.
+# the bytes of `Splice.render`), and `data: [DONE]`, the usage chunk and the stream's closing empty message
+# as they came (nothing is held or waits while armed; the closing message is not counted: the general path
+# counts it as a framed message of no event), as a plain function that returns `downstream`'s awaitable:
+# no coroutine of its own.
 # Anything else goes to `general`, which arms or disarms it again. While armed it keeps the metrics countdown
 # (metrics.StreamTally) and times the sampled message itself; `countdown` hands it back.
 def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Message], Awaitable[None]], Arm,
@@ -59,13 +62,14 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
     strip = trio = armed = False
     on_ids: Callable[[bytes, int, int], None] | None = None
     tally_add: Callable[[int], int] | None = None
-    left = 0
-    clock = perf_counter_ns
+    left, clock = 0, perf_counter_ns
 
     def send(message: Message) -> Awaitable[None]:
         nonlocal left
-        if armed and message.get("more_body", False) and message["type"] == "http.response.body":
+        if armed and message["type"] == "http.response.body":
             body = message.get("body", b"")
+            if not message.get("more_body", False):
+                return downstream(message) if body == b"" and type(body) is bytes else general(message)
             t0 = clock() if left == 1 else 0
             if type(body) is bytes and body.startswith(prefix) and body.endswith(tail):
                 end = len(body) - lt
@@ -95,8 +99,8 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
             return downstream(message)
         return general(message)
 
-    def arm(p: bytes, h: bytes, t: bytes, m: bytes, s: bool, tr: bool, ids: Callable[[bytes, int, int], None] | None,
-            countdown: int, add: Callable[[int], int] | None, r: bytes, finish: object) -> None:  # fmt: skip
+    def arm(countdown: int, add: Callable[[int], int] | None, p: bytes, h: bytes, t: bytes, m: bytes, s: bool,
+            tr: bool, ids: Callable[[bytes, int, int], None] | None, r: bytes, finish: object) -> None:  # fmt: skip
         nonlocal prefix, head, tail, mid, root, lp, lh, lt, lr, strip, trio, armed, on_ids, left, tally_add
         prefix, head, tail, mid, strip, trio, on_ids, left, tally_add = p, h, t, m, s, tr, ids, countdown, add
         root, lp, lh, lt, lr = r, len(p), len(h), len(t), len(r)
@@ -163,10 +167,17 @@ class ReshapingSend:
         self._left = metrics.StreamTally.FIRST  # body messages until the next timed one
         # The send to hand vLLM: serves armed streams' deltas itself, everything else through this object.
         make = STREAM_SENDS[stream_path(False)] if stream_send is None else stream_send
-        self.app_send, self._arm, self._disarm, self._countdown = make(self, send)
-        compiled = make is STREAM_SENDS.get("c")
-        self._scan = COMPILED_SCAN if compiled else None  # the compiled path's chunk scanner
-        self._learn = COMPILED_LEARN if compiled else None  # and its splice learner (splice.learn_splice's twin)
+        if make is _compiled and _StreamSend is not None:  # the factory's work, inlined
+            app_send = _StreamSend(self, send)
+            self.app_send, self._arm, self._disarm = app_send, app_send.arm, app_send.disarm
+            self._countdown = app_send.countdown
+            self._scan = COMPILED_SCAN  # the compiled path's chunk scanner
+            self._learn = COMPILED_LEARN  # and its splice learner (splice.learn_splice's twin)
+        else:
+            self.app_send, self._arm, self._disarm, self._countdown = make(self, send)
+            compiled = make is _compiled
+            self._scan = COMPILED_SCAN if compiled else None
+            self._learn = COMPILED_LEARN if compiled else None
         self._armed = False  # app_send is armed: its countdown is the one that counts
 
     async def __call__(self, message: Message) -> None:
@@ -191,15 +202,12 @@ class ReshapingSend:
                 out += stream.flush()  # an unterminated tail goes out as it came
             if out is not body:
                 message["body"] = out  # vLLM's message dict is its own per send: reused, not copied
-            if more and stream.armed:
-                splice = stream.splice
-                assert splice is not None
-                on_ids = stream.on_ids
+            if more and stream.splice is not None and (parts := stream.arm_parts()) is not None:
                 tally = self._tally
-                countdown, add = (_UNTIMED, None) if tally is None else (self._left, tally.add)
-                usage_root = b"" if self.plan.error_params else stream.root  # stream.StreamReshaper's usage shortcut
-                self._arm(splice.prefix, splice.head, splice.tail, splice.mid, splice.strip, splice.trio, on_ids,
-                          countdown, add, usage_root, self._finish_server(stream, splice))  # fmt: skip
+                if tally is None:
+                    self._arm(_UNTIMED, None, *parts)
+                else:
+                    self._arm(self._left, tally.add, *parts)
                 self._armed = True
             elif self._armed:
                 self._disarm()
@@ -216,12 +224,6 @@ class ReshapingSend:
             await self._on_unary_body(message)
         else:
             await self.send(message)
-
-    def _finish_server(self, stream: StreamReshaper, splice: Splice) -> Callable[[bytes], bytes | None] | None:
-        """What serves the finish chunk of an armed stream from the compiled send (finish.finish_chunk's bytes)."""
-        if not serves(self.plan) or splice.finish_head is None:
-            return None
-        return partial(served_finish, splice.prefix, splice.finish_head, len(stream.root), splice.strip, stream.chunks)
 
     async def _on_start(self, message: Message) -> None:
         status = message["status"]
@@ -243,7 +245,8 @@ class ReshapingSend:
                 encoded = True
             elif lower == b"content-length":
                 sized = True
-        json_body, event_stream = _body_kind(content_type)
+        # (no Content-Type reads as an empty one: neither)
+        json_body, event_stream = _BODY_KINDS.get(content_type or b"") or _body_kind(content_type)
         if status >= 400 and self.plan.error_params and not encoded and json_body:
             self._kind = self._ERROR
             self._start = message
@@ -265,18 +268,25 @@ class ReshapingSend:
         await self.send(message)
 
     async def _on_unary_body(self, message: Message) -> None:
-        self._parts.append(bytes(message.get("body", b"")))
-        if message.get("more_body", False):
-            return
-        body = b"".join(self._parts)
-        self._parts = []
+        body = bytes(message.get("body", b""))  # bytes as they are, not copied
+        if message.get("more_body", False) or self._parts:  # else the body in one message, usually: no join
+            self._parts.append(body)
+            if message.get("more_body", False):
+                return
+            body = b"".join(self._parts)
+            self._parts = []
         t0 = perf_counter_ns()
         unchanged = 0
+        plan = self.plan
         try:
             if self._kind == self._ERROR:
-                new = _renamed_error(body, self.plan)
+                new = _renamed_error(body, plan)
+            elif self._scan is not None and unary_serves(plan):  # reshape_unary_body's first step, inlined
+                new = plain_body(body, plan, self._scan)
+                if new is None:
+                    new = reshape_unary_body(body, plan, self.clock)
             else:
-                new = reshape_unary_body(body, self.plan, self.clock, self._scan)
+                new = reshape_unary_body(body, plan, self.clock, self._scan)
             if new is not None:
                 body = new
         except ValueError:
@@ -287,7 +297,10 @@ class ReshapingSend:
         metrics.count_reshaping(self.route, metrics.UNARY, 1, (perf_counter_ns() - t0) / 1e9, unchanged)
         start = self._start
         assert start is not None
-        headers = [(n, v) for n, v in start.get("headers", ()) if n.lower() != b"content-length"]
+        headers = []
+        for name, value in start.get("headers", ()):  # a loop, not a comprehension: no function of its own
+            if name.lower() != b"content-length":
+                headers.append((name, value))
         headers.append((b"content-length", str(len(body)).encode()))
         start["headers"] = headers
         await self.send(start)
@@ -339,9 +352,12 @@ def compiled(name: str) -> Any:
     return getattr(speedups, name, None)
 
 
+_StreamSend: Any = compiled("StreamSend")
+
+
 def _compiled_stream_send() -> StreamSendFactory | None:
     """`_speedups.StreamSend` as a factory like `python_stream_send`; None when the extension is not built."""
-    stream_send = compiled("StreamSend")
+    stream_send = _StreamSend
     if stream_send is None:
         return None
 

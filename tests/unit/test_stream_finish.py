@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 from tests.recorded import VLLM_VERSIONS, recordings
 from tests.unit.test_stream_layouts import SPLICED, _events, _first_difference, _plan
 from vllm_nvext import Mode
-from vllm_nvext.outbound.finish import served_finish
+from vllm_nvext.outbound.finish import finish_ids
 from vllm_nvext.outbound.nvext_values import Clock
 from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
-from vllm_nvext.send import COMPILED_SCAN
+from vllm_nvext.send import COMPILED_SCAN, STREAM_SENDS, ReshapingSend, compiled
 
 NAMES = ["chat_stream_ids_long", "completions_stream_ids_long", "chat_stream_ids", "completions_stream_ids"]
 
@@ -46,7 +46,39 @@ def _scanner(compiled: bool) -> Any:
 def _both(plan: Any, events: list[bytes], compiled: bool) -> tuple[bytes, bytes]:
     fast, general = StreamReshaper(plan, Clock(), _scanner(compiled)), DecodingStreamReshaper(plan, Clock())
     got = b"".join(fast.feed(e) for e in events) + fast.flush()
-    return got, b"".join(general.feed(e) for e in events) + general.flush()
+    want = b"".join(general.feed(e) for e in events) + general.flush()
+    if compiled:  # and through the compiled send handed to vLLM, which serves the finish chunk itself
+        sent = _through_compiled_send(plan, events)
+        assert sent == want, "the compiled send: " + _first_difference(sent, want)
+    return got, want
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+
+    async def __call__(self, message: Any) -> None:
+        if message["type"] == "http.response.body":
+            self.bodies.append(bytes(message.get("body", b"")))
+
+
+def _run(awaitable: Any) -> None:
+    with pytest.raises(StopIteration):
+        awaitable.__await__().send(None)
+
+
+def _through_compiled_send(plan: Any, events: list[bytes]) -> bytes:
+    sink = _Sink()
+    reshaping = ReshapingSend(plan, Clock(), sink, STREAM_SENDS["c"])
+    _run(
+        reshaping.app_send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+        )
+    )
+    for event in events:
+        _run(reshaping.app_send({"type": "http.response.body", "body": event, "more_body": True}))
+    _run(reshaping.app_send({"type": "http.response.body", "body": b"", "more_body": False}))
+    return b"".join(sink.bodies)
 
 
 def _finish_at(events: list[bytes]) -> int:
@@ -176,24 +208,92 @@ def test_a_key_the_finish_moves_before_choices_is_moved_as_the_general_path_move
     assert got == want, _first_difference(got, want)
 
 
-def test_a_finish_chunk_the_compiled_send_cannot_serve_goes_to_the_general_path():
-    """`finish.served_finish` never raises into vLLM's stream: anything unexpected hands the chunk back (None)."""
-    rec = _recording("chat_stream_ids_long", "0.33")
-    events = _events(rec.body)
+def _armed_parts(rec: Any, events: list[bytes]) -> tuple[bytes, bytes, int]:
+    """The prefix, finish head and root end the stream's splice serves its finish chunk with."""
     reshaper = StreamReshaper(_plan(rec, Mode.NVEXT, ["completion_token_ids"]), Clock())
     for event in events[:3]:
         reshaper.feed(event)
     splice = reshaper.splice
     assert splice is not None and splice.finish_head is not None
+    return splice.prefix, splice.finish_head, len(reshaper.root)
 
-    class Broken:
-        def finish_first_choice(self, event: bytes, start: int, end: int) -> bytes:
-            raise RuntimeError("a bug")
 
+def _compiled_finish_ids() -> Any:
+    _scanner(True)  # skips, or fails under VLLM_NVEXT_REQUIRE_EXTENSION, where the extension is not built
+    return compiled("finish_ids")
+
+
+@pytest.mark.parametrize("vllm", SPLICED)
+@pytest.mark.parametrize("name", NAMES)
+def test_the_two_finish_scanners_agree_on_every_recorded_finish_chunk(name, vllm):
+    rec = _recording(name, vllm)
+    events = _events(rec.body)
+    parts = _armed_parts(rec, events)
+    twin = _compiled_finish_ids()
+    for event in events:
+        assert twin(event, *parts) == finish_ids(event, *parts), f"{name}: the scanners differ on {event!r}"
+    assert finish_ids(events[_finish_at(events)], *parts) is not None, "the recorded finish chunk is served"
+
+
+_PIECES = [b"", b",", b'"', b"0", b"01", b"-1", b"1234567890123456", b"[", b"]", b"}", b"null", b"\\", b"\n",
+           b'"a":', b',"x":1', b',"x":null', b',"token_ids":[1]', b',"index":0', b',"stop_reason":"a b"',
+           b"\xc3\xa9", b"}]", b"\n\n", b"a", b'"finish_reason":"stop"', b',"nvext":null',
+           b',"prompt_token_ids":null']  # fmt: skip
+
+
+@settings(max_examples=1500, deadline=None)
+@given(data=st.data())
+def test_the_two_finish_scanners_agree_on_any_finish_chunk(data):
+    rec = _recording(data.draw(st.sampled_from(NAMES), label="name"), data.draw(st.sampled_from(SPLICED)))
+    events = _events(rec.body)
+    prefix, head, root_end = _armed_parts(rec, events)
+    event = events[_finish_at(events)]
+    chunk = orjson.loads(event[6:])
+    choice = chunk["choices"][0]
+    for owner in (choice, chunk):
+        for key in data.draw(st.lists(st.sampled_from(KEYS), max_size=3, unique=True), label="keys"):
+            owner[key] = data.draw(VALUES, label=key)
+    if data.draw(st.booleans(), label="other ids"):
+        choice["token_ids"] = data.draw(IDS, label="ids")
+    if data.draw(st.booleans(), label="relaid"):
+        event = b"data: " + _dumps(chunk) + b"\n\n"
+    for _ in range(data.draw(st.integers(0, 3), label="edits")):  # bytes no encoder writes
+        at = data.draw(st.integers(0, len(event)), label="at")
+        cut = data.draw(st.integers(0, 3), label="cut")
+        event = event[:at] + data.draw(st.sampled_from(_PIECES), label="piece") + event[at + cut :]
+    twin = _compiled_finish_ids()
+    assert twin(event, prefix, head, root_end) == finish_ids(event, prefix, head, root_end), repr(event)
+
+
+def test_a_finish_chunk_the_compiled_send_cannot_record_goes_to_the_general_path():
+    """The compiled send never raises into vLLM's stream: a finish chunk whose ids it cannot report, or whose
+    choice it cannot mark finished, goes to the general path."""
+    rec = _recording("chat_stream_ids_long", "0.33")
+    events = _events(rec.body)
+    prefix, head, root_end = _armed_parts(rec, events)
     finish = events[_finish_at(events)]
-    args = (splice.prefix, splice.finish_head, len(reshaper.root), True)
-    assert served_finish(*args, reshaper.chunks, finish) is not None, "the recorded finish chunk is served"
-    assert served_finish(*args, Broken(), finish) is None  # type: ignore[arg-type]
+    send_type = _scanner(True) and STREAM_SENDS["c"]
+    assert send_type is not None
+    general: list[bytes] = []
+    downstream: list[bytes] = []
+
+    def broken(event: bytes, start: int, end: int) -> None:
+        raise RuntimeError("a bug")
+
+    class State:
+        __slots__ = ("finished",)
+
+    for on_ids, state in ((broken, State()), (None, object()), (None, State())):
+        send, arm, _, _ = send_type(lambda m: general.append(m["body"]), lambda m: downstream.append(m["body"]))
+        arm(1 << 62, None, prefix, b"x", b"y", b"", True, True, on_ids, b"", (head, root_end, b"}}\n\n", state))
+        send({"type": "http.response.body", "body": finish, "more_body": True})
+        send({"type": "http.response.body", "body": finish, "more_body": True})  # a second one: never served
+    assert general == [finish] * 5 and len(downstream) == 1, "only the recordable finish chunk was served, once"
+    span = finish_ids(finish, prefix, head, root_end)
+    assert span is not None
+    start, end = span
+    nvext = b',"nvext":{"completion_token_ids":' + finish[start:end] + b"}}\n\n"
+    assert downstream == [finish[:start] + b"null" + finish[end:-3] + nvext], "the finish chunk's bytes"
 
 
 @pytest.mark.parametrize("finish_decoded", [False, True], ids=["byte-level finish", "decoded finish"])

@@ -132,6 +132,31 @@ def test_the_metrics_count_every_event_whichever_path_serves_it(impl, monkeypatc
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("selectors", [["timing"], ["completion_token_ids", "timing"]])
+def test_the_first_tokens_time_reaches_timing_whichever_path_serves_the_deltas(impl, selectors):
+    # Only `timing` reads the first token's time: the deltas of a stream that asks for it are reported to
+    # the reshaper until it is known, by whichever send serves them (only then; no other plan records it).
+    rec = recordings()["chat_stream_ids_long"]
+    plan = _plan(rec, Mode.NVEXT, selectors)
+    got, _ = _through_send(plan, _events(rec.body), impl)
+    timed = [json.loads(e[6:]) for e in got.split(b"\n\n") if e.startswith(b"data: {") and b'"timing":' in e]
+    assert len(timed) == 1, "one finish chunk carries timing"
+    timing = timed[0]["nvext"]["timing"]
+    assert "ttft_ms" in timing and 0 <= timing["ttft_ms"] <= timing["total_time_ms"], timing
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_with_the_metrics_off_the_send_gives_the_general_paths_bytes(impl, monkeypatch):
+    monkeypatch.setattr(metrics, "enabled", lambda: False)  # prometheus_client not importable: nothing timed
+    for name, mode, selectors in (p.values for p in RECORDED_CASES):
+        plan = _plan(recordings()[name], mode, selectors)
+        events = _events(recordings()[name].body)
+        got, reshaping = _through_send(plan, events, impl)
+        assert got == _general(plan, events), f"{impl} {name}: other bytes than the general path"
+        assert reshaping._tally is None
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_the_send_serves_memoryview_bodies_and_message_shapes_it_does_not_know_through_the_general_path(impl):
     rec = recordings()["chat_stream_ids_long"]
     plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])

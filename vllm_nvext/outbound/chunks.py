@@ -267,7 +267,8 @@ class ChunkReshaper(PromptIds):
     and is not taken while `decode_every_chunk` is set.
     """
 
-    __slots__ = ("plan", "clock", "ids", "logprobs", "ttft_ms", "engine", "_choices", "pending", "_echoed")
+    __slots__ = ("plan", "clock", "ids", "logprobs", "ttft_ms", "engine", "_choices", "pending", "_echoed",
+                 "decode_every_chunk", "timed")  # fmt: skip
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
         self._prompt_ids = self._prompt_json = None  # PromptIds: none reported yet (no call: a stream's start)
@@ -276,28 +277,20 @@ class ChunkReshaper(PromptIds):
         self.ids: list[int] = []  # choice 0's completion ids so far (engine_data only)
         self.logprobs: list[Any] | None = [] if plan.logprobs_requested else None
         self.ttft_ms: float | None = None
-        self.engine = ENGINE_DATA in plan.nvext_only_selectors
+        self.engine, self.timed = ENGINE_DATA in plan.nvext_only_selectors, TIMING in plan.nvext_only_selectors
         self._choices: dict[int, _Choice] = {0: _Choice(self.ids, self.logprobs)}
         # With plan.finish_waits_for_usage: the finish chunk's nvext and engine_data arguments, to be
         # completed from the usage chunk (`complete_from_usage`) before the chunk goes out.
         self.pending: tuple[dict[str, Any], dict[str, Any] | None] | None = None
         self._echoed: set[Any] = set()  # choice indexes whose echoed prompt was put back
-
-    @property
-    def decode_every_chunk(self) -> bool:
-        """engine_data with logprobs, or with several choices to keep apart, reads every chunk."""
-        return self.engine and (self.logprobs is not None or not self.plan.single_choice)
-
-    @property
-    def needs_delta_ids(self) -> bool:
-        """The byte-level path must report a delta's ids to `delta_ids` (engine_data, or no first token yet)."""
-        return self.engine or self.ttft_ms is None
+        # engine_data with logprobs, or with several choices to keep apart, reads every chunk.
+        self.decode_every_chunk = self.engine and (self.logprobs is not None or not plan.single_choice)
 
     def delta_ids(self, event: bytes, start: int, end: int) -> None:
         """What `reshape` records from the only choice's listed ids, found by the byte-level path at
-        event[start:end]: the first-token time, the engine ids."""
+        event[start:end]: the first-token time (only `timing` reads it), the engine ids."""
         if end - start > 2:
-            if self.ttft_ms is None:
+            if self.timed and self.ttft_ms is None:
                 self.ttft_ms = self.clock.elapsed_ms()
             if self.engine:
                 self.ids.extend(_json.loads(event[start:end]))
@@ -305,14 +298,22 @@ class ChunkReshaper(PromptIds):
     def finish_first_choice(self, event: bytes, start: int, end: int) -> bytes | None:
         """What `reshape` records from choice 0's finish chunk (ids listed at event[start:end], nothing else
         read; see finish.serves), and the encoded `nvext` it adds; None, nothing recorded, once finished."""
+        parts = self.finish_parts()
+        if parts is None:
+            return None
+        self.delta_ids(event, start, end)
+        parts[1].finished = True
+        return b'{"completion_token_ids":' + event[start:end] + parts[0][: -len(b"}\n\n")]
+
+    def finish_parts(self) -> tuple[bytes, _Choice] | None:
+        """The bytes after choice 0's finish ids (its nvext's rest, the chunk's end) and state; None: finished."""
         state = self._choices[0]
         if state.finished:
             return None
-        self.delta_ids(event, start, end)
-        state.finished = True
-        encoded = self.encoded_prompt_ids()
-        prompt = b"" if encoded is None else b',"prompt_token_ids":' + encoded
-        return b'{"completion_token_ids":' + event[start:end] + prompt + b"}"
+        kept, ids = self._prompt_json, self._prompt_ids  # the prompt ids as `_json.dumps` writes them
+        if kept is None and ids is None:
+            return b"}}\n\n", state
+        return b',"prompt_token_ids":' + (_json.dumps(ids) if kept is None else kept) + b"}}\n\n", state
 
     def withhold_ids(self) -> None:
         """The byte-level path saw `token_ids: null` on the only choice (see `_reported_ids`)."""
@@ -368,7 +369,7 @@ class ChunkReshaper(PromptIds):
         delta_ids: list[int] | None = (
             delta if isinstance(delta, list) else None if "token_ids" in choice or plan.ids_withheld else []
         )
-        if delta_ids and self.ttft_ms is None:
+        if delta_ids and self.timed and self.ttft_ms is None:
             self.ttft_ms = self.clock.elapsed_ms()
         state = self.choice_state(choice.get("index"))
         if delta_ids is None:

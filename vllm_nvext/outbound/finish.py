@@ -8,7 +8,9 @@ re-encodes every other value as vLLM wrote it. So the chunk is served only when 
 keeps is one orjson writes the same way: the delta's learned prefix and a text of the splice's
 kind (`splice.kept_text`), then only `null`, plain ASCII strings and small integers under keys
 the general path leaves alone, and a list of small non-negative ids. Anything else is decoded.
-Same bytes: tests/unit/test_stream_layouts.py, test_stream.py and test_stream_send.py.
+Same bytes: tests/unit/test_stream_layouts.py, test_stream.py and test_stream_send.py. On the
+compiled path the send handed to vLLM serves it itself, with `finish_ids`' C twin
+(`_speedups.finish_ids`) and what `chunks.ChunkReshaper.finish_parts` hands it when it is armed.
 
 `first_chunk` serves, with the compiled scanner (`_speedups.plain_chunk`, which `send.py` hands
 `stream.StreamReshaper` on the compiled path), a decoded chunk's
@@ -51,19 +53,16 @@ _FIRST_CHOICE = b'{"index":0,'
 _TAIL_KEY = re.compile(rb'"([a-z_]+)":')
 # Keys the general path moves or nulls on a finish chunk when they hold a value: not before the text either.
 _MOVED = (b'"kv_transfer_params":', b'"prompt_token_ids":')
-
-
-def _held(prefix: bytes, key: bytes) -> bool:
-    """`key` holds something other than null in `prefix` (a key's quotes are never a string's)."""
-    at = prefix.find(key)
-    return at >= 0 and not prefix.startswith(b"null", at + len(key))
+_MAX_KEYS = 64  # a tail with more keys is refused (the compiled twin keeps as many)
 
 
 def _key_twice(event: bytes, tail: int) -> bool:
     """A key of the tail from `tail` on is written twice in it or also before it (a decode keeps the last
     value at the first key's place; anywhere before counts, a stricter check than per object)."""
     keys = _TAIL_KEY.findall(event, tail)
-    return len(set(keys)) != len(keys) or any(event.find(b'"' + key + b'":', 0, tail) >= 0 for key in keys)
+    if len(set(keys)) != len(keys) or len(keys) > _MAX_KEYS:
+        return True
+    return any(event.find(b'"' + key + b'":', 0, tail) >= 0 for key in keys)
 
 
 _LIST = ord("[")
@@ -81,13 +80,21 @@ def serves(plan: Plan) -> bool:
     )
 
 
-def finish_chunk(
-    event: bytes, prefix: bytes, finish_head: bytes, root_end: int, strip: bool, chunks: ChunkReshaper
-) -> bytes | None:
-    """The client's bytes for the finish chunk `event` of choice 0, or None (nothing recorded) to decode it.
+def finishes(prefix: bytes) -> bool:
+    """A splice with this prefix may serve finish chunks: it holds no value the finish moves (`_MOVED`)."""
+    for key in _MOVED:
+        at = prefix.find(key)  # a key's quotes are never a string's
+        if at >= 0 and not prefix.startswith(b"null", at + len(key)):
+            return False
+    return True
+
+
+def finish_ids(event: bytes, prefix: bytes, finish_head: bytes, root_end: int) -> tuple[int, int] | None:
+    """Where the ids of the finish chunk `event` of choice 0 sit, when `finish_chunk` serves it; None: decode it.
 
     `prefix`: the armed splice's bytes up to a delta's text; `finish_head`: its bytes from the
     text's closing quote to `"finish_reason":`; `root_end`: where `choices`' first element starts.
+    `_speedups.finish_ids` is its compiled twin (the compiled send's): tests/unit/test_stream_finish.py.
     """
     text = len(prefix)
     close = event.find(b'"', text)  # the splice's texts hold no quote: the first one closes it
@@ -100,9 +107,20 @@ def finish_chunk(
     ):
         return None
     m = _FINISH_TAIL.match(event, close + len(finish_head))
-    if m is None or any(_held(prefix, key) for key in _MOVED) or _key_twice(event, m.start()):
+    if m is None or _key_twice(event, m.start()):
         return None
-    start, end = m.span(1)
+    return m.span(1)
+
+
+def finish_chunk(
+    event: bytes, prefix: bytes, finish_head: bytes, root_end: int, strip: bool, chunks: ChunkReshaper
+) -> bytes | None:
+    """The client's bytes for the finish chunk `event` of choice 0, or None (nothing recorded) to decode it
+    (`finish_ids`, under a splice whose prefix `finishes`)."""
+    span = finish_ids(event, prefix, finish_head, root_end) if finishes(prefix) else None
+    if span is None:
+        return None
+    start, end = span
     nvext = chunks.finish_first_choice(event, start, end)
     if nvext is None:
         return None
@@ -112,8 +130,9 @@ def finish_chunk(
 
 def reshape_single(chunks: ChunkReshaper, obj: Any) -> bool | None:
     """`chunks.reshape(obj)` for a decoded chunk with one choice under a plan `serves` accepts, in fewer
-    steps; None (nothing done) for any other chunk. Same bytes: the stream tests above, whose general
-    path (`stream.DecodingStreamReshaper`) runs `ChunkReshaper.reshape` itself."""
+    steps (no first-token time: such a plan asks for no `timing`); None (nothing done) for any other chunk.
+    Same bytes: the stream tests above, whose general path (`stream.DecodingStreamReshaper`) runs
+    `ChunkReshaper.reshape` itself."""
     choices = obj.get("choices") if type(obj) is dict else None
     if type(choices) is not list or len(choices) != 1 or type(choices[0]) is not dict:
         return None
@@ -124,8 +143,6 @@ def reshape_single(chunks: ChunkReshaper, obj: Any) -> bool | None:
         chunks.prompt_ids = owner.get("prompt_token_ids")
     delta = choice.get("token_ids")
     ids = delta if isinstance(delta, list) else None if "token_ids" in choice or plan.ids_withheld else []
-    if ids and chunks.ttft_ms is None:
-        chunks.ttft_ms = chunks.clock.elapsed_ms()
     state = chunks.choice_state(choice.get("index"))
     if ids is None:
         state.withheld = True
@@ -165,10 +182,8 @@ def first_chunk(event: bytes, plan: Plan, chunks: ChunkReshaper, scan: Scanner) 
         return None  # another value where the general path reads ids: decoded
     if prompt_value[:1] == b"[":
         chunks.keep_prompt_json(prompt_value)  # plain: the bytes its decode encodes to (finish_first_choice)
-    if delta == b"null":
+    if delta == b"null":  # (listed ids are recorded only for engine_data or timing, which `serves` excludes)
         chunks.withhold_ids()
-    else:
-        chunks.delta_ids(event, ids, ids_end)  # the first token's time
     strip_ids = plan.strip_vllm_ids and ids >= 0 and delta != b"null"
     strip_prompt = plan.strip_vllm_ids and prompt >= 0 and prompt_value != b"null"
     if strip_prompt and completions and plan.vllm_sends_prompt_ids:
@@ -181,14 +196,3 @@ def first_chunk(event: bytes, plan: Plan, chunks: ChunkReshaper, scan: Scanner) 
         a, a_end = (ids, ids_end) if strip_ids else (prompt, prompt_end)
         return b"".join((event[:a], b"null", event[a_end:-_CHUNK_END], tail))
     return event[:-_CHUNK_END] + tail
-
-
-def served_finish(
-    prefix: bytes, finish_head: bytes, root_end: int, strip: bool, chunks: ChunkReshaper, event: bytes
-) -> bytes | None:
-    """`finish_chunk` for the compiled send (`_speedups.StreamSend`), which serves a finish chunk it gives
-    bytes for itself; None (anything unexpected included) hands the chunk to the general path."""
-    try:
-        return finish_chunk(event, prefix, finish_head, root_end, strip, chunks)
-    except Exception:  # the general path tries it again, and forwards the chunk unchanged if it fails again
-        return None

@@ -2,7 +2,7 @@
 
 `finish.first_chunk` keeps a plain first chunk's prompt ids as bytes (`keep_prompt_json`): a list
 `_json.dumps` writes back to the same bytes, so the byte-level finish chunk (`finish.finish_chunk`)
-copies them (`encoded_prompt_ids`) and only another reader (a decoded chunk, the general path)
+copies them (`chunks.ChunkReshaper.finish_parts`) and only another reader (a decoded chunk, the general path)
 decodes them. Same bytes as decoding them: tests/unit/test_stream_finish.py.
 """
 
@@ -39,8 +39,3 @@ class PromptIds:
         decode. Ids already known stay (the first report counts, as `ChunkReshaper.reshape` keeps it)."""
         if self._prompt_ids is None and self._prompt_json is None:
             self._prompt_json = value
-
-    def encoded_prompt_ids(self) -> bytes | None:
-        """The prompt ids as `_json.dumps` writes them, without a decode when they were kept; None: none."""
-        kept, ids = self._prompt_json, self._prompt_ids
-        return kept if kept is not None else None if ids is None else _json.dumps(ids)

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
 from typing import Any
 
 from .. import _json
 from ..plan import Plan
 from ..sse import EventFramer, data_payload
 from .chunks import ChunkReshaper
-from .finish import Scanner, finish_chunk, first_chunk, reshape_single, serves
+from .finish import Scanner, finish_chunk, finishes, first_chunk, reshape_single, serves
 from .nvext_values import Clock
 from .splice import Learner, Splice, checked_splice, kept_json
 
@@ -50,6 +49,9 @@ _LIST = ord("[")
 _NOT_JSON = object()
 
 
+# `StreamReshaper.arm_parts`: prefix, head, tail, mid, strip, trio, on_ids, usage root, finish.
+ArmParts = tuple[bytes, bytes, bytes, bytes, bool, bool, Any, bytes, "tuple[bytes, int, bytes, Any] | None"]
+
 # How many times a stream learns a splice (its first delta, then after a layout change).
 ARMINGS = 3
 
@@ -73,22 +75,23 @@ class StreamReshaper:
 
     __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "root", "splice", "_armings", "_head", "_tail",
                  "_held", "_waiting", "framed", "framed_events", "unchanged", "_renames", "_finishes",
-                 "_scan", "_learn")  # fmt: skip
+                 "_scan", "_learn", "_finish_head")  # fmt: skip
 
     def __init__(self, plan: Plan, clock: Clock, scan: Scanner | None = None, learn: Learner | None = None) -> None:
         self.chunks = ChunkReshaper(plan, clock)
-        self._scan = scan if serves(plan) else None  # lets a plain chunk skip its decode (finish.first_chunk)
+        self._finishes = finishes = serves(plan)  # single-choice shortcuts for the trio (finish.py)
+        self._scan = scan if finishes else None  # lets a plain chunk skip its decode (finish.first_chunk)
         self._learn = learn  # learns and checks the splice a delta teaches (None: `learn_splice`, here in Python)
         self._framer: EventFramer | None = None  # made for the first message that is not one whole event
         self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
         self._trio = plan.nvext_trio
-        self._finishes = serves(plan)  # single-choice shortcuts for the trio (finish.py)
         self._renames = bool(plan.error_params)  # the general path may rename an error in a chunk
         self._fast = False  # the byte-level path serves deltas once the first chunk was decoded
         # The bytes up to `"choices":[` of the chunk that armed the byte-level path: vLLM writes the
         # same root keys before `choices` on every chunk of a stream, and a delta must repeat them.
         self.root = b""
         self.splice: Splice | None = None  # serves mid-stream deltas once armed (see Splice)
+        self._finish_head: bytes | None = None  # the splice's finish_head when it may serve finish chunks
         self._armings = ARMINGS
         self._head = b""  # the bytes from finish_reason to the ids, and after them, of the last delta matched
         self._tail = b""
@@ -180,7 +183,8 @@ class StreamReshaper:
                 if start >= 0:
                     self.chunks.delta_ids(event, start, len(event) - len(splice.tail))
                     return splice.render(event, start)
-            if self._unchanged_usage_chunk(event):
+            lr = len(self.root)
+            if event[lr : lr + 1] == b"]" and self._unchanged_usage_chunk(event):
                 return None  # before the delta checks: `"choices":[]` holds no delta
             if splice is not None and (out := self._plain_finish(event, splice)) is not None:
                 return out
@@ -210,8 +214,13 @@ class StreamReshaper:
                     if self._armings and (splice is None or not event.startswith(splice.prefix)):
                         return self._arm(event, start, end)  # the first delta, or the layout changed
                 return self._delta(event, start, end)
-        elif self._scan is not None and self._waiting is None and (out := self._plain_first(event, self._scan)):
-            return out
+        elif self._scan is not None and self._waiting is None:
+            # The general path's bytes for a plain chunk without a decode (finish.first_chunk).
+            chunks = self.chunks
+            out = first_chunk(event, chunks.plan, chunks, self._scan)
+            if out is not None:  # and what the general path learns from a decoded chunk
+                self._fast = not chunks.decode_every_chunk and self._learn_root(event)
+                return out
         return self._decoded_event(event)
 
     def _only_choice(self, event: bytes, pos: int) -> bool:
@@ -221,17 +230,11 @@ class StreamReshaper:
         return event.startswith(self.root) and event.find(_FINISH_KEY, root) == pos and kept_json(event, root, pos)
 
     def _plain_finish(self, event: bytes, splice: Splice) -> bytes | None:
-        """The general path's bytes for a finish chunk (finish.finish_chunk); None: not served."""
-        if not self._finishes or splice.finish_head is None:
+        """The general path's bytes for a finish chunk (finish.finish_chunk); None: not served (and, without a
+        finish reason after the splice's prefix, not tried: finish.finish_ids finds one there or serves none)."""
+        if self._finish_head is None or event.find(b'"finish_reason":"', len(splice.prefix)) < 0:
             return None
-        return finish_chunk(event, splice.prefix, splice.finish_head, len(self.root), self._strip, self.chunks)
-
-    def _plain_first(self, event: bytes, scan: Scanner) -> bytes | None:
-        """The general path's bytes for a plain chunk without a decode (finish.first_chunk); None: not served."""
-        out = first_chunk(event, self.chunks.plan, self.chunks, scan)
-        if out is not None:  # what the general path learns from a decoded chunk
-            self._fast = not self.chunks.decode_every_chunk and self._learn_root(event)
-        return out
+        return finish_chunk(event, splice.prefix, self._finish_head, len(self.root), self._strip, self.chunks)
 
     def _arm(self, event: bytes, start: int, end: int) -> bytes:
         """Serve a mid-stream delta by the byte-level path, and arm the splice it teaches if that reproduces it.
@@ -242,35 +245,46 @@ class StreamReshaper:
         without decoding the delta; the stream tests run the armed splice against the decoding path.
         """
         self._armings -= 1
-        self.splice = None
+        self.splice = splice = None
         new = self._delta(event, start, end)
         out = event if new is None else new
         learn = self._learn
         if learn is None:
-            self.splice = checked_splice(event, start, end, self._strip, self._trio, out)
+            self.splice = splice = checked_splice(event, start, end, self._strip, self._trio, out)
         elif (parts := learn(event, start, end, self._strip, self._trio, out)) is not None:
-            self.splice = Splice(*parts, self._strip, self._trio)
+            self.splice = splice = Splice(*parts, self._strip, self._trio)
+        self._finish_head = None  # the finish chunks it may serve (finish.finish_chunk)
+        if splice is not None and self._finishes and splice.finish_head is not None and finishes(splice.prefix):
+            self._finish_head = splice.finish_head
         return out
 
-    @property
-    def armed(self) -> bool:
-        """The next message may be served by the splice alone: nothing held back, nothing waiting."""
-        return self.splice is not None and self._fast and not self._held and self._waiting is None
-
-    @property
-    def on_ids(self) -> Callable[[bytes, int, int], None] | None:
-        """What a delta served by the splice is reported to (`ChunkReshaper.delta_ids`); None: nothing to record."""
+    def arm_parts(self) -> ArmParts | None:
+        """What the send handed to vLLM is armed with (`send.Arm`'s arguments after the metrics' two): the splice's
+        parts, what a delta's ids are reported to, the root of a usage chunk that goes out as it came (b"": none
+        does), and (finish.finish_chunk's bytes) the finish head, where `choices`' first element starts and
+        `ChunkReshaper.finish_parts`, or None. None: not armed, the next message may not be served by the
+        splice alone (something held back or waiting)."""
+        splice = self.splice
+        if splice is None or not self._fast or self._held or self._waiting is not None:
+            return None
         chunks = self.chunks
-        return chunks.delta_ids if chunks.needs_delta_ids else None
+        finish = None
+        if self._finish_head is not None and (parts := chunks.finish_parts()) is not None:
+            finish = (self._finish_head, len(self.root), *parts)
+        usage_root = b"" if self._renames else self.root  # the general path may rename an error in it
+        strip, trio = self._strip, self._trio
+        on_ids = chunks.delta_ids if chunks.engine or (chunks.timed and chunks.ttft_ms is None) else None
+        return splice.prefix, splice.head, splice.tail, splice.mid, strip, trio, on_ids, usage_root, finish
 
     def _delta(self, event: bytes, start: int, end: int) -> bytes | None:
         """A mid-stream delta whose ids (a list, or null) sit at event[start:end]."""
         ids = event[start:end]
         listed = ids[0] == _LIST  # else null: vLLM withheld the ids, which stay unreported
+        chunks = self.chunks
         if not listed:
-            self.chunks.withhold_ids()
-        else:
-            self.chunks.delta_ids(event, start, end)
+            chunks.withhold_ids()
+        elif chunks.engine or chunks.timed:  # else nothing reads a delta's ids
+            chunks.delta_ids(event, start, end)
         strip = self._strip and listed  # vLLM's copy goes back to null, an empty one too
         if self._trio:
             return b"".join(
