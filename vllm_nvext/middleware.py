@@ -13,6 +13,7 @@ import asyncio
 import logging
 import sys
 import time
+from collections.abc import Awaitable
 from functools import partial
 from typing import Any
 
@@ -232,7 +233,17 @@ class _Exchange:
             set_header(self.scope, b"content-length", str(len(body)).encode())
         for name, value in plan.headers:
             set_header(self.scope, name, value, replace=False)
-        await self._forward_planned(endpoint, plan, mode, body, request.data.get("model"))
+        reshaping = self._reshaping(endpoint, plan, mode, request.data.get("model"))
+        # vLLM's app is awaited here, not in a coroutine of its own: every time the app resumes (each
+        # token of a stream) it passes through one frame of ours less.
+        receive = replay_body(body, self.receive)
+        if reshaping is None:
+            await self.app(self.scope, receive, self.send)
+            return
+        try:
+            await self.app(self.scope, receive, reshaping.app_send)
+        finally:
+            reshaping.count_stream()  # also for a stream the client cut short
 
     async def _read_body(self, declared_length: int) -> tuple[bytes, bool] | None:
         """The whole body and whether it opts in; None once it was answered, passed on or abandoned.
@@ -282,27 +293,22 @@ class _Exchange:
             set_header(self.scope, name, value, replace=False)
         return body
 
-    async def _forward(self, body: bytes | None) -> None:
-        """To vLLM as the client sent it (`body` once read, else the client's own stream), answer untouched."""
+    def _forward(self, body: bytes | None) -> Awaitable[None]:
+        """To vLLM as the client sent it (`body` once read, else the client's own stream), answer untouched:
+        vLLM's app, for the caller to await (no coroutine of ours between the two)."""
         metrics.REQUESTS[self.endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN].inc()
-        await self.app(self.scope, self.receive if body is None else replay_body(body, self.receive), self.send)
+        return self.app(self.scope, self.receive if body is None else replay_body(body, self.receive), self.send)
 
-    async def _forward_planned(self, endpoint: Endpoint, plan: Plan, mode: Mode, body: bytes, model: Any) -> None:
-        """To vLLM with the plan's body; its answer reshaped as the plan says."""
+    def _reshaping(self, endpoint: Endpoint, plan: Plan, mode: Mode, model: Any) -> ReshapingSend | None:
+        """The request counted; the send that reshapes vLLM's answer as the plan says (None: it goes out as is)."""
         metrics.REQUESTS[endpoint, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY].inc()
-        receive = replay_body(body, self.receive)
         if not plan.reshapes_response:
-            await self.app(self.scope, receive, self.send)
-            return
+            return None
         decode_echo = None
         # No echo (the common case): no generator entered.
         if plan.echo_prompts and any(not isinstance(p, str) for p in plan.echo_prompts):
             decode_echo = partial(self._decode_echo_prompts, model=model)
-        reshaping = ReshapingSend(plan, Clock(*self.arrived), self.send, self.stream_send, endpoint, decode_echo)
-        try:
-            await self.app(self.scope, receive, reshaping.app_send)
-        finally:
-            reshaping.count_stream()  # also for a stream the client cut short
+        return ReshapingSend(plan, Clock(*self.arrived), self.send, self.stream_send, endpoint, decode_echo)
 
     async def _agent_route(self, route: AgentRoute, body: bytes, found: bool, headers: RequestHeaders) -> None:
         """/v1/responses and /v1/messages (docs/protocol.md §11)."""
