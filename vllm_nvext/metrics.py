@@ -13,6 +13,7 @@ no prompt, id or other client-supplied string ever becomes one. Pure: nothing he
 from __future__ import annotations
 
 import threading
+from functools import partial
 from typing import Any
 
 from .config import MODE_HEADER
@@ -54,6 +55,29 @@ class _Noop:
 
 
 _NOOP = _Noop()
+
+
+class _One:
+    """A counter child's `inc()` by one, through `_adder`."""
+
+    __slots__ = ("inc",)
+
+    def __init__(self, add: Any) -> None:
+        self.inc = partial(add, 1)
+
+
+def _adder(child: Any) -> Any:
+    """`child.inc(amount)` for a non-negative amount, entering one function of prometheus_client's
+    instead of four: a plain Counter's child (its labels set, no exemplar) checks only what is always
+    so here, then adds to its value (`MutexValue`, or the multiprocess file's value), which is what
+    this returns. Any other child (another prometheus_client, `_NOOP`): its own `inc`."""
+    add = getattr(getattr(child, "_value", None), "inc", None)
+    if _COUNTER_INC is not None and getattr(type(child), "inc", None) is _COUNTER_INC and callable(add):
+        return add
+    return child.inc
+
+
+_COUNTER_INC: Any = None  # prometheus_client.Counter.inc, once imported
 
 
 class _Counters:
@@ -101,6 +125,8 @@ def _counters() -> _Counters | None:
             except ImportError:
                 _disabled = True
                 return None
+            global _COUNTER_INC
+            _COUNTER_INC = getattr(Counter, "inc", None)
             _state = _Counters(Counter)
     return _state
 
@@ -154,7 +180,7 @@ class _RequestCounters(dict[tuple[Any, Any, Any, str], Any]):
 
     def __missing__(self, key: tuple[Any, Any, Any, str]) -> Any:
         state = _counters()
-        child = _NOOP if state is None else state.requests.labels(*map(_label, key))
+        child = _NOOP if state is None else _One(_adder(state.requests.labels(*map(_label, key))))
         self[key] = child
         return child
 
@@ -188,7 +214,7 @@ def count_refusal(param: str | None, status: int) -> None:
         state.refusals.labels(refusal_param(param), str(status)).inc()
 
 
-_reshaping: dict[tuple[Any, str], tuple[Any, Any, Any]] = {}
+_reshaping: dict[tuple[Any, str], tuple[Any, ...]] = {}  # the three counters' adders by (endpoint, kind)
 
 
 def count_reshaping(endpoint: Any, kind: str, events: int, seconds: float, unchanged: int = 0) -> None:
@@ -197,17 +223,17 @@ def count_reshaping(endpoint: Any, kind: str, events: int, seconds: float, uncha
     if children is None:
         state = _counters()
         if state is None:
-            children = (_NOOP, _NOOP, _NOOP)
+            children = (_NOOP.inc, _NOOP.inc, _NOOP.inc)
         else:
             labels = (_label(endpoint), kind)
-            children = (state.events.labels(*labels), state.seconds.labels(*labels), state.unchanged.labels(*labels))
+            children = tuple(_adder(c.labels(*labels)) for c in (state.events, state.seconds, state.unchanged))
         _reshaping[(endpoint, kind)] = children
-    if events:
-        children[0].inc(events)
+    if events > 0:
+        children[0](events)
     if seconds > 0:
-        children[1].inc(seconds)
-    if unchanged:
-        children[2].inc(unchanged)
+        children[1](seconds)
+    if unchanged > 0:
+        children[2](unchanged)
 
 
 class StreamTally:

@@ -426,3 +426,38 @@ async def test_invocations_is_labelled_by_its_route_on_every_counter(name):
     assert got[request_sample("invocations", "nvext", "auto", _kind(rec))] == 1
     assert got[sample("reshaped_events", endpoint="invocations", kind=_kind(rec))] >= 1
     assert {dict(labels)["endpoint"] for _, labels in got} == {"invocations"}, "never chat or completions"
+
+
+def test_the_short_increment_adds_what_prometheus_clients_own_adds():
+    """`metrics._adder` (the counter's value's own `inc`, past prometheus_client's per-call checks)
+    leaves the same exposition as `child.inc`, and any other child keeps its own `inc`."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    metrics._counters()  # prometheus_client imported: the short path known
+    exposed = []
+    for short in (False, True):
+        registry = CollectorRegistry()
+        counter = Counter("nvext_test_adds", "test", ["kind"], registry=registry)
+        child = counter.labels("stream")
+        add = metrics._adder(child) if short else child.inc
+        for amount in (1, 3, 0.25):
+            add(amount)
+        exposed.append([line for line in generate_latest(registry).splitlines() if b"_created" not in line])
+    assert exposed[0] == exposed[1]  # but the creation time
+    assert b'nvext_test_adds_total{kind="stream"} 4.25' in exposed[0]
+    assert metrics._adder(counter.labels("stream")) is not counter.labels("stream").inc, "the short path is taken"
+
+    class Other:
+        def inc(self, amount: float = 1) -> None:
+            pass
+
+    other = Other()
+    assert metrics._adder(other) == other.inc
+
+
+def test_a_negative_count_is_never_added():
+    """A counter only grows: an end-of-response count below zero adds nothing (prometheus_client's
+    own check raised there)."""
+    before = scrape()
+    metrics.count_reshaping(Endpoint.CHAT, metrics.STREAM, -1, -0.5, -2)
+    assert delta(before) == {}
