@@ -366,7 +366,8 @@ finish_span(const char *b, Py_ssize_t n, const char *prefix, Py_ssize_t lp, cons
     if (n < lp || memcmp(b, prefix, lp) != 0 || root_end < 0 || root_end + 11 > n
         || memcmp(b + root_end, "{\"index\":0,", 11) != 0)
         return 0;
-    const char *q = memchr(b + lp, '"', n - lp); /* the splice's texts hold no quote: the first one closes it */
+    /* the first quote: the text's end unless escaped (a text holding `\"`), which kept_text then refuses */
+    const char *q = memchr(b + lp, '"', n - lp);
     if (q == NULL)
         return 0;
     Py_ssize_t close = q - b;

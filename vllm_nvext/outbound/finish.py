@@ -97,13 +97,13 @@ def finish_ids(event: bytes, prefix: bytes, finish_head: bytes, root_end: int) -
     `_speedups.finish_ids` is its compiled twin (the compiled send's): tests/unit/test_stream_finish.py.
     """
     text = len(prefix)
-    close = event.find(b'"', text)  # the splice's texts hold no quote: the first one closes it
+    close = event.find(b'"', text)  # the first quote: the text's end unless escaped (then kept_text refuses)
     if (
         close < 0
         or not event.startswith(prefix)
         or not event.startswith(_FIRST_CHOICE, root_end)
         or not event.startswith(finish_head, close)
-        or not kept_text(event, text, close)  # and a backslash before the quote: refused (escaped)
+        or not kept_text(event, text, close)  # refuses a text whose last backslash escapes that quote
     ):
         return None
     m = _FINISH_TAIL.match(event, close + len(finish_head))
