@@ -142,6 +142,7 @@ class NvextMiddleware:
         body_request_id = facts.paths_from_request_ids and request_id is None  # vLLM takes the body's `request_id`
         arrived = (time.time(), time.perf_counter())  # when the request came, before its body (nvext `timing`)
         whole = None  # the body, when it came in one message, opts in and is read as JSON
+        headers = None  # its headers, once read (`_Exchange.run` reads them otherwise)
         if not body_request_id and not self.settings.strip_kv_remote_address:
             # Only the opt-in keys make this body one to read: one that comes whole is scanned here
             # (`optin.opts_in_whole`, the verdict of `_Exchange._read_body`'s scan), and goes on to
@@ -150,7 +151,7 @@ class NvextMiddleware:
             if message["type"] == "http.request" and not message.get("more_body", False):
                 body = message.get("body", b"")
                 whole = body if type(body) is bytes else bytes(body)
-                if not opts_in_whole(whole) or not RequestHeaders.read(scope).json_body:
+                if not opts_in_whole(whole) or not (headers := RequestHeaders.read(scope)).json_body:
                     metrics.REQUESTS[endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN].inc()
                     await self.app(scope, replay_body(whole, receive), send)
                     return
@@ -160,7 +161,7 @@ class NvextMiddleware:
         exchange.serve_messages = self.serve_messages
         exchange.body_request_id = body_request_id
         exchange.hides_reasoning_ids = facts.hides_reasoning_ids
-        await exchange.run(whole)
+        await exchange.run(whole, headers)
 
 
 class _Exchange:
@@ -192,12 +193,14 @@ class _Exchange:
         self.body_request_id = False  # the body's `request_id` must be a plain name
         self.hides_reasoning_ids = False  # the server withholds ids (`_vllm_compat.hides_reasoning_ids`)
 
-    async def run(self, whole: bytes | None = None) -> None:
+    async def run(self, whole: bytes | None = None, headers: RequestHeaders | None = None) -> None:
         """One request, top-down: its headers and body, the plan, then vLLM, whose answer is reshaped.
 
-        `whole`: the body, already received in one message and found to opt in (JSON by its type).
+        `whole`: the body, already received in one message and found to opt in (JSON by its type);
+        `headers`: the request's headers, when they were read for it (read here otherwise).
         """
-        headers = RequestHeaders.read(self.scope)
+        if headers is None:
+            headers = RequestHeaders.read(self.scope)
         read: tuple[bytes, bool] | None
         if whole is not None:
             read = (whole, True) if len(whole) <= self.settings.max_body_bytes else None
