@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import email.message
 import itertools
+import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +54,13 @@ class RequestHeaders:
             elif name == b"x-data-parallel-rank":
                 dp_rank = value if dp_rank is None else dp_rank
             elif name == b"content-length":
-                content_length = int(value) if value.isdigit() else -1
+                if not value.isdigit():
+                    content_length = -1
+                elif len(value) <= 18:
+                    content_length = int(value)
+                else:  # `int` refuses over 4300 digits: past 18 significant ones, more than any cap
+                    digits = value.lstrip(b"0")
+                    content_length = int(digits or b"0") if len(digits) <= 18 else sys.maxsize
         headers = cls()  # no `__init__` of its own (one function per request): every field is set here
         headers.content_type = content_type
         headers.content_length = content_length

@@ -129,6 +129,38 @@ async def test_the_cap_is_enforced_without_a_content_length():
     assert error["code"] == 413 and "1000" in error["message"]
 
 
+@pytest.mark.parametrize("length", [b"9" * 5000, b"0" * 4990 + b"1234", b"0" * 30])
+@pytest.mark.parametrize("pieces", [1, 2])
+async def test_a_content_length_of_thousands_of_digits_is_read_not_a_500(length, pieces):
+    """A Content-Length longer than `int` reads (4300 digits) is a number all the same: past 18
+    significant digits larger than any cap, its leading zeros ignored. The request is answered as
+    with any other length (a server in front may refuse such a header; the middleware never 500s):
+    a body in pieces declared larger than the cap gets the 413 of any such body."""
+    rec = recording("chat_unary_ids")
+    upstream = Upstream(body=rec.body)
+    body = _nvext_body(rec)
+    parts = [body] if pieces == 1 else [body[:10], body[10:]]
+    messages = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1} for i, p in enumerate(parts)]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message):
+        sent.append(message)
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", length)]
+    await NvextMiddleware(upstream, settings=Settings())(_scope(rec.path, headers), receive, send)
+    if pieces == 2 and length.startswith(b"9"):
+        assert sent[0]["status"] == 413
+        assert "byte limit" in json.loads(sent[1]["body"])["error"]["message"]
+        return
+    assert sent[0]["status"] == 200 and upstream.calls == 1
+    assert b'"nvext"' not in upstream.received  # the request was read and rewritten, not passed on
+    assert json.loads(sent[1]["body"])["nvext"]["completion_token_ids"]
+
+
 async def test_a_unary_answer_in_several_messages_is_reshaped_whole():
     rec = recording("completions_unary_ids")
     cuts = tuple(range(1, len(rec.body), max(1, len(rec.body) // 7)))
