@@ -363,7 +363,8 @@ static int
 finish_span(const char *b, Py_ssize_t n, const char *prefix, Py_ssize_t lp, const char *fh, Py_ssize_t lf,
             Py_ssize_t root_end, Py_ssize_t *start, Py_ssize_t *end)
 {
-    if (n < lp || memcmp(b, prefix, lp) != 0 || root_end < 0 || root_end + 11 > n
+    /* root_end comes from the caller, any Py_ssize_t: compared without the sum that could overflow */
+    if (n < lp || memcmp(b, prefix, lp) != 0 || root_end < 0 || root_end > n - 11
         || memcmp(b + root_end, "{\"index\":0,", 11) != 0)
         return 0;
     /* the first quote: the text's end unless escaped (a text holding `\"`), which kept_text then refuses */

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from typing import Any
 
 import orjson
@@ -263,6 +265,38 @@ def test_the_two_finish_scanners_agree_on_any_finish_chunk(data):
         event = event[:at] + data.draw(st.sampled_from(_PIECES), label="piece") + event[at + cut :]
     twin = _compiled_finish_ids()
     assert twin(event, prefix, head, root_end) == finish_ids(event, prefix, head, root_end), repr(event)
+
+
+_FAR_ROOT_ENDS = [(1 << 63) - 1, (1 << 63) - 11, (1 << 63) - 12, 1 << 62]
+
+
+def test_a_root_end_past_the_chunk_serves_no_finish_chunk():
+    """A root end past the chunk's end, however far (sizes near the largest Py_ssize_t included), serves
+    nothing: the compiled scanner and the compiled send agree with `finish_ids` instead of reading far past
+    the chunk (a crash). Run in a child process, which such a read kills."""
+    rec = _recording("chat_stream_ids", "0.33")
+    events = _events(rec.body)
+    prefix, head, _ = _armed_parts(rec, events)
+    finish = events[_finish_at(events)]
+    _compiled_finish_ids()
+    for root_end in _FAR_ROOT_ENDS:
+        assert finish_ids(finish, prefix, head, root_end) is None
+    script = f"""
+from vllm_nvext import _speedups
+event, prefix, head = {finish!r}, {prefix!r}, {head!r}
+print([_speedups.finish_ids(event, prefix, head, r) for r in {_FAR_ROOT_ENDS!r}])
+class State:
+    finished = False
+for r in {_FAR_ROOT_ENDS!r}:
+    general, downstream = [], []
+    send = _speedups.StreamSend(general.append, downstream.append)
+    send.arm(1 << 62, None, prefix, b"x", b"y", b"", True, True, None, b"", (head, r, b"}}}}\\n\\n", State()))
+    send({{"type": "http.response.body", "body": event, "more_body": True}})
+    print(len(general), len(downstream))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"the compiled finish scanner crashed: {done.returncode} {done.stderr[-2000:]}"
+    assert done.stdout.split("\n")[:-1] == [str([None] * len(_FAR_ROOT_ENDS))] + ["1 0"] * len(_FAR_ROOT_ENDS)
 
 
 def test_a_finish_chunk_the_compiled_send_cannot_record_goes_to_the_general_path():
