@@ -560,20 +560,26 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
         goto count;
     }
     Py_ssize_t end = n - PyBytes_Size(self->tail);
+    /* The splice this delta matched, held across the call below (which could arm the send anew):
+       the delta is served by the parts it was matched against. */
+    PyObject *mid_bytes = self->mid;
+    int strip = self->strip, trio = self->trio;
     Py_INCREF(body); /* the message's body is replaced below */
+    Py_INCREF(mid_bytes);
     if (self->on_ids != Py_None) {
         PyObject *r = PyObject_CallFunction(self->on_ids, "Onn", body, start, end);
         if (r == NULL) {
             Py_DECREF(body);
+            Py_DECREF(mid_bytes);
             return NULL;
         }
         Py_DECREF(r);
     }
     PyObject *out = NULL;
-    const char *mid = PyBytes_AsString(self->mid);
-    Py_ssize_t lm = PyBytes_Size(self->mid);
-    if (self->trio) {
-        Py_ssize_t cut = self->strip ? start : end, ids = end - start;
+    const char *mid = PyBytes_AsString(mid_bytes);
+    Py_ssize_t lm = PyBytes_Size(mid_bytes);
+    if (trio) {
+        Py_ssize_t cut = strip ? start : end, ids = end - start;
         out = PyBytes_FromStringAndSize(NULL, cut + lm + ids + 4);
         if (out != NULL) {
             char *o = PyBytes_AsString(out);
@@ -583,7 +589,7 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
             memcpy(o + cut + lm + ids, "}}\n\n", 4);
         }
     }
-    else if (self->strip) {
+    else if (strip) {
         out = PyBytes_FromStringAndSize(NULL, start + lm);
         if (out != NULL) {
             char *o = PyBytes_AsString(out);
@@ -596,6 +602,7 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
         out = body; /* neither: the delta goes out as vLLM wrote it */
     }
     Py_DECREF(body);
+    Py_DECREF(mid_bytes);
     if (out == NULL)
         return NULL;
     int failed = PyDict_SetItem(message, s_body, out);

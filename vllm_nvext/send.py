@@ -83,13 +83,13 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
                     and not body[start + 1 : end - 1].strip(_ID_BYTES)
                 ):
                     return general(message)
-                if on_ids is not None:
-                    on_ids(body, start, end)
-                if trio:
+                if trio:  # the delta written before its ids are reported: by the splice it matched
                     ids = body[start:end]
                     message["body"] = b"".join((body[:start] if strip else body[:end], mid, ids, b"}}\n\n"))
                 elif strip:
                     message["body"] = body[:start] + mid
+                if on_ids is not None:
+                    on_ids(body, start, end)
             elif type(body) is not bytes or (body != b"data: [DONE]\n\n" and not _is_usage(body, root, lr)):
                 return general(message)
             if t0 and tally_add is not None:

@@ -10,6 +10,7 @@ finish chunk for the same choice.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -353,3 +354,34 @@ def test_long_prompt_ids_reach_the_finish_chunk_as_the_general_path_writes_them(
     want = b"".join(general.feed(e) for e in events) + general.flush()
     assert got == want, _first_difference(got, want)
     assert orjson.loads(got.split(b"\n\n")[finish][6:])["nvext"]["prompt_token_ids"] == owner["prompt_token_ids"]
+
+
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_a_delta_is_served_by_the_splice_it_matched_even_if_the_send_is_armed_anew_meanwhile(path):
+    """A send reports a delta's ids (`on_ids`) while it serves the delta: a call back that arms the send
+    anew (other parts) changes later deltas, never the bytes of the one it was called for (both sends)."""
+    rec = _recording("chat_stream_ids_long", "0.33")
+    events = _events(rec.body)
+    reshaper = StreamReshaper(_plan(rec, Mode.NVEXT, ["completion_token_ids"]), Clock())
+    for event in events[:3]:
+        reshaper.feed(event)
+    parts = reshaper.arm_parts()
+    assert parts is not None
+    delta = events[4]
+    expected = StreamReshaper(_plan(rec, Mode.NVEXT, ["completion_token_ids"]), Clock())
+    for event in events[:4]:
+        expected.feed(event)
+    want = expected.feed(delta)
+    send_type = STREAM_SENDS[path] if path == "python" else _scanner(True) and STREAM_SENDS["c"]
+    assert send_type is not None
+    downstream: list[bytes] = []
+    send, arm, _, _ = send_type(lambda m: None, lambda m: downstream.append(m["body"]))
+    other = (parts[0], parts[1], parts[2], b"OTHER" * 40, not parts[4], not parts[5], None, *parts[7:])
+
+    def rearm(event: bytes, start: int, end: int) -> None:
+        arm(1 << 62, None, *other)
+        gc.collect()
+
+    arm(1 << 62, None, *parts[:6], rearm, *parts[7:])
+    send({"type": "http.response.body", "body": delta, "more_body": True})
+    assert downstream == [want], "the delta's bytes are the splice's it matched"
