@@ -12,11 +12,11 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from prometheus_client import REGISTRY
 
 from tests.unit.asgi import Upstream, call
+from tests.unit.test_metrics import scrape
 from tests.unit.test_request_fidelity import PLAIN_NVEXT, hazardous_bodies, nvext_bodies
-from vllm_nvext import NvextMiddleware, Settings, _vllm_compat, metrics
+from vllm_nvext import NvextMiddleware, Settings, _vllm_compat
 from vllm_nvext.inbound import fields, nvext_schema
 from vllm_nvext.inbound import request as request_module
 from vllm_nvext.protocol import Endpoint
@@ -42,23 +42,14 @@ SERVERS = {
 }
 
 
-def _scrape() -> dict[Any, float]:
-    out = {}
-    for family in REGISTRY.collect():
-        for s in family.samples:
-            if s.name.startswith(metrics.PREFIX) and s.name.endswith("_total"):
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
 def _through(
     body: bytes, path: str, headers: list[tuple[bytes, bytes]], cuts: list[int], server: Any, **opts: Any
 ) -> Any:
     upstream = Upstream(body=b'{"id":"x","choices":[]}')
     app = NvextMiddleware(upstream, settings=Settings(**opts))
-    before = _scrape()
+    before = scrape()
     result = asyncio.run(call(app, path, body, headers=headers, request_cuts=cuts, app_state=server))
-    after = _scrape()
+    after = scrape()
     counted = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
     counted = {k: (v > 0 if "seconds" in k[0] else v) for k, v in counted.items()}  # a time: only that one was added
     sent = [(n, v) for n, v in upstream.received_headers]
