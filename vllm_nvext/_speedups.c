@@ -564,7 +564,12 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
         PyObject *r = PyObject_CallFunction(self->on_ids, "Onn", body, start, end);
         if (r == NULL) {
             Py_DECREF(body);
-            return NULL;
+            if (!PyErr_ExceptionMatches(PyExc_Exception))
+                return NULL;
+            /* ids a decode refuses (send.python_stream_send): the general path forwards the delta unchanged and
+               counts it, as it does without the armed send */
+            PyErr_Clear();
+            goto general;
         }
         Py_DECREF(r);
     }

@@ -81,10 +81,9 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
                     and kept_text(body, lp, h)
                     and body[end - 1] == 93  # ]
                     and not body[start + 1 : end - 1].strip(_ID_BYTES)
+                    and (on_ids is None or _reported(on_ids, body, start, end))
                 ):
                     return general(message)
-                if on_ids is not None:
-                    on_ids(body, start, end)
                 if trio:
                     ids = body[start:end]
                     message["body"] = b"".join((body[:start] if strip else body[:end], mid, ids, b"}}\n\n"))
@@ -114,6 +113,16 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
         return left
 
     return send, arm, disarm, countdown
+
+
+def _reported(on_ids: Callable[[bytes, int, int], None], body: bytes, start: int, end: int) -> bool:
+    """`on_ids` recorded the delta's ids; False: it refused them (ids a decode refuses), and the delta goes to the
+    general path, which forwards it unchanged and counts it (the compiled send does the same)."""
+    try:
+        on_ids(body, start, end)
+    except Exception:
+        return False
+    return True
 
 
 def _is_usage(body: bytes, root: bytes, lr: int) -> bool:
