@@ -571,7 +571,12 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
         if (r == NULL) {
             Py_DECREF(body);
             Py_DECREF(mid_bytes);
-            return NULL;
+            if (!PyErr_ExceptionMatches(PyExc_Exception))
+                return NULL;
+            /* ids a decode refuses (send.python_stream_send): the general path forwards the delta unchanged and
+               counts it, as it does without the armed send */
+            PyErr_Clear();
+            goto general;
         }
         Py_DECREF(r);
     }

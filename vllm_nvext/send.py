@@ -88,8 +88,8 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
                     message["body"] = b"".join((body[:start] if strip else body[:end], mid, ids, b"}}\n\n"))
                 elif strip:
                     message["body"] = body[:start] + mid
-                if on_ids is not None:
-                    on_ids(body, start, end)
+                if on_ids is not None and not _reported(on_ids, message, body, start, end):
+                    return general(message)  # ids a decode refuses: the delta as it came
             elif type(body) is not bytes or (body != b"data: [DONE]\n\n" and not _is_usage(body, root, lr)):
                 return general(message)
             if t0 and tally_add is not None:
@@ -114,6 +114,18 @@ def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Messa
         return left
 
     return send, arm, disarm, countdown
+
+
+def _reported(on_ids: Callable[[bytes, int, int], None], message: Message, body: bytes, start: int, end: int) -> bool:
+    """`on_ids` recorded the delta's ids; False: it refused them (ids a decode refuses), and the message holds
+    the delta as it came again, for the general path, which forwards it unchanged and counts it (the compiled
+    send does the same)."""
+    try:
+        on_ids(body, start, end)
+    except Exception:
+        message["body"] = body
+        return False
+    return True
 
 
 def _is_usage(body: bytes, root: bytes, lr: int) -> bool:
