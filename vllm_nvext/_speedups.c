@@ -283,6 +283,25 @@ fs_is(const char *b, Py_ssize_t at, Py_ssize_t len, const char *name)
     return (size_t)len == strlen(name) && memcmp(b + at, name, (size_t)len) == 0;
 }
 
+/* An id (0, or up to 15 digits without a leading zero: finish._ID) at b[i]: the index past it, or -1.
+   The integers of the finish tail, of a list of ids and of a plain chunk are read by it. */
+static Py_ssize_t
+id_end(const char *b, Py_ssize_t i, Py_ssize_t n)
+{
+    Py_ssize_t first = i;
+    if (i >= n)
+        return -1;
+    if (b[i] == '0')
+        return i + 1;
+    if (b[i] < '1' || b[i] > '9')
+        return -1;
+    while (i < n && b[i] >= '0' && b[i] <= '9')
+        i++;
+    return i - first <= 15 ? i : -1;
+}
+
+static Py_ssize_t pc_string(const char *b, Py_ssize_t i, Py_ssize_t n);
+
 /* A kept member of the finish tail (finish._KEPT_KEY) at b[i]: `,"name":` and null under a key the general
    path neither reads nor writes, or a string of printable ASCII without escapes or an integer of at most 15
    digits under one it does not move either. The index past it (its name's place in *at, *len), or -1. */
@@ -303,26 +322,11 @@ fs_kept(const char *b, Py_ssize_t i, Py_ssize_t n, Py_ssize_t *at, Py_ssize_t *l
     if (v >= n || fs_is(b, a, l, "prompt_token_ids") || fs_is(b, a, l, "kv_transfer_params")
         || fs_is(b, a, l, "index"))
         return -1;
-    if (b[v] == '"') {
-        for (v++; v < n; v++) {
-            unsigned char c = (unsigned char)b[v];
-            if (c == '"')
-                return v + 1;
-            if (c < 0x20 || c > 0x7e || c == '\\')
-                return -1;
-        }
-        return -1;
-    }
-    if (b[v] == '0')
-        return v + 1;
-    if (b[v] == '-')
-        v++;
-    Py_ssize_t first = v;
-    if (v >= n || b[v] < '1' || b[v] > '9')
-        return -1;
-    while (v < n && b[v] >= '0' && b[v] <= '9')
-        v++;
-    return v - first <= 15 ? v : -1;
+    if (b[v] == '"')
+        return pc_string(b, v, n); /* printable ASCII without escapes, as a plain chunk's strings */
+    if (b[v] == '-' && (++v >= n || b[v] == '0'))
+        return -1; /* -0: orjson writes 0 */
+    return id_end(b, v, n);
 }
 
 /* A list of ids (finish._ID: 0, or up to 15 digits without a leading zero) at b[i]: the index past it, or -1. */
@@ -335,20 +339,8 @@ fs_ids(const char *b, Py_ssize_t i, Py_ssize_t n)
     if (i < n && b[i] == ']')
         return i + 1;
     for (;;) {
-        Py_ssize_t first = i;
-        if (i >= n)
-            return -1;
-        if (b[i] == '0')
-            i++;
-        else if (b[i] >= '1' && b[i] <= '9') {
-            while (i < n && b[i] >= '0' && b[i] <= '9')
-                i++;
-            if (i - first > 15)
-                return -1;
-        }
-        else
-            return -1;
-        if (i >= n)
+        i = id_end(b, i, n);
+        if (i < 0 || i >= n)
             return -1;
         if (b[i] == ']')
             return i + 1;
@@ -1063,24 +1055,12 @@ pc_string(const char *b, Py_ssize_t i, Py_ssize_t n)
 static Py_ssize_t
 pc_number(const char *b, Py_ssize_t i, Py_ssize_t n)
 {
-    Py_ssize_t first;
     if (b[i] == '-')
         i++;
-    if (i >= n)
-        return -1;
-    first = i;
-    if (b[i] == '0') {
-        if (first != i || (i > 0 && b[i - 1] == '-'))
-            return -1; /* -0: orjson writes 0 */
-        i++;
-    }
-    else if (b[i] >= '1' && b[i] <= '9') {
-        while (i < n && b[i] >= '0' && b[i] <= '9')
-            i++;
-        if (i - first > 15)
-            return -1;
-    }
-    else
+    if (i < n && b[i] == '0' && i > 0 && b[i - 1] == '-')
+        return -1; /* -0: orjson writes 0 */
+    i = id_end(b, i, n);
+    if (i < 0)
         return -1;
     if (i < n && ((b[i] >= '0' && b[i] <= '9') || b[i] == '.' || b[i] == 'e' || b[i] == 'E'))
         return -1;
