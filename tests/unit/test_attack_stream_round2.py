@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.recorded import recordings
+from tests.unit.test_stream_finish import _run, _Sink
 from tests.unit.test_stream_layouts import _events, _first_difference, _plan
 from tests.unit.test_stream_send import _factory
 from vllm_nvext import Mode, metrics
@@ -43,20 +44,6 @@ class _CountingClock(Clock):
     def elapsed_ms(self) -> float:
         self.readings += 1
         return float(self.readings)
-
-
-class _Sink:
-    def __init__(self) -> None:
-        self.bodies: list[bytes] = []
-
-    async def __call__(self, message: Any) -> None:
-        if message["type"] == "http.response.body":
-            self.bodies.append(bytes(message.get("body", b"")))
-
-
-def _run(awaitable: Any) -> None:
-    with pytest.raises(StopIteration):
-        awaitable.__await__().send(None)
 
 
 def _never_armed(general: Any, downstream: Any) -> Any:
