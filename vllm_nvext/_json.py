@@ -48,6 +48,10 @@ def dumps(obj: Any) -> bytes:
 # turns integers beyond 64 bits into floats; both cases fall back to the standard library.
 
 
+# Above this many bytes, `object_as_vllm` decodes with json: at most ~2x the body beside it.
+LARGE_BODY = 1 << 20
+
+
 def loads_as_vllm(data: bytes) -> Any:
     """Decode as vLLM's `json.loads(body)`; raises where that raises.
 
@@ -67,8 +71,9 @@ def object_as_vllm(data: bytes) -> dict[str, Any] | None:
     """The body as vLLM decodes it when that is a JSON object; None when vLLM refuses it with its own
     error (not JSON, nested too deep) or it is not an object."""
     try:
-        # `loads_as_vllm`, inline (the request side's one decode per body): orjson, else the standard library.
-        if _LONG_RUN in data.translate(_DIGITS_TO_ZERO):
+        # `loads_as_vllm`, inline (the request side's one decode per body): orjson, else the standard library;
+        # a large body as vLLM decodes it, with json (orjson's parse holds ~12x a long string while it runs).
+        if len(data) > LARGE_BODY or _LONG_RUN in data.translate(_DIGITS_TO_ZERO):
             decoded = json.loads(data)
         else:
             try:

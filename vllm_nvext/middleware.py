@@ -47,7 +47,7 @@ from .asgi import (
     too_large,
 )
 from .config import MODE_HEADER, Mode, Settings
-from .inbound import client_params
+from .inbound import client_params, fields
 from .inbound.optin import OptInScan, opts_in_whole
 from .inbound.request import plan as plan_request_for
 from .inbound.request import read_request
@@ -63,6 +63,13 @@ logger = logging.getLogger("vllm_nvext")
 # `_speedups.splice_root`, the request side's compiled root splice (unless the settings ask for the
 # pure-Python path); None when the extension is not built.
 SPLICE_ROOT: SpliceRoot | None = compiled("splice_root")
+
+
+def prepare() -> None:
+    """What a request would import or build on first use, for a server to do at start-up, before serving
+    (the proxy does, off its loop); in vLLM's own server all of it is loaded by then."""
+    metrics.enabled()
+    fields.load_request_models()
 
 
 class NvextMiddleware:
@@ -237,6 +244,7 @@ class _Exchange:
         for name, value in plan.headers:
             set_header(self.scope, name, value, replace=False)
         reshaping = self._reshaping(endpoint, plan, mode, request.data.get("model"))
+        del request  # the decoded body and the client's bytes are not held while vLLM answers
         # vLLM's app is awaited here, not in a coroutine of its own: every time the app resumes (each
         # token of a stream) it passes through one frame of ours less.
         receive = replay_body(body, self.receive)

@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
@@ -30,31 +31,22 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+from aiohttp import http_writer
 from yarl import URL
 
 from . import _vllm_compat, metrics
-from .asgi import Message, Receive, Scope, Send
+from .asgi import Message, Receive, Scope, Send, forwarded, is_trusted, trusted_networks
 from .config import ENV_ALLOW_MODE_HEADER, ENV_MAX_BODY_BYTES, ENV_MODE, Settings
 from .middleware import NvextMiddleware
+from .middleware import prepare as prepare_middleware
 from .protocol import error_body
 
 logger = logging.getLogger("vllm_nvext")
 
 # Connection-specific headers (RFC 9110 §7.6.1, and the ones HTTP/1.1 proxies have always dropped):
 # never forwarded in either direction. `host` is the upstream's, set by the client library.
-HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-    }
-)
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
+                        b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade"})  # fmt: skip
 METRICS_PATH = "/metrics"
 # Headers aiohttp would add of its own (`host` aside, which is the upstream's).
 _AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
@@ -63,6 +55,9 @@ ENV_CONFIG = "VLLM_NVEXT_PROXY_CONFIG"
 DEFAULT_TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 10.0
 _METRICS_CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+# A request body sent up in pieces of this size: aiohttp and the socket's buffer never copy it whole.
+_UP_PIECE = 1 << 16
+_FAMILY = re.compile(rb"^# (?:TYPE|HELP) (\S+)", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -81,6 +76,8 @@ class ProxyConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     kv_transfer_config: dict[str, Any] | None = None
+    # The peers whose X-Forwarded-* / Forwarded headers are kept (addresses, networks, or "*").
+    forwarded_allow_ips: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         url = urlsplit(self.upstream)
@@ -88,6 +85,9 @@ class ProxyConfig:
             raise ValueError(f"upstream: expected an http:// or https:// URL, got {self.upstream!r}")
         object.__setattr__(self, "upstream", self.upstream.rstrip("/"))
         object.__setattr__(self, "api_keys", tuple(k for k in self.api_keys if k))
+        allowed = tuple(a.strip() for a in self.forwarded_allow_ips if a.strip())
+        object.__setattr__(self, "forwarded_allow_ips", allowed)
+        trusted_networks(allowed)  # refuses a bad entry here, in the command, not in each worker
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -95,7 +95,8 @@ class ProxyConfig:
     @classmethod
     def from_json(cls, text: str) -> ProxyConfig:
         raw = json.loads(text)
-        return cls(**{**raw, "api_keys": tuple(raw.get("api_keys", ()))})
+        tuples = {k: tuple(raw.get(k, ())) for k in ("api_keys", "forwarded_allow_ips")}
+        return cls(**{**raw, **tuples})
 
 
 class _ClientGone(Exception):
@@ -108,6 +109,7 @@ class Forwarder:
     def __init__(self, config: ProxyConfig, session: aiohttp.ClientSession | None = None) -> None:
         self.config = config
         self._session = session
+        self._trusted = trusted_networks(config.forwarded_allow_ips)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -136,6 +138,8 @@ class Forwarder:
         if kind == "http":
             if scope.get("method") == "GET" and scope.get("path") == METRICS_PATH:
                 await self._metrics(scope, send)
+            elif not scope["path"].startswith("/"):  # `OPTIONS *`: no route of the upstream's, stock's 404
+                await _send_json(send, 404, b'{"detail":"Not Found"}')
             else:
                 await self.forward(scope, receive, send)
         elif kind == "lifespan":
@@ -147,7 +151,8 @@ class Forwarder:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                metrics.enabled()  # the families exist (empty) from the first scrape on
+                # Before serving, in a thread: every import a request would reach, never on the loop later.
+                await asyncio.to_thread(prepare)
                 await send({"type": "lifespan.startup.complete"})
             else:  # lifespan.shutdown
                 await self.aclose()
@@ -167,13 +172,16 @@ class Forwarder:
         if first["type"] != "http.request":
             return  # gone before sending anything
         body: _Body | None = None
-        data: bytes | AsyncIterator[bytes] | None
+        data: bytes | AsyncIterator[bytes] | AsyncIterator[memoryview] | None
         if first.get("more_body", False):
             body = _Body(receive)
             data = body.chunks(first)
         else:
-            data = bytes(first.get("body", b"")) or None
-        headers = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in request_headers(scope["headers"])]
+            whole = first.get("body", b"")
+            data = (whole if type(whole) is bytes else bytes(whole)) or None
+            if data is not None and len(data) > _UP_PIECE:
+                data = _pieces(data)
+        headers = [(_text(n), _text(v)) for n, v in self.headers(scope)]
         exchange = asyncio.ensure_future(self._exchange(scope["method"], self.url(scope), headers, data, body, send))
         watch = asyncio.ensure_future(_client_gone(receive, body))
         try:
@@ -185,12 +193,19 @@ class Forwarder:
             with contextlib.suppress(asyncio.CancelledError):
                 await exchange  # re-raises a failure mid-response: the server cuts the connection
 
+    def headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
+        """The headers the upstream gets: the client's (`request_headers`) with the proxy's X-Forwarded-*."""
+        headers = request_headers(scope["headers"])
+        client = scope.get("client")
+        peer = client[0] if client else None
+        return forwarded(headers, peer, scope.get("scheme", "http"), trusted=is_trusted(peer, self._trusted))
+
     async def _exchange(
         self,
         method: str,
         url: URL,
         headers: list[tuple[str, str]],
-        data: bytes | AsyncIterator[bytes] | None,
+        data: bytes | AsyncIterator[bytes] | AsyncIterator[memoryview] | None,
         body: _Body | None,
         send: Send,
     ) -> None:
@@ -229,15 +244,10 @@ class Forwarder:
             pass  # the proxy's own counters still answer
         if upstream and not upstream.endswith(b"\n"):
             upstream += b"\n"
-        body = upstream + own_metrics()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", _METRICS_CONTENT_TYPE), (b"content-length", str(len(body)).encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        # Each family once: one the upstream already exposes (vllm-nvext mounted there) is its copy alone.
+        theirs = frozenset(m.decode("latin-1") for m in _FAMILY.findall(upstream))
+        body = upstream + await asyncio.to_thread(own_metrics, theirs)  # reads the workers' files: off the loop
+        await _send_json(send, 200, body, _METRICS_CONTENT_TYPE)
 
 
 class NvextProxy:
@@ -263,6 +273,13 @@ class NvextProxy:
         await self.middleware(scope, receive, send)
 
 
+def prepare() -> None:
+    """Every import a request would reach (the middleware's, and `own_metrics`'): at start-up, in a thread."""
+    prepare_middleware()
+    with contextlib.suppress(ImportError):
+        import prometheus_client.multiprocess  # noqa: F401
+
+
 def app_from_env() -> NvextProxy:
     """The app of each uvicorn worker: ProxyConfig from ENV_CONFIG, Settings from VLLM_NVEXT_*."""
     return NvextProxy(ProxyConfig.from_json(os.environ[ENV_CONFIG]), Settings.from_env())
@@ -282,6 +299,34 @@ def response_headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes
     lowered = [(n.lower(), v) for n, v in headers]
     drop = _connection_named(lowered)
     return [(n, v) for n, v in lowered if n not in HOP_BY_HOP and n not in drop]
+
+
+def _text(raw: bytes) -> str:
+    """Header bytes as a str aiohttp writes back to the same bytes (`_serialize_headers` below)."""
+    return raw.decode("utf-8", "surrogateescape")
+
+
+_aiohttp_serialize_headers = http_writer._serialize_headers
+
+
+def _serialize_headers(status_line: str, headers: Any) -> bytes:
+    """aiohttp's header serializer, which writes a str as UTF-8; a header that came as bytes that are
+    not UTF-8 (`_text`'s surrogates, which aiohttp would drop) is written back as those bytes."""
+    if all(k.isascii() and v.isascii() for k, v in headers.items()):
+        return bytes(_aiohttp_serialize_headers(status_line, headers))
+    safe = http_writer._safe_header  # aiohttp's refusal of CR, LF and other controls
+    lines = [safe(status_line), *(f"{safe(k)}: {safe(v)}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
+
+
+http_writer._serialize_headers = _serialize_headers  # what `StreamWriter.write_headers` calls
+
+
+async def _pieces(data: bytes) -> AsyncIterator[memoryview]:
+    """A held body sent up as views of it (no copy), so aiohttp never joins it to the headers."""
+    view = memoryview(data)
+    for start in range(0, len(data), _UP_PIECE):
+        yield view[start : start + _UP_PIECE]
 
 
 def _connection_named(headers: Sequence[tuple[bytes, bytes]]) -> set[bytes]:
@@ -329,14 +374,18 @@ async def _client_gone(receive: Receive, body: _Body | None) -> None:
 
 
 async def _send_error(send: Send, status: int, message: str) -> None:
-    payload = error_body(message, None, status)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await _send_json(send, status, error_body(message, None, status))
+
+
+async def _send_json(send: Send, status: int, payload: bytes, content_type: bytes = b"application/json") -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(payload)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
-def own_metrics() -> bytes:
-    """The proxy's `vllm_nvext:*` families in Prometheus text (summed over processes in multiprocess mode)."""
+def own_metrics(skip: frozenset[str] = frozenset()) -> bytes:
+    """The proxy's `vllm_nvext:*` families in Prometheus text (summed over processes in multiprocess mode),
+    less those named in `skip`."""
     try:
         from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
         from prometheus_client.multiprocess import MultiProcessCollector
@@ -349,7 +398,7 @@ def own_metrics() -> bytes:
 
     class Ours:
         def collect(self) -> Iterator[Any]:
-            return (f for f in source.collect() if f.name.startswith(metrics.PREFIX))
+            return (f for f in source.collect() if f.name.startswith(metrics.PREFIX) and f.name not in skip)
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Ours())

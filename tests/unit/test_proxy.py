@@ -685,8 +685,11 @@ def served(monkeypatch):
     """`proxy.serve` recorded instead of run; the environment it writes is restored after the test."""
     from vllm_nvext import proxy
 
+    from vllm_nvext.tools import cli
+
     calls: list[tuple[ProxyConfig, Settings, dict[str, Any]]] = []
     monkeypatch.setattr(proxy, "serve", lambda config, settings, **kw: calls.append((config, settings, kw)))
+    monkeypatch.setattr(cli, "key_mismatch", lambda config: None)  # no upstream to ask here
     for name in ("VLLM_API_KEY", "VLLM_NVEXT_MODE", "VLLM_NVEXT_MAX_BODY_BYTES"):
         monkeypatch.delenv(name, raising=False)
     return calls
@@ -831,3 +834,251 @@ def test_a_kv_transfer_config_that_is_not_json_is_refused(served, capsys):
 
     assert cli.main(["proxy", "--upstream", "http://h:1", "--kv-transfer-config", "{oops"]) == 2
     assert capsys.readouterr().err.startswith("vllm-nvext proxy: error: ")
+
+
+# --- the front door (X-Forwarded-*, header bytes, `OPTIONS *`, /metrics, keys, memory, start-up) --------
+
+
+def _seen_headers() -> tuple[list[list[tuple[bytes, bytes]]], Any]:
+    """An upstream recording each request's raw headers, as its server got them."""
+    seen: list[list[tuple[bytes, bytes]]] = []
+
+    async def upstream(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(list(scope["headers"]))
+        await Upstream()(scope, receive, send)
+
+    return seen, upstream
+
+
+def _values(headers: list[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
+    return [v for n, v in headers if n == name]
+
+
+SPOOFED = [(b"x-forwarded-for", b"6.6.6.6"), (b"x-forwarded-proto", b"https"), (b"forwarded", b"for=6.6.6.6"),
+           (b"x-real-ip", b"6.6.6.6"), (b"x-forwarded-host", b"evil.test")]  # fmt: skip
+
+
+async def test_a_client_cannot_choose_the_address_the_upstream_sees():
+    seen, upstream = _seen_headers()
+    app = proxy_to(await serve(upstream))
+    await call(app, "/v1/models", b"", method="GET", headers=SPOOFED, scope_extra={"client": ("203.0.113.9", 5)})
+    got = seen[0]
+    assert _values(got, b"x-forwarded-for") == [b"203.0.113.9"], "the peer, never the client's claim"
+    assert _values(got, b"x-forwarded-proto") == [b"http"], "the scheme the client used with the proxy"
+    assert not _values(got, b"forwarded") and not _values(got, b"x-real-ip") and not _values(got, b"x-forwarded-host")
+
+
+async def test_a_trusted_hop_in_front_gets_the_peer_appended_to_its_chain():
+    seen, upstream = _seen_headers()
+    app = proxy_to(await serve(upstream), forwarded_allow_ips=("10.1.0.0/16",))
+    sent = [
+        (b"x-forwarded-for", b"198.51.100.1"),
+        (b"x-forwarded-for", b"198.51.100.2"),
+        (b"x-forwarded-proto", b"https"),
+    ]
+    await call(app, "/v1/models", b"", method="GET", headers=sent, scope_extra={"client": ("10.1.2.3", 5)})
+    await call(app, "/v1/models", b"", method="GET", headers=sent, scope_extra={"client": ("10.2.0.1", 5)})
+    trusted, untrusted = seen
+    assert _values(trusted, b"x-forwarded-for") == [b"198.51.100.1, 198.51.100.2, 10.1.2.3"]
+    assert _values(trusted, b"x-forwarded-proto") == [b"https"], "the trusted hop's scheme is kept"
+    assert _values(untrusted, b"x-forwarded-for") == [b"10.2.0.1"]
+    assert _values(untrusted, b"x-forwarded-proto") == [b"http"]
+
+
+def test_forwarded_allow_ips_takes_uvicorns_syntax_and_refuses_the_rest(served, capsys, monkeypatch):
+    from vllm_nvext.tools import cli
+
+    monkeypatch.setenv("FORWARDED_ALLOW_IPS", "127.0.0.1, 10.0.0.0/8")
+    assert cli.main(["proxy", "--upstream", "http://h:1"]) == 0
+    assert served[0][0].forwarded_allow_ips == ("127.0.0.1", "10.0.0.0/8")
+    assert cli.main(["proxy", "--upstream", "http://h:1", "--forwarded-allow-ips", "*"]) == 0
+    assert cli.main(["proxy", "--upstream", "http://h:1", "--forwarded-allow-ips", "nginx"]) == 2
+    assert "forwarded-allow-ips" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", [b"caf\xe9", b"caf\xc3\xa9", b"\xff\xfe x"], ids=["latin-1", "utf-8", "bytes"])
+async def test_header_bytes_reach_the_upstream_as_the_client_sent_them(value):
+    seen, upstream = _seen_headers()
+    app = proxy_to(await serve(upstream))
+    await call(app, "/v1/models", b"", method="GET", headers=[(b"x-request-id", value)])
+    assert _values(seen[0], b"x-request-id") == [value]
+
+
+async def test_options_asterisk_is_stocks_404_not_a_500():
+    app = proxy_to("http://127.0.0.1:1")
+    result = await call(app, "*", b"", method="OPTIONS", headers=[])
+    assert (result.status, result.body) == (404, b'{"detail":"Not Found"}')
+
+
+async def test_metrics_in_front_of_a_mounted_server_name_each_family_once():
+    """Scraped through prometheus_client's own parser, which refuses a family named twice."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics.count_refusal("nvext", 400)
+    upstream_text = (
+        b"# HELP vllm_nvext:requests Requests.\n# TYPE vllm_nvext:requests counter\n"
+        b'vllm_nvext:requests_total{endpoint="chat",dialect="nvext",placement="auto",kind="x"} 7.0\n'
+        b"# HELP vllm:up Up.\n# TYPE vllm:up gauge\nvllm:up 1.0\n"
+    )
+    app = await mock_proxy(lambda request: reply(200, upstream_text))
+    text = (await call(app, "/metrics", b"", method="GET")).body.decode()
+    names = [family.name for family in text_string_to_metric_families(text)]
+    assert len(names) == len(set(names)), names
+    assert "vllm_nvext:requests" in names and "vllm_nvext:refusals" in names, "the proxy's own others still come"
+    assert 'dialect="nvext",placement="auto",kind="x"} 7.0' in text, "the upstream's copy is the one kept"
+
+
+def _warning(config: ProxyConfig) -> str | None:
+    from vllm_nvext.tools import cli
+
+    return cli.key_mismatch(config)
+
+
+def _keyed(key: str | None) -> Any:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        auth = dict(scope["headers"]).get(b"authorization")
+        if key is not None and auth != f"Bearer {key}".encode():
+            await send({"type": "http.response.start", "status": 401, "headers": []})
+            await send({"type": "http.response.body", "body": b'{"error":"Unauthorized"}'})
+            return
+        await Upstream()(scope, receive, send)
+
+    return app
+
+
+@pytest.mark.parametrize(
+    ("upstream_key", "proxy_keys", "says"),
+    [
+        (None, ("k",), "answers /v1 without a key"),
+        ("k", (), "proxy has none"),
+        ("k", ("other",), "refuses the proxy's --api-key"),
+        ("k", ("k",), None),
+        (None, (), None),
+    ],
+)
+async def test_a_key_the_upstream_does_not_share_is_said_at_start_up(upstream_key, proxy_keys, says):
+    url = await serve(_keyed(upstream_key))
+    warning = await asyncio.to_thread(_warning, ProxyConfig(url, api_keys=proxy_keys))
+    assert (warning is None) if says is None else (warning is not None and says in warning), warning
+
+
+def test_the_command_prints_the_key_warning(served, monkeypatch, capsys):
+    from vllm_nvext.tools import cli
+
+    monkeypatch.setattr(cli, "key_mismatch", lambda config: "the upstream answers /v1 without a key")
+    assert cli.main(["proxy", "--upstream", "http://h:1", "--api-key", "k"]) == 0
+    assert "vllm-nvext proxy: warning: the upstream answers /v1 without a key" in capsys.readouterr().err
+
+
+_START_UP_THEN_REQUESTS = """
+import asyncio, json, sys
+from tests.unit import asgi
+from tests.unit.test_proxy import serve, proxy_to, NVEXT_IDS, _receiver
+from vllm_nvext.proxy import Forwarder
+
+async def main():
+    app = proxy_to(await serve(asgi.Upstream(body=json.dumps({"choices": [{"index": 0, "text": "x"}]}).encode())))
+    sent = []
+    async def send(message):
+        sent.append(message)
+    lifespan = asyncio.ensure_future(app({"type": "lifespan"}, _receiver([{"type": "lifespan.startup"}]), send))
+    while not sent:
+        await asyncio.sleep(0.05)
+    assert sent == [{"type": "lifespan.startup.complete"}], sent
+    before = set(sys.modules)
+    for path, body in [
+        ("/v1/completions", {"model": "m", "prompt": "a", **NVEXT_IDS}),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "a"}], **NVEXT_IDS}),
+        ("/invocations", {"model": "m", "prompt": "a", **NVEXT_IDS}),
+        ("/invocations", {"model": "m", "messages": [{"role": "user", "content": "a"}], **NVEXT_IDS}),
+        ("/v1/responses", {"model": "m", "input": "a", **NVEXT_IDS}),
+    ]:
+        await asgi.call(app, path, json.dumps(body).encode())
+    await asgi.call(app, "/metrics", b"", method="GET")
+    print(json.dumps(sorted(set(sys.modules) - before)))
+    lifespan.cancel()
+    await app.forwarder.aclose()
+
+asyncio.run(main())
+"""
+
+
+def test_no_request_imports_a_module_after_start_up():
+    """Every import a request reaches (vLLM's request models for /invocations, pydantic, the counters)
+    happens at start-up, off the loop: a first request never stalls the worker's other streams."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", _START_UP_THEN_REQUESTS], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+_HELD = """
+import asyncio, json, sys, tracemalloc
+from tests.unit import asgi
+from vllm_nvext import Settings
+from vllm_nvext.proxy import NvextProxy, ProxyConfig
+
+async def main():
+    app = NvextProxy(ProxyConfig(sys.argv[1]), Settings())
+    body = json.dumps({"model": "m", "prompt": "a" * 20_000_000, "nvext": {"extra_fields": ["completion_token_ids"]}})
+    body = body.encode()
+    messages = [body[i : i + 65536] for i in range(0, len(body), 65536)]  # as a server hands it over
+    await asgi.call(app, "/v1/completions", b'{"model": "m", "prompt": "a"}')  # the pool's connection
+    tracemalloc.start()
+    result = await asgi.call(app, "/v1/completions", body, request_cuts=range(65536, len(body), 65536))
+    print(json.dumps([result.status, tracemalloc.get_traced_memory()[1] / len(body)]))
+    await app.forwarder.aclose()
+
+asyncio.run(main())
+"""
+
+
+def test_an_opted_in_body_is_held_at_most_three_times_over():
+    """tracemalloc's peak over one 20 MB opted-in completions request through the proxy, its upstream in
+    another process: the pieces the client sends (1x, asgi.call's), the body joined, decoded and rewritten.
+    (orjson's decode alone held ~12x a long string; aiohttp joined the body to its headers.)"""
+    import subprocess
+    import sys
+
+    from vllm_nvext.tools.server import free_port
+
+    root = Path(__file__).resolve().parents[2]
+    port = free_port()
+    upstream = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--factory",
+            "tests.unit.asgi:Upstream",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--lifespan",
+            "off",
+        ],  # fmt: skip
+        cwd=root,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            try:
+                httpx.get(url, timeout=1)
+                break
+            except httpx.TransportError:
+                import time
+
+                time.sleep(0.05)
+        done = subprocess.run([sys.executable, "-c", _HELD, url], cwd=root, capture_output=True, text=True, timeout=300)
+    finally:
+        upstream.terminate()
+        upstream.wait(30)
+    assert done.returncode == 0, done.stderr[-3000:]
+    status, peak = json.loads(done.stdout.strip().splitlines()[-1])
+    assert status == 200 and peak < 4.0, f"the proxy held {peak:.1f}x the body"

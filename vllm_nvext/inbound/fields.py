@@ -257,19 +257,23 @@ def _validation_error() -> Any:
 
 
 def _vllm_model_for_invocations(endpoint: Endpoint) -> Any:
-    """vLLM's own request model for /invocations: loaded in a vLLM server, imported on first use elsewhere."""
-    model = vllm_request_model(endpoint)
-    if model is not None:
-        return model
-    for module_name, class_name in _VLLM_MODELS[endpoint]:
-        try:
-            module = importlib.import_module(module_name)
-        except Exception:  # no vLLM here, or another layout: the pinned rule below
-            continue
-        model = getattr(module, class_name, None)
-        if isinstance(model, type) and hasattr(model, "model_fields"):
-            return model
-    return None
+    """vLLM's own request model for /invocations: loaded in a vLLM server, by `load_request_models` at the
+    proxy's start-up; never imported here, on a request (None: the pinned rule)."""
+    return vllm_request_model(endpoint)
+
+
+def load_request_models() -> None:
+    """What reading a request would otherwise import or build on first use (pydantic, the replicas, and
+    vLLM's request models where vLLM is installed): for a server to call at start-up, before serving."""
+    for endpoint, candidates in _VLLM_MODELS.items():
+        replica_model(endpoint)
+        for module_name, _ in candidates:
+            try:
+                importlib.import_module(module_name)
+            except Exception:  # no vLLM here, or another layout: the next, else the pinned rule
+                continue
+            break
+        field_reader(endpoint)
 
 
 def _pinned_accepts(data: dict[str, Any], endpoint: Endpoint) -> bool:

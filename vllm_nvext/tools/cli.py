@@ -9,7 +9,10 @@ import os
 import shlex
 import signal
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
+from typing import Any
 
 from .. import _vllm_compat
 from ..config import ENV_MODE, ConfigError, Mode, Settings
@@ -146,10 +149,14 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             kv_transfer_config=json.loads(args.kv_transfer_config) if args.kv_transfer_config else None,
+            forwarded_allow_ips=tuple(args.forwarded_allow_ips.split(",")),
         )
     except (ConfigError, ValueError) as exc:  # a bad --kv-transfer-config is a JSONDecodeError, a ValueError
         print(f"vllm-nvext proxy: error: {exc}", file=sys.stderr)
         return EXIT_MISSING
+    warning = key_mismatch(config)
+    if warning:
+        print(f"vllm-nvext proxy: warning: {warning}", file=sys.stderr, flush=True)
     print(
         f"vllm-nvext: proxy on http://{args.host}:{args.port} in front of {config.upstream} "
         f"(mode {settings.mode.value}, {args.workers} worker{'s' if args.workers > 1 else ''})",
@@ -157,6 +164,42 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     )
     proxy.serve(config, settings, host=args.host, port=args.port, workers=args.workers)
     return 0
+
+
+def _models_status(upstream: str, key: str | None) -> int | None:
+    """The upstream's status for GET /v1/models (with `key` as a bearer token); None: no answer."""
+    request = urllib.request.Request(upstream + "/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (OSError, ValueError):
+        return None
+
+
+def key_mismatch(config: Any) -> str | None:
+    """What is wrong with the proxy's --api-key for its upstream, asked at start-up (a keyless GET /v1/models:
+    401 when the upstream checks a key); None when they agree, or the upstream does not answer."""
+    keyless = _models_status(config.upstream, None)
+    if keyless is None or keyless not in (200, 401):
+        return None
+    if keyless == 200 and config.api_keys:
+        return (
+            "the upstream answers /v1 without a key, but the proxy has --api-key: requests without the proxy's "
+            "key reach the upstream untranslated (no ids); give the proxy the upstream's key, or none"
+        )
+    if keyless == 401 and not config.api_keys:
+        return (
+            "the upstream checks an API key and the proxy has none (--api-key or VLLM_API_KEY): a keyless "
+            "request may get the proxy's 400 before the upstream's 401; give the proxy the upstream's key"
+        )
+    if keyless == 401 and _models_status(config.upstream, config.api_keys[0]) == 401:
+        return (
+            "the upstream refuses the proxy's --api-key: requests with the proxy's key get the upstream's 401, "
+            "and requests with the upstream's key reach it untranslated (no ids); give the proxy the upstream's key"
+        )
+    return None
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -207,6 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="the upstream's --api-key (repeat for several; default $VLLM_API_KEY): requests it would refuse "
         "are never answered by the proxy, only forwarded",
+    )
+    prox.add_argument(
+        "--forwarded-allow-ips",
+        default=os.environ.get("FORWARDED_ALLOW_IPS", ""),
+        help="comma-separated addresses or networks (or *) of the proxies in front of this one, whose "
+        "X-Forwarded-* headers are kept and appended to (default $FORWARDED_ALLOW_IPS, else none: every "
+        "client's are replaced by its own address)",
     )
     prox.add_argument(
         "--timeout",
