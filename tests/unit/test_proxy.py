@@ -684,7 +684,6 @@ async def _drive(app: Any, scope: dict[str, Any], messages: list[dict[str, Any]]
 def served(monkeypatch):
     """`proxy.serve` recorded instead of run; the environment it writes is restored after the test."""
     from vllm_nvext import proxy
-
     from vllm_nvext.tools import cli
 
     calls: list[tuple[ProxyConfig, Settings, dict[str, Any]]] = []
