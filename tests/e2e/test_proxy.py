@@ -185,3 +185,57 @@ def _when_listening(url: str, request, timeout: float = 60.0) -> httpx.Response:
             except httpx.ConnectError:
                 assert time.monotonic() < deadline, "the proxy never listened"
                 time.sleep(0.2)
+
+
+# --- the front door (docs/scaling-out.md, "The proxy as a front door") --------------------------------
+
+
+def _raw_request(url: str, head: bytes) -> bytes:
+    """One request written byte for byte (what httpx would refuse or normalize); the whole answer."""
+    host, port = url.rsplit("/", 1)[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def test_options_asterisk_is_answered_as_stock_answers_it(proxy_server, raw_server):
+    head = b"OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    got, stock = _raw_request(proxy_server.url, head), _raw_request(raw_server.url, head)
+    assert got.split(b"\r\n", 1)[0] == stock.split(b"\r\n", 1)[0] == b"HTTP/1.1 404 Not Found"
+    assert got.rsplit(b"\r\n\r\n", 1)[1] == stock.rsplit(b"\r\n\r\n", 1)[1], (got, stock)
+    assert "Traceback" not in proxy_server.log_text()
+
+
+def test_the_upstream_logs_the_clients_address_never_one_the_client_chose(proxy, raw_server):
+    """vLLM trusts X-Forwarded-For from 127.0.0.1 (uvicorn's proxy headers): the proxy writes it itself."""
+    spoofed = "198.51.100.77"
+    assert proxy.get("/v1/models", headers={"X-Forwarded-For": spoofed}).status_code == 200
+    deadline = time.monotonic() + 10
+    while '"GET /v1/models HTTP/1.1" 200' not in raw_server.log_text()[-2000:] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert spoofed not in raw_server.log_text(), "the upstream logged the address the client made up"
+
+
+def test_request_id_header_bytes_reach_vllm_as_sent(proxy_server, raw_server):
+    """vLLM names the request after X-Request-Id: through the proxy it is the id stock makes of the same bytes."""
+    body = json.dumps(greedy(CHAT)).encode()
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n".encode()
+    )
+    request = head + b"X-Request-Id: caf\xe9\r\n\r\n" + body
+    got, stock = _raw_request(proxy_server.url, request), _raw_request(raw_server.url, request)
+    got_id = json.loads(got.rsplit(b"\r\n\r\n", 1)[1])["id"]
+    assert got_id == json.loads(stock.rsplit(b"\r\n\r\n", 1)[1])["id"] and "caf\xe9" in got_id
+
+
+def test_a_proxy_whose_key_the_upstream_refuses_says_so_at_start_up(raw_server, proxy_server):
+    with ProxyServer(
+        upstream=raw_server.url, args=["--api-key", "not-the-key"], name="proxy-other-key", port=listen_port()
+    ) as other:
+        _when_listening(other.url, lambda client: client.get("/health"))
+        assert "vllm-nvext proxy: warning: the upstream refuses the proxy's --api-key" in other.log_text()
+    assert "warning:" not in proxy_server.log_text(), "the proxy with the upstream's key says nothing"

@@ -65,14 +65,23 @@ def test_without_vllm_the_pinned_rule_picks_the_same_route(monkeypatch, body, ro
     assert _fields.invocation_route(body) is route
 
 
-def test_vllms_models_are_imported_when_not_loaded(monkeypatch):
-    """Outside a vLLM server (nothing loaded yet), vLLM's models are imported, not replaced."""
-    monkeypatch.setattr(_fields, "vllm_request_model", lambda endpoint: None)
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+def test_vllms_models_are_imported_at_start_up_never_on_a_request(monkeypatch, tmp_path):
+    """Outside a vLLM server, a request only looks vLLM's models up (nothing loaded: the pinned rule);
+    `load_request_models`, which the proxy runs at start-up before serving, imports them."""
+    import sys
 
-    assert _fields._vllm_model_for_invocations(Endpoint.CHAT) is ChatCompletionRequest
-    monkeypatch.setattr(_fields, "_VLLM_MODELS", {Endpoint.CHAT: (("no_such_module_here", "X"),)})
-    assert _fields._vllm_model_for_invocations(Endpoint.CHAT) is None, "no vLLM: the pinned rule"
+    (tmp_path / "nvext_start_up_models.py").write_text(
+        "from pydantic import BaseModel\n\nclass ChatCompletionRequest(BaseModel):\n    messages: list\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(_fields, "_VLLM_MODELS", {Endpoint.CHAT: (("nvext_start_up_models", "ChatCompletionRequest"),)})
+    monkeypatch.setattr(_fields, "_readers", {})
+    assert _fields._vllm_model_for_invocations(Endpoint.CHAT) is None, "no vLLM loaded: the pinned rule"
+    assert "nvext_start_up_models" not in sys.modules, "a request imports nothing"
+    _fields.load_request_models()
+    model = _fields._vllm_model_for_invocations(Endpoint.CHAT)
+    assert model is sys.modules["nvext_start_up_models"].ChatCompletionRequest
+    del sys.modules["nvext_start_up_models"]
 
 
 def test_a_validator_that_raises_something_else_leaves_the_body_to_vllm(monkeypatch):
