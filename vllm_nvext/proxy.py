@@ -428,6 +428,8 @@ def serve(config: ProxyConfig, settings: Settings, *, host: str, port: int, work
         # The upstream's own `server` and `date` headers pass through; none of the proxy's beside them.
         server_header=False,
         date_header=False,
+        # The client's address as TCP gives it: `forwarded` decides what its X-Forwarded-* are worth.
+        proxy_headers=False,
         lifespan="on",
         # uvicorn's fastest stack where installed (vLLM installs uvloop and httptools; "auto" falls
         # back to asyncio and h11), and no access log line per request.

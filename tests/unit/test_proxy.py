@@ -770,6 +770,7 @@ def test_serve_hands_uvicorn_the_settings_through_the_environment(monkeypatch, t
     assert app == "vllm_nvext.proxy:app_from_env" and kw["factory"] and kw["workers"] == workers
     assert kw["server_header"] is False and kw["date_header"] is False, "the upstream's own pass through"
     assert kw["access_log"] is False, "no log line per request"
+    assert kw["proxy_headers"] is False, "uvicorn never takes a client's X-Forwarded-For for its address"
     built = app_from_env()
     assert built.forwarder.config == config
     assert built.middleware.settings == Settings(mode="nvext", allow_mode_header=False, max_body_bytes=7)
