@@ -221,6 +221,7 @@ class _Exchange:
         if read is None:
             return  # answered, passed through, or the client went away
         body, opts_in = read
+        del read  # the client's bytes are `body` alone: dropped once the rewritten body replaces them
         endpoint = self.endpoint
         if isinstance(endpoint, AgentRoute):
             await self._agent_route(endpoint, body, opts_in, headers)

@@ -1040,8 +1040,9 @@ asyncio.run(main())
 
 def test_an_opted_in_body_is_held_at_most_three_times_over():
     """tracemalloc's peak over one 20 MB opted-in completions request through the proxy, its upstream in
-    another process: the pieces the client sends (1x, asgi.call's), the body joined, decoded and rewritten.
-    (orjson's decode alone held ~12x a long string; aiohttp joined the body to its headers.)"""
+    another process: the body joined, decoded and rewritten (3.3x measured; while the upstream answers, the
+    rewritten body alone). Before: 14x (orjson's decode alone held ~12x a long string; aiohttp joined the
+    body to its headers; the client's bytes and the decoded body stayed held while the upstream answered)."""
     import subprocess
     import sys
 
@@ -1081,4 +1082,4 @@ def test_an_opted_in_body_is_held_at_most_three_times_over():
         upstream.wait(30)
     assert done.returncode == 0, done.stderr[-3000:]
     status, peak = json.loads(done.stdout.strip().splitlines()[-1])
-    assert status == 200 and peak < 4.0, f"the proxy held {peak:.1f}x the body"
+    assert status == 200 and peak < 3.5, f"the proxy held {peak:.1f}x the body"
