@@ -619,8 +619,9 @@ def test_an_upstream_that_is_not_an_http_url_is_refused(url):
 
 
 def test_the_config_travels_to_the_workers_through_the_environment(monkeypatch):
-    config = ProxyConfig("http://h:1/", api_keys=("a", "", "b"), timeout=None)
+    config = ProxyConfig("http://h:1/", api_keys=("a", "", "b"), timeout=None, forwarded_allow_ips=(" 10.0.0.0/8",))
     assert config.upstream == "http://h:1" and config.api_keys == ("a", "b")
+    assert config.forwarded_allow_ips == ("10.0.0.0/8",)
     monkeypatch.setenv(ENV_CONFIG, config.to_json())
     monkeypatch.setenv("VLLM_NVEXT_MODE", "nvext")
     app = app_from_env()
