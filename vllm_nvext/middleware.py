@@ -82,6 +82,9 @@ class NvextMiddleware:
         max_body_bytes: int | None = None,
         strip_kv_remote_address: bool | None = None,
         pure_python: bool | None = None,
+        capture: str | None = None,
+        capture_max_bytes: int | None = None,
+        capture_retention_s: int | None = None,
         serve_messages: bool = False,
     ) -> None:
         self.app = app
@@ -91,6 +94,9 @@ class NvextMiddleware:
             max_body_bytes=max_body_bytes,
             strip_kv_remote_address=strip_kv_remote_address,
             pure_python=pure_python,
+            capture=capture,
+            capture_max_bytes=capture_max_bytes,
+            capture_retention_s=capture_retention_s,
             base=settings,
         )
         self.stream_path = stream_path(self.settings.pure_python)  # "c" or "python" (send.STREAM_SENDS)
