@@ -7,12 +7,23 @@ Pure: no I/O. The tap (the request path) builds a `Turn` without `index`, `exten
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 # How many ids each side of a break `PrefixBreak` keeps (the window starts at max(0, index - BREAK_CONTEXT)).
 BREAK_CONTEXT = 8
+
+# A session id as the store keys it and the read API's path takes it: a key in the store, never a file name.
+SESSION_ID_MAX = 256
+_SESSION_ID = re.compile(rf"[A-Za-z0-9._:~-]{{1,{SESSION_ID_MAX}}}")
+
+
+def valid_session_id(value: str) -> bool:
+    """1 to SESSION_ID_MAX characters of letters, digits and `._:~-` (URL-safe unescaped)."""
+    return _SESSION_ID.fullmatch(value) is not None
+
 
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 
