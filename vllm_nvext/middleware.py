@@ -41,8 +41,10 @@ from .asgi import (
     Send,
     first_header,
     internal_post,
+    open_capture,
     replay_body,
     send_error,
+    serve_sessions,
     set_header,
     too_large,
 )
@@ -109,8 +111,11 @@ class NvextMiddleware:
             logging.getLogger("vllm.nvext").info(announce, self.stream_path)
         # The plugin mount serves /v1/messages with ids itself (agent/messages.py).
         self.serve_messages = serve_messages
+        self.sink = open_capture(self.settings)  # docs/capture.md; None: capture off
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.sink is not None and await serve_sessions(self.app, self.sink, scope, receive, send):
+            return  # the capture's read API (docs/capture.md), after vLLM's key check
         if scope["type"] != "http" or scope.get("method") != "POST" or HANDLED in scope:
             await self.app(scope, receive, send)
             return

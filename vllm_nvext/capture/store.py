@@ -176,7 +176,7 @@ class Sink:
                 else:
                     batch.append(more)
             now = time.time()
-            if now >= next_prune:
+            if batch and now >= next_prune:
                 next_prune = now + PRUNE_EVERY_S
                 self._prune(now)
             if batch:
