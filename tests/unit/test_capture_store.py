@@ -307,3 +307,33 @@ def test_a_closed_sink_drops_what_it_is_handed(tmp_path):
     sink.close()
     sink.submit(make_turn("s", [1]))
     assert sink.tally.dropped_turns == {QUEUE_FULL: 1}
+
+
+def _registry_value(name: str, **labels: str) -> float:
+    from prometheus_client import REGISTRY
+
+    value = REGISTRY.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def test_the_counts_reach_vllms_metrics(tmp_path):
+    """`vllm_nvext:capture_turns_recorded_total`, `..._dropped_total{reason}` and `capture_store_bytes`,
+    from a sink opened as the middleware opens it."""
+    from vllm_nvext import Settings
+    from vllm_nvext.asgi import open_capture
+
+    recorded = _registry_value("vllm_nvext:capture_turns_recorded_total")
+    full = _registry_value("vllm_nvext:capture_turns_dropped_total", reason=STORE_FULL)
+    sink = open_capture(Settings(capture=f"sqlite:///{tmp_path / 'c.sqlite3'}", capture_max_bytes=40_000))
+    assert sink is not None
+    for n in range(3):
+        sink.submit(make_turn("s", [n]))
+    assert sink.flush()
+    assert _registry_value("vllm_nvext:capture_turns_recorded_total") - recorded == 3
+    assert _registry_value("vllm_nvext:capture_store_bytes") == sink.tally.bytes > 0
+    sink.submit(make_turn("big", list(range(20_000))))  # past the cap once written
+    assert sink.flush()
+    sink.submit(make_turn("s", [9]))
+    assert sink.flush()
+    assert _registry_value("vllm_nvext:capture_turns_dropped_total", reason=STORE_FULL) - full == 1
+    sink.close()
