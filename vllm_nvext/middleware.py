@@ -41,8 +41,10 @@ from .asgi import (
     Send,
     first_header,
     internal_post,
+    open_capture,
     replay_body,
     send_error,
+    serve_sessions,
     set_header,
     too_large,
 )
@@ -89,6 +91,9 @@ class NvextMiddleware:
         max_body_bytes: int | None = None,
         strip_kv_remote_address: bool | None = None,
         pure_python: bool | None = None,
+        capture: str | None = None,
+        capture_max_bytes: int | None = None,
+        capture_retention_s: int | None = None,
         serve_messages: bool = False,
     ) -> None:
         self.app = app
@@ -98,6 +103,9 @@ class NvextMiddleware:
             max_body_bytes=max_body_bytes,
             strip_kv_remote_address=strip_kv_remote_address,
             pure_python=pure_python,
+            capture=capture,
+            capture_max_bytes=capture_max_bytes,
+            capture_retention_s=capture_retention_s,
             base=settings,
         )
         self.stream_path = stream_path(self.settings.pure_python)  # "c" or "python" (send.STREAM_SENDS)
@@ -110,8 +118,11 @@ class NvextMiddleware:
             logging.getLogger("vllm.nvext").info(announce, self.stream_path)
         # The plugin mount serves /v1/messages with ids itself (agent/messages.py).
         self.serve_messages = serve_messages
+        self.sink = open_capture(self.settings)  # docs/capture.md; None: capture off
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.sink is not None and await serve_sessions(self.app, self.sink, scope, receive, send):
+            return  # the capture's read API (docs/capture.md), after vLLM's key check
         if scope["type"] != "http" or scope.get("method") != "POST" or HANDLED in scope:
             await self.app(scope, receive, send)
             return

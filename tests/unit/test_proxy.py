@@ -1084,3 +1084,39 @@ def test_an_opted_in_body_is_held_at_most_three_times_over():
     assert done.returncode == 0, done.stderr[-3000:]
     status, peak = json.loads(done.stdout.strip().splitlines()[-1])
     assert status == 200 and peak < 3.5, f"the proxy held {peak:.1f}x the body"
+
+
+# --- capture (docs/capture.md) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("authorization", [None, b"Bearer wrong"])
+async def test_the_capture_read_api_is_under_the_proxys_key(tmp_path, authorization):
+    from tests.support.capture import make_turn
+
+    settings = Settings(capture=f"sqlite:///{tmp_path / 'c.sqlite3'}")
+    app = await proxy_over(_keyed_upstream, keys=("k",), settings=settings)
+    sink = app.middleware.sink
+    assert sink is not None
+    sink.submit(make_turn("run-1", [1, 2], [3]))
+    assert sink.flush()
+    path = "/v1/nvext/sessions/run-1"
+    refused = await call(
+        app, path, b"", method="GET", headers=[(b"authorization", authorization)] if authorization else []
+    )
+    assert refused.status == 401 and refused.body == b'{"error":"Unauthorized"}'  # the upstream's, never a turn
+    read = await call(app, path, b"", method="GET", headers=[(b"authorization", b"Bearer k")])
+    assert read.status == 200 and [t["prompt_token_ids"] for t in json.loads(read.body)["turns"]] == [[1, 2]]
+    sink.close()
+
+
+def test_the_capture_settings_travel_to_the_workers_through_the_environment(tmp_path, monkeypatch):
+    from vllm_nvext.config import capture_environ
+
+    url = f"sqlite:///{tmp_path / 'c.sqlite3'}"
+    monkeypatch.setenv(ENV_CONFIG, ProxyConfig("http://h:1/").to_json())
+    for name, value in capture_environ(Settings(capture=url, capture_retention_s=60)).items():
+        monkeypatch.setenv(name, value)
+    app = app_from_env()
+    assert app.middleware.settings.capture == url and app.middleware.settings.capture_retention_s == 60
+    assert app.middleware.sink is not None
+    app.middleware.sink.close()
