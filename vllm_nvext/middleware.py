@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any
 
 from . import _json, _vllm_compat, metrics
+from .agent import websocket
 from .agent.messages import plugin_serves_messages
 from .agent.messages import serve as serve_messages
 from .agent.responses import (
@@ -106,7 +107,8 @@ class NvextMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or HANDLED in scope:
-            await self.app(scope, receive, send)
+            # Codex's WebSocket attempt on /v1/responses gets "use HTTP" (docs/protocol.md §11.4).
+            await (websocket.refuse(scope, send) if websocket.refuses(scope) else self.app(scope, receive, send))
             return
         path = scope.get("path", "")
         root = scope.get("root_path", "")
