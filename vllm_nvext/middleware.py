@@ -25,10 +25,12 @@ from .agent.responses import (
     AGENT_PATHS,
     AgentRoute,
     MessagesPlan,
+    ResponsesPlan,
     ResponsesSend,
     anthropic_error_body,
     plan_messages,
     plan_responses,
+    rust_frontend_refusal,
 )
 from .asgi import (
     HANDLED,
@@ -324,6 +326,12 @@ class _Exchange:
             plan = planner(body, mode, dp_rank_header=headers.dp_rank) if found else None
             if isinstance(plan, MessagesPlan) and plan.ids and not self.serve_messages:
                 raise plan.refusal()
+            if (
+                isinstance(plan, ResponsesPlan)
+                and plan.asks_ids
+                and (rs := _vllm_compat.rust_frontend_version(self.scope))
+            ):
+                raise rust_frontend_refusal(plan, rs)  # through the proxy (docs/scaling-out.md)
         except RequestError as exc:
             await self._refuse(exc, anthropic_error_body(exc) if messages else None)
             return

@@ -636,6 +636,68 @@ async def test_a_server_without_the_denial_extension_gets_the_handshake_closed()
     assert sent == [{"type": "websocket.close", "code": 1008}]
 
 
+# vLLM's Rust frontend (`vllm-rs`) upstream, as its GET /version says (docs/scaling-out.md).
+
+
+def _upstream_with_version(answer: dict[str, str], seen: list[dict[str, Any]]) -> Any:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def version(request: Request) -> JSONResponse:
+        return JSONResponse(answer)
+
+    async def responses(request: Request) -> JSONResponse:
+        seen.append(await request.json())
+        return JSONResponse({"object": "response", "output": []})
+
+    return Starlette(routes=[Route("/version", version), Route("/v1/responses", responses, methods=["POST"])])
+
+
+RESPONSES_BODY = {"model": "tiny", "input": "Hello", "max_output_tokens": 4}
+
+
+@pytest.mark.parametrize(
+    ("opt_in", "field"), [(NVEXT_IDS, "nvext.extra_fields"), ({"return_token_ids": True}, "return_token_ids")]
+)
+async def test_ids_on_responses_of_vllm_rs_are_a_400_naming_the_clients_field(opt_in, field):
+    """vllm-rs refuses enable_response_messages (0.34; 0.33's has no /v1/responses): never a 200 without ids."""
+    seen: list[dict[str, Any]] = []
+    app = await proxy_over(_upstream_with_version({"version": "0.34.0", "rust_frontend_version": "0.34.0"}, seen))
+    await app.forwarder._read_version()
+    result = await call(app, "/v1/responses", json.dumps({**RESPONSES_BODY, **opt_in}).encode())
+    error = json.loads(result.body)["error"]
+    assert result.status == 400 and error["param"] == field, result.body
+    assert "vllm-rs 0.34.0" in error["message"] and "enable_response_messages" in error["message"]
+    assert seen == [], "nothing reached the upstream"
+    plain = await call(app, "/v1/responses", json.dumps(RESPONSES_BODY).encode())
+    assert plain.status == 200 and seen == [RESPONSES_BODY], "a request that asks no ids is forwarded as sent"
+
+
+async def test_ids_on_responses_of_vllms_python_server_are_asked_of_it():
+    seen: list[dict[str, Any]] = []
+    app = await proxy_over(_upstream_with_version({"version": "0.34.0"}, seen))
+    await app.forwarder._read_version()
+    result = await call(app, "/v1/responses", json.dumps({**RESPONSES_BODY, **NVEXT_IDS}).encode())
+    assert result.status == 200 and seen[0]["enable_response_messages"] is True
+
+
+async def test_the_proxy_asks_the_upstreams_version_until_it_answers():
+    """An upstream that starts after the proxy: /version is asked again until it answers."""
+    answers = [500, 200]
+
+    async def upstream(scope: Any, receive: Any, send: Any) -> None:
+        status = answers.pop(0)
+        body = b'{"version":"0.33.0","rust_frontend_version":"0.33.0"}'
+        await send({"type": "http.response.start", "status": status, "headers": [JSON]})
+        await send({"type": "http.response.body", "body": body})
+
+    app = proxy_to(await serve(upstream))
+    await asyncio.wait_for(app.forwarder._read_version(every=0.01), 10)
+    assert app.forwarder.upstream.rust_frontend_version == "0.33.0" and answers == []
+
+
 async def test_the_pool_is_made_on_first_use_with_the_configured_timeouts():
     forwarder = Forwarder(ProxyConfig(UPSTREAM, timeout=None, connect_timeout=3))
     session = forwarder.session
