@@ -80,6 +80,21 @@ def http_client(url: str, auth: bool = True, timeout: float = 120.0) -> httpx.Cl
     return httpx.Client(base_url=url, headers=headers, timeout=timeout)
 
 
+def websocket_refusal(url: str, path: str = "/v1/responses", auth: bool = True) -> tuple[int, bytes]:
+    """What a real WebSocket client (`websockets`, as Codex opens one) is answered on `path`: the HTTP
+    status and body that refused its handshake (AssertionError if the server accepts it)."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    headers = {"Authorization": f"Bearer {API_KEY}"} if auth else {}
+    try:
+        with connect("ws" + url.removeprefix("http") + path, additional_headers=headers, open_timeout=30):
+            pass
+    except InvalidStatus as refused:
+        return refused.response.status_code, bytes(refused.response.body or b"")
+    raise AssertionError(f"the server accepted a WebSocket on {path}")
+
+
 def post(client: httpx.Client, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
     """A unary body (its content-length checked), or a stream's JSON events; the status must be 200."""
     resp = client.post(path, json=body, headers=headers or {})

@@ -251,6 +251,16 @@ def auth_refuses(scope: MutableMapping[str, Any], facts: ServerFacts | None = No
     return True
 
 
+# What `vllm-nvext proxy` read of its upstream (`rust_frontend_version`: vLLM's Rust frontend, from its /version).
+UPSTREAM = "vllm_nvext.upstream"
+
+
+def rust_frontend_version(scope: MutableMapping[str, Any]) -> str | None:
+    """The version of vLLM's Rust frontend (`vllm-rs`) serving this request through the proxy; None otherwise."""
+    upstream = scope.get(UPSTREAM)
+    return None if upstream is None else upstream.rust_frontend_version
+
+
 # The upstream's arguments as `vllm-nvext proxy` was told them (its own flags), when the middleware
 # runs outside vLLM's process: read where `app.state.args` would be.
 SERVER_ARGS = "vllm_nvext.server_args"

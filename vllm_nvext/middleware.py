@@ -18,16 +18,19 @@ from functools import partial
 from typing import Any
 
 from . import _json, _vllm_compat, metrics
+from .agent import websocket
 from .agent.messages import plugin_serves_messages
 from .agent.messages import serve as serve_messages
 from .agent.responses import (
     AGENT_PATHS,
     AgentRoute,
     MessagesPlan,
+    ResponsesPlan,
     ResponsesSend,
     anthropic_error_body,
     plan_messages,
     plan_responses,
+    rust_frontend_refusal,
 )
 from .asgi import (
     HANDLED,
@@ -124,7 +127,8 @@ class NvextMiddleware:
         if self.sink is not None and await serve_sessions(self.app, self.sink, scope, receive, send):
             return  # the capture's read API (docs/capture.md), after vLLM's key check
         if scope["type"] != "http" or scope.get("method") != "POST" or HANDLED in scope:
-            await self.app(scope, receive, send)
+            # Codex's WebSocket attempt on /v1/responses gets "use HTTP" (docs/protocol.md §11.4).
+            await (websocket.refuse(scope, send) if websocket.refuses(scope) else self.app(scope, receive, send))
             return
         path = scope.get("path", "")
         root = scope.get("root_path", "")
@@ -342,6 +346,12 @@ class _Exchange:
             plan = planner(body, mode, dp_rank_header=headers.dp_rank) if found else None
             if isinstance(plan, MessagesPlan) and plan.ids and not self.serve_messages:
                 raise plan.refusal()
+            if (
+                isinstance(plan, ResponsesPlan)
+                and plan.asks_ids
+                and (rs := _vllm_compat.rust_frontend_version(self.scope))
+            ):
+                raise rust_frontend_refusal(plan, rs)  # through the proxy (docs/scaling-out.md)
         except RequestError as exc:
             await self._refuse(exc, anthropic_error_body(exc) if messages else None)
             return

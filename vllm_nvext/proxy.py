@@ -110,6 +110,9 @@ class Forwarder:
         self.config = config
         self._session = session
         self._trusted = trusted_networks(config.forwarded_allow_ips)
+        # The upstream's `GET /version` `rust_frontend_version` (vLLM's Rust frontend, `vllm-rs`), once it answered.
+        self.upstream = SimpleNamespace(rust_frontend_version=None)
+        self._version_task: asyncio.Task[None] | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -153,11 +156,28 @@ class Forwarder:
             if message["type"] == "lifespan.startup":
                 # Before serving, in a thread: every import a request would reach, never on the loop later.
                 await asyncio.to_thread(prepare)
+                metrics.enabled()  # the families exist (empty) from the first scrape on
+                self._version_task = asyncio.create_task(self._read_version())
                 await send({"type": "lifespan.startup.complete"})
             else:  # lifespan.shutdown
+                if self._version_task is not None:
+                    self._version_task.cancel()
                 await self.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+    async def _read_version(self, every: float = 2.0) -> None:
+        """The upstream's `/version`, asked until it answers (it may start after the proxy): whether it is
+        `vllm-rs`, which refuses what vLLM's Python server answers ids on /v1/responses with (docs/scaling-out.md)."""
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                async with self.session.get(self.config.upstream + "/version") as resp:
+                    if resp.status == 200:
+                        answer = await resp.json(content_type=None)
+                        version = answer.get("rust_frontend_version") if isinstance(answer, dict) else None
+                        self.upstream.rust_frontend_version = version if isinstance(version, str) else None
+                        return
+            await asyncio.sleep(every)
 
     def url(self, scope: Scope) -> URL:
         """The upstream's URL for this request: the client's path and query as it sent them (no re-quoting)."""
@@ -270,6 +290,7 @@ class NvextProxy:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[_vllm_compat.API_KEYS] = self.api_keys
         scope[_vllm_compat.SERVER_ARGS] = self.server_args
+        scope[_vllm_compat.UPSTREAM] = self.forwarder.upstream
         await self.middleware(scope, receive, send)
 
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from scripts.vllm033_harness import text_ids
-from tests.helpers import API_KEY, CHAT, MODEL_NAME, post, without_agent_volatile
+from tests.helpers import API_KEY, CHAT, MODEL_NAME, http_client, post, websocket_refusal, without_agent_volatile
 from tests.support.servers import TOOL_CALL_TEXT, tiny_model_dir
 
 pytestmark = pytest.mark.e2e
@@ -62,6 +62,17 @@ def _sdk_answer(url: str, body: dict[str, Any], stream: bool) -> dict[str, Any]:
         for _ in events:
             pass
         return dict(events.get_final_response().to_dict())
+
+
+def test_codex_websocket_attempt_is_answered_426_and_http_serves_the_same_route(server_url, raw_server):
+    """Codex opens a WebSocket on /v1/responses first; 426 is what makes it POST at once (docs/protocol.md §11.4)."""
+    status, body = websocket_refusal(server_url)
+    assert status == 426 and json.loads(body)["error"]["code"] == 426
+    assert websocket_refusal(raw_server.url)[0] == 403, "stock vLLM: no such WebSocket route"
+    # vLLM's key check comes first: without the key it is vLLM's own 401.
+    assert websocket_refusal(server_url, auth=False)[0] == 401
+    with http_client(server_url) as client:
+        assert post(client, "/v1/responses", RESPONSES_BODY)["object"] == "response"
 
 
 def test_responses_create_nvext_ids_equal_chat_and_the_rest_is_stock(server_url, raw, chat_ids):

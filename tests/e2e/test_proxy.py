@@ -29,6 +29,7 @@ from tests.helpers import (
     rows,
     run_parity,
     stream_digest,
+    websocket_refusal,
 )
 from tests.support.servers import listen_port
 from vllm_nvext.tools.server import ProxyServer
@@ -70,6 +71,12 @@ def test_without_the_key_the_client_gets_the_upstreams_own_401(proxy_server, raw
     stock = httpx.post(raw_server.url + CHAT, json=request, headers=headers, timeout=60)
     assert stock.status_code == 401
     assert (got.status_code, got.content) == (stock.status_code, stock.content)
+
+
+def test_codex_websocket_attempt_is_answered_426_by_the_proxy(proxy_server):
+    """docs/protocol.md §11.4: the proxy answers /v1/responses upgrades as the mounts do, after the key check."""
+    assert websocket_refusal(proxy_server.url)[0] == 426
+    assert websocket_refusal(proxy_server.url, auth=False)[0] == 403  # not proxied: closed, nothing of its own
 
 
 def test_with_the_key_the_request_is_translated(proxy):

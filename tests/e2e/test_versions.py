@@ -260,6 +260,26 @@ def test_what_vllm_rs_refuses_passes_through_the_proxy_unchanged(raw, translated
 
 
 @pytest.mark.vllm_versions(RUST033)
+def test_ids_on_responses_through_the_proxy_of_vllm_rs_are_a_400_naming_the_field(raw, translated):
+    """vllm-rs serves no /v1/responses with ids (0.33: no such route; 0.34 refuses enable_response_messages):
+    the proxy, which read `rust_frontend_version` from its /version, answers a 400 naming the client's
+    field rather than forward what cannot carry them (docs/scaling-out.md)."""
+    assert raw.get("/version").json()["rust_frontend_version"] == "0.33.0"
+    body = {
+        "model": "tiny",
+        "input": "Hello",
+        "max_output_tokens": 4,
+        "nvext": {"extra_fields": ["completion_token_ids"]},
+    }
+    refused = translated.post("/v1/responses", json=body)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "nvext.extra_fields" and "vllm-rs 0.33.0" in error["message"]
+    stock = raw.post("/v1/responses", json={k: v for k, v in body.items() if k != "nvext"})
+    assert stock.status_code == 404, "0.33's vllm-rs has no /v1/responses at all"
+
+
+@pytest.mark.vllm_versions(RUST033)
 def test_vllm_rs_with_nvext_in_vllm_plugins_refuses_to_start(vllm_version, tmp_path):
     """`VLLM_USE_RUST_FRONTEND=1 VLLM_PLUGINS=nvext vllm serve` on vLLM 0.33 (the server `rust033` runs, with
     the package's `vllm.general_plugins` entry point as pyproject.toml declares it): it exits with the

@@ -249,6 +249,35 @@ scale_server = register(
 )
 
 
+def _make_serve() -> Server:
+    """`vllm-nvext serve` exactly as `make serve` runs it: no arguments but the port (the tiny model,
+    no key); it starts vLLM in a process group of its own and stops it on SIGTERM."""
+    import sys
+
+    from vllm_nvext.tools.server import ServerProcess
+
+    class _Serve(ServerProcess):
+        LABEL = "vllm-nvext serve"
+
+        def __init__(self) -> None:
+            self.name, self.port, self.log_path, self.proc = "serve", listen_port(), None, None
+
+        @property
+        def url(self) -> str:
+            return f"http://127.0.0.1:{self.port}"
+
+        def start(self) -> _Serve:
+            command = [sys.executable, "-m", "vllm_nvext.tools.cli", "serve", "--port", str(self.port)]
+            self.spawn(command, {**os.environ, "PYTHONUNBUFFERED": "1"})
+            return self
+
+    return _Serve()
+
+
+# The project's first command (README, tests/e2e/test_readme.py): every README curl against it.
+serve_server = register("serve", _make_serve)
+
+
 def _hidden_states_vllm(
     kind: str = "hs",
     vllm: str = CURRENT,

@@ -20,7 +20,7 @@ from vllm_nvext.tools.server import MIDDLEWARE, VllmServer
 # Answers one request (vLLM's /health) with 200, then exits with status 3.
 STAND_IN = textwrap.dedent(
     """
-    import http.server, sys
+    import http.server, os, sys
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -34,6 +34,7 @@ STAND_IN = textwrap.dedent(
             pass
 
     print(" ".join(sys.argv[3:]), flush=True)
+    print("VLLM_PLUGINS=" + os.environ.get("VLLM_PLUGINS", "<unset>"), flush=True)
     http.server.HTTPServer((sys.argv[1], int(sys.argv[2])), Health).handle_request()
     sys.exit(3)
     """
@@ -67,6 +68,30 @@ def test_serve_starts_the_server_with_the_middleware_and_prints_the_banner(stand
     body = json.loads(curl[curl.index("-d '") + 4 : curl.rindex("'")])
     assert body["model"] == "mine" and body["nvext"] == {"extra_fields": ["completion_token_ids"]}
     assert set(stand_in) == {cli.signal.SIGINT, cli.signal.SIGTERM}  # both stop the whole server
+
+
+@pytest.mark.parametrize(
+    ("current", "given"),
+    [(None, "nvext"), ("nvext", "nvext"), ("my_plugin", "my_plugin,nvext"), ("a,nvext,b", "a,nvext,b")],
+)
+def test_serve_mounts_the_endpoint_plugin_beside_the_middleware(stand_in, capfd, monkeypatch, current, given):
+    """/v1/messages with ids needs the plugin (docs/agents.md): serve names nvext in VLLM_PLUGINS, keeping
+    what it named, and, when it was unset, every plugin that loads without it (here: none installed)."""
+    if current is None:
+        monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PLUGINS", current)
+    monkeypatch.setattr(cli.importlib.metadata, "entry_points", lambda group: [])
+    assert cli.main(["serve", "--model", "m", "--port", "0"]) == 3
+    out = capfd.readouterr().out
+    assert f"m --middleware {MIDDLEWARE}" in out and f"VLLM_PLUGINS={given}\n" in out
+
+
+def test_unset_vllm_plugins_keeps_every_plugin_that_loads_without_it():
+    """Naming any plugin filters every group: serve names those that load while it is unset, except those
+    that act only when named (vLLM's remote LoRA resolver)."""
+    names = cli.plugins_with_nvext(None).split(",")
+    assert "nvext" in names and "lora_filesystem_resolver" in names and "lora_hf_hub_resolver" not in names
 
 
 def test_serve_without_a_model_serves_the_tiny_model(stand_in, capfd, monkeypatch, tmp_path):

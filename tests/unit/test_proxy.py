@@ -21,6 +21,7 @@ import httpx
 import pytest
 import uvicorn
 
+from tests import helpers
 from tests.helpers import CHAT, COMPLETIONS
 from tests.unit import asgi
 from tests.unit.asgi import Upstream
@@ -574,6 +575,127 @@ async def test_a_websocket_is_closed_not_proxied():
     await app({"type": "other"}, _receiver([]), send)
     assert len(sent) == 1, "a scope type ASGI may add later gets nothing"
     await app.forwarder.aclose()  # never opened: nothing to close
+
+
+# Codex's WebSocket attempt on /v1/responses (docs/protocol.md §11.4): a real client's handshake.
+
+
+def _stock_vllm_app() -> Any:
+    """What stock vLLM routes: /v1/responses over HTTP, no WebSocket route (starlette refuses one: 403)."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def responses(request: Any) -> JSONResponse:
+        return JSONResponse({"object": "response"})
+
+    return Starlette(routes=[Route("/v1/responses", responses, methods=["POST"])])
+
+
+@pytest.mark.parametrize("root", ["", "/api"], ids=["plain", "root_path"])
+async def test_codex_websocket_on_responses_is_refused_with_the_426_codex_falls_back_on(root):
+    from vllm_nvext import NvextMiddleware
+
+    app = NvextMiddleware(_stock_vllm_app())
+    # `vllm serve --root-path`: the path vLLM routes is the one under it.
+    url = await serve(_under_root(app, root) if root else app)
+    status, body = await asyncio.to_thread(helpers.websocket_refusal, url, root + "/v1/responses")
+    assert status == 426, "Codex falls back to HTTP at once on 426 only"
+    error = json.loads(body)["error"]
+    assert error["code"] == 426 and "POST" in error["message"] and "supports_websockets" in error["message"]
+    # Any other WebSocket route is vLLM's to answer (here: starlette's refusal of a route it lacks).
+    assert (await asyncio.to_thread(helpers.websocket_refusal, url, root + "/v1/realtime"))[0] == 403
+
+
+def _under_root(app: Any, root: str) -> Any:
+    async def rooted(scope: Any, receive: Any, send: Any) -> None:
+        await app({**scope, "root_path": root}, receive, send)
+
+    return rooted
+
+
+async def test_codex_websocket_through_the_proxy_is_refused_with_426_after_the_key_check():
+    proxy = await proxy_over(_stock_vllm_app(), keys=(helpers.API_KEY,))
+    url = await serve(proxy)
+    assert (await asyncio.to_thread(helpers.websocket_refusal, url))[0] == 426
+    # A key the upstream would refuse: the proxy answers nothing of its own (not proxied: closed, 403).
+    assert (await asyncio.to_thread(helpers.websocket_refusal, url, "/v1/responses", False))[0] == 403
+    assert (await asyncio.to_thread(helpers.websocket_refusal, url, "/v1/realtime"))[0] == 403
+
+
+async def test_a_server_without_the_denial_extension_gets_the_handshake_closed():
+    from vllm_nvext import NvextMiddleware
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "websocket", "path": "/v1/responses", "headers": []}
+    await NvextMiddleware(_stock_vllm_app())(scope, _receiver([]), send)
+    assert sent == [{"type": "websocket.close", "code": 1008}]
+
+
+# vLLM's Rust frontend (`vllm-rs`) upstream, as its GET /version says (docs/scaling-out.md).
+
+
+def _upstream_with_version(answer: dict[str, str], seen: list[dict[str, Any]]) -> Any:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def version(request: Request) -> JSONResponse:
+        return JSONResponse(answer)
+
+    async def responses(request: Request) -> JSONResponse:
+        seen.append(await request.json())
+        return JSONResponse({"object": "response", "output": []})
+
+    return Starlette(routes=[Route("/version", version), Route("/v1/responses", responses, methods=["POST"])])
+
+
+RESPONSES_BODY = {"model": "tiny", "input": "Hello", "max_output_tokens": 4}
+
+
+@pytest.mark.parametrize(
+    ("opt_in", "field"), [(NVEXT_IDS, "nvext.extra_fields"), ({"return_token_ids": True}, "return_token_ids")]
+)
+async def test_ids_on_responses_of_vllm_rs_are_a_400_naming_the_clients_field(opt_in, field):
+    """vllm-rs refuses enable_response_messages (0.34; 0.33's has no /v1/responses): never a 200 without ids."""
+    seen: list[dict[str, Any]] = []
+    app = await proxy_over(_upstream_with_version({"version": "0.34.0", "rust_frontend_version": "0.34.0"}, seen))
+    await app.forwarder._read_version()
+    result = await call(app, "/v1/responses", json.dumps({**RESPONSES_BODY, **opt_in}).encode())
+    error = json.loads(result.body)["error"]
+    assert result.status == 400 and error["param"] == field, result.body
+    assert "vllm-rs 0.34.0" in error["message"] and "enable_response_messages" in error["message"]
+    assert seen == [], "nothing reached the upstream"
+    plain = await call(app, "/v1/responses", json.dumps(RESPONSES_BODY).encode())
+    assert plain.status == 200 and seen == [RESPONSES_BODY], "a request that asks no ids is forwarded as sent"
+
+
+async def test_ids_on_responses_of_vllms_python_server_are_asked_of_it():
+    seen: list[dict[str, Any]] = []
+    app = await proxy_over(_upstream_with_version({"version": "0.34.0"}, seen))
+    await app.forwarder._read_version()
+    result = await call(app, "/v1/responses", json.dumps({**RESPONSES_BODY, **NVEXT_IDS}).encode())
+    assert result.status == 200 and seen[0]["enable_response_messages"] is True
+
+
+async def test_the_proxy_asks_the_upstreams_version_until_it_answers():
+    """An upstream that starts after the proxy: /version is asked again until it answers."""
+    answers = [500, 200]
+
+    async def upstream(scope: Any, receive: Any, send: Any) -> None:
+        status = answers.pop(0)
+        body = b'{"version":"0.33.0","rust_frontend_version":"0.33.0"}'
+        await send({"type": "http.response.start", "status": status, "headers": [JSON]})
+        await send({"type": "http.response.body", "body": body})
+
+    app = proxy_to(await serve(upstream))
+    await asyncio.wait_for(app.forwarder._read_version(every=0.01), 10)
+    assert app.forwarder.upstream.rust_frontend_version == "0.33.0" and answers == []
 
 
 async def test_the_pool_is_made_on_first_use_with_the_configured_timeouts():

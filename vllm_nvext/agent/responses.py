@@ -90,6 +90,10 @@ class ResponsesPlan:
     def reshapes(self) -> bool:
         return self.nvext_trio or self.nvext_prompt_ids or self.strip_messages
 
+    @property
+    def asks_ids(self) -> bool:
+        return self.vllm_placement or self.nvext_trio or self.nvext_prompt_ids
+
 
 def _flag(data: dict[str, Any], name: str) -> bool:
     """A root bool as vLLM reads it (pydantic's lax bool: "true", 1 and "yes" are true)."""
@@ -200,6 +204,18 @@ def plan_responses(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = No
         body=rewrite.apply(body),
         headers=headers,
         dialect=opt.dialect,
+    )
+
+
+def rust_frontend_refusal(plan: ResponsesPlan, version: str) -> RequestError:
+    """Ids asked on /v1/responses of vLLM's Rust frontend, which refuses `enable_response_messages`, where
+    vLLM puts them (0.33's has no /v1/responses): a 400 naming the client's field, never an answer without ids."""
+    field = "return_token_ids" if plan.dialect is Dialect.VLLM else "nvext.extra_fields"
+    return RequestError(
+        f"`{field}` cannot be answered on /v1/responses: the upstream is vLLM's Rust frontend (vllm-rs "
+        f"{version}), which does not support enable_response_messages, where vLLM puts the ids; "
+        "ask /v1/chat/completions for them",
+        field,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -35,6 +36,17 @@ CAPTURE_HELP = (
     "record each request's token ids by session in this store: sqlite:////abs/path.sqlite3 or "
     "redis://[:password@]host:port/db (default $VLLM_NVEXT_CAPTURE; docs/capture.md)"
 )
+PLUGIN = "nvext"
+# Plugins that load without VLLM_PLUGINS but act only when it names them (remote LoRA downloads).
+NAMED_ONLY = frozenset({"lora_hf_hub_resolver"})
+# vLLM's plugin groups that load every plugin while VLLM_PLUGINS is unset (its endpoint group loads
+# only the plugins it names): naming nvext there must not leave the others out.
+LOAD_ALL_GROUPS = (
+    "vllm.general_plugins",
+    "vllm.platform_plugins",
+    "vllm.io_processor_plugins",
+    "vllm.stat_logger_plugins",
+)
 
 
 def missing_modules(*modules: str) -> list[str]:
@@ -58,6 +70,15 @@ def _needs(command: str, modules: Sequence[str], what: str, howto: str) -> bool:
             f"vllm-nvext {command}: error: needs {what} ({', '.join(absent)} not installed): {howto}", file=sys.stderr
         )
     return bool(absent)
+
+
+def plugins_with_nvext(current: str | None) -> str:
+    """`serve`'s VLLM_PLUGINS: naming nvext, so the endpoint plugin mounts beside `--middleware` (the
+    plugin alone serves /v1/messages with ids), and every plugin that would load without it."""
+    if current is not None:
+        return current if PLUGIN in current.split(",") else f"{current},{PLUGIN}"
+    found = {ep.name for group in LOAD_ALL_GROUPS for ep in importlib.metadata.entry_points(group=group)}
+    return ",".join(sorted((found - NAMED_ONLY) | {PLUGIN}))
 
 
 def _banner(base: str, model_name: str, mode: str) -> str:
@@ -112,7 +133,12 @@ def cmd_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
     server = VllmServer(
         model=model,
         args=(*((*TINY_ARGS, "--served-model-name", "tiny") if tiny else ()), "--middleware", MIDDLEWARE, *extra),
-        env={ENV_MODE: mode, **capture_environ(capture)},
+        # Both mounts (docs/agents.md): the inner one stands aside where the outer serves.
+        env={
+            ENV_MODE: mode,
+            "VLLM_PLUGINS": plugins_with_nvext(os.environ.get("VLLM_PLUGINS")),
+            **capture_environ(capture),
+        },
         host=args.host,
         port=args.port,
         log_to_terminal=True,
