@@ -1,6 +1,6 @@
 /* StreamSend: the `send` handed to vLLM for a reshaped response.
  *
- * Python twin: `send.python_stream_send`
+ * Python twin: `kernels.python_stream_send`
  * Oracle: tests/unit/test_stream_send.py (every recorded stream, hypothesis layouts),
  *         tests/unit/test_stream_finish.py (the finish chunk it serves)
  *
@@ -13,7 +13,7 @@
  */
 #include "speedups.h"
 
-static PyObject *s_type, *s_body, *s_more_body, *s_body_type, *s_clock, *s_finished;
+static PyObject *s_type, *s_body, *s_more_body, *s_body_type, *s_clock;
 
 typedef struct {
     PyObject_HEAD
@@ -23,10 +23,10 @@ typedef struct {
     PyObject *on_ids;     /* None, or called with (event, start, end) for each delta served */
     PyObject *tally_add;  /* None (metrics off), or metrics.StreamTally.add */
     PyObject *root;       /* bytes: the root of a usage chunk that goes out as it came (empty: none does) */
-    /* The finish chunk of choice 0 (finish.finish_chunk): NULL, or the armed splice's bytes before a finish
-       reason; where `choices`' first element starts; what follows the ids in the chunk's nvext (the prompt's
-       ids, the nvext's and chunk's ends); the choice's state (chunks._Choice), marked finished once served */
-    PyObject *finish_head, *finish_end, *finish_state;
+    /* The finish chunk of choice 0 (finish.finish_chunk, splice.FinishArm): NULL, or the armed splice's bytes
+       before a finish reason; where `choices`' first element starts; what records it and gives its nvext
+       (chunks.ChunkReshaper.finish_first_choice: the one writer of the stream's state) */
+    PyObject *finish_head, *finish_record;
     Py_ssize_t finish_root;
     int armed, strip, trio;
     long long left;       /* the metrics countdown: the message at 1 is timed */
@@ -46,8 +46,7 @@ StreamSend_traverse(StreamSend *self, visitproc visit, void *arg)
     Py_VISIT(self->tally_add);
     Py_VISIT(self->root);
     Py_VISIT(self->finish_head);
-    Py_VISIT(self->finish_end);
-    Py_VISIT(self->finish_state);
+    Py_VISIT(self->finish_record);
     return 0;
 }
 
@@ -65,8 +64,7 @@ StreamSend_clear(StreamSend *self)
     Py_CLEAR(self->tally_add);
     Py_CLEAR(self->root);
     Py_CLEAR(self->finish_head);
-    Py_CLEAR(self->finish_end);
-    Py_CLEAR(self->finish_state);
+    Py_CLEAR(self->finish_record);
     return 0;
 }
 
@@ -196,33 +194,28 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
                             PyBytes_AsString(self->finish_head), PyBytes_Size(self->finish_head), self->finish_root,
                             &fs, &fe))
             goto general;
-        /* the finish chunk of choice 0: what chunks.ChunkReshaper.finish_first_choice records, then its bytes */
-        PyObject *fin_end = self->finish_end, *state = self->finish_state; /* held across the calls below */
+        /* the finish chunk of choice 0: recorded by its owner (ChunkReshaper.finish_first_choice), which gives
+           its nvext; then finish.finish_chunk's bytes */
+        PyObject *record = self->finish_record; /* held across the call below (which could arm the send anew) */
         int strip = self->strip;
         Py_INCREF(body);
-        Py_INCREF(fin_end);
-        Py_INCREF(state);
+        Py_INCREF(record);
         Py_CLEAR(self->finish_head); /* served once: a second finish chunk goes to the general path */
-        int recorded = 1;
-        if (self->on_ids != Py_None) {
-            PyObject *r = PyObject_CallFunction(self->on_ids, "Onn", body, fs, fe);
-            recorded = r != NULL;
-            Py_XDECREF(r);
-        }
-        if (!recorded || PyObject_SetAttr(state, s_finished, Py_True) < 0) {
-            PyErr_Clear(); /* the general path tries it again, and forwards it unchanged if it fails again */
+        PyObject *nvext = PyObject_CallFunction(record, "Onn", body, fs, fe);
+        Py_DECREF(record);
+        if (nvext == NULL || !PyBytes_CheckExact(nvext)) {
+            /* None (already finished), or it failed: the general path tries it again, and forwards it unchanged
+               if it fails again */
+            PyErr_Clear();
+            Py_XDECREF(nvext);
             Py_DECREF(body);
-            Py_DECREF(fin_end);
-            Py_DECREF(state);
             goto general;
         }
-        Py_DECREF(state);
-        Py_ssize_t cut = strip ? fs : n - 3, kept = strip ? n - 3 - fe : 0;
-        Py_ssize_t lk = sizeof(NVEXT_IDS) - 1, ids = fe - fs, le = PyBytes_Size(fin_end);
-        PyObject *finished = PyBytes_FromStringAndSize(NULL, cut + (strip ? 4 : 0) + kept + lk + ids + le);
+        Py_ssize_t cut = strip ? fs : n - 3, kept = strip ? n - 3 - fe : 0, lv = PyBytes_Size(nvext);
+        PyObject *finished = PyBytes_FromStringAndSize(NULL, cut + (strip ? 4 : 0) + kept + 9 + lv + 3);
         if (finished == NULL) {
+            Py_DECREF(nvext);
             Py_DECREF(body);
-            Py_DECREF(fin_end);
             return NULL;
         }
         char *o = PyBytes_AsString(finished);
@@ -233,11 +226,11 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
             memcpy(o + 4, b + fe, kept);
             o += 4 + kept;
         }
-        memcpy(o, NVEXT_IDS, lk);
-        memcpy(o + lk, b + fs, ids);
-        memcpy(o + lk + ids, PyBytes_AsString(fin_end), le);
+        memcpy(o, ",\"nvext\":", 9);
+        memcpy(o + 9, PyBytes_AsString(nvext), lv);
+        memcpy(o + 9 + lv, "}\n\n", 3);
+        Py_DECREF(nvext);
         Py_DECREF(body);
-        Py_DECREF(fin_end);
         int unset = PyDict_SetItem(message, s_body, finished);
         Py_DECREF(finished);
         if (unset)
@@ -258,7 +251,7 @@ StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
             Py_DECREF(mid_bytes);
             if (!PyErr_ExceptionMatches(PyExc_Exception))
                 return NULL;
-            /* ids a decode refuses (send.python_stream_send): the general path forwards the delta unchanged and
+            /* ids a decode refuses (kernels.python_stream_send): the general path forwards the delta unchanged and
                counts it, as it does without the armed send */
             PyErr_Clear();
             goto general;
@@ -320,22 +313,32 @@ general:
     return PyObject_CallFunctionObjArgs(self->general, message, NULL);
 }
 
+/* arm(countdown, tally_add, splice): `splice` a splice.SpliceArm (its fields read in order, as a tuple),
+   its `finish` None or a splice.FinishArm. */
 static PyObject *
 StreamSend_arm(StreamSend *self, PyObject *args)
 {
-    PyObject *prefix, *head, *tail, *mid, *on_ids, *tally_add, *root, *finish;
-    PyObject *finish_head = NULL, *finish_end = NULL, *finish_state = NULL;
+    PyObject *splice, *prefix, *head, *tail, *mid, *on_ids, *tally_add, *root, *finish;
+    PyObject *finish_head = NULL, *finish_record = NULL;
     Py_ssize_t finish_root = 0;
     int strip, trio;
     long long left;
-    if (!PyArg_ParseTuple(args, "LOSSSSppOSO:arm", &left, &tally_add, &prefix, &head, &tail, &mid, &strip, &trio,
-                          &on_ids, &root, &finish))
+    if (!PyArg_ParseTuple(args, "LOO!:arm", &left, &tally_add, &PyTuple_Type, &splice))
         return NULL;
-    if (finish != Py_None
-        && !PyArg_ParseTuple(finish, "SnSO:arm's finish", &finish_head, &finish_root, &finish_end, &finish_state))
+    if (!PyArg_ParseTuple(splice, "SSSSppOSO:arm's splice", &prefix, &head, &tail, &mid, &strip, &trio, &on_ids,
+                          &root, &finish))
         return NULL;
+    if (finish != Py_None) {
+        if (!PyTuple_Check(finish)) {
+            PyErr_SetString(PyExc_TypeError, "arm: finish must be None or a splice.FinishArm");
+            return NULL;
+        }
+        if (!PyArg_ParseTuple(finish, "SnO:arm's finish", &finish_head, &finish_root, &finish_record))
+            return NULL;
+    }
     if (!PyBytes_CheckExact(prefix) || !PyBytes_CheckExact(head) || !PyBytes_CheckExact(tail)
-        || !PyBytes_CheckExact(mid) || !PyBytes_CheckExact(root)) {
+        || !PyBytes_CheckExact(mid) || !PyBytes_CheckExact(root)
+        || (finish_head != NULL && !PyBytes_CheckExact(finish_head))) {
         PyErr_SetString(PyExc_TypeError, "arm: the splice's parts must be bytes");
         return NULL;
     }
@@ -352,10 +355,8 @@ StreamSend_arm(StreamSend *self, PyObject *args)
     SET_REF(self->root, root);
     Py_XINCREF(finish_head);
     Py_XSETREF_(self->finish_head, finish_head);
-    Py_XINCREF(finish_end);
-    Py_XSETREF_(self->finish_end, finish_end);
-    Py_XINCREF(finish_state);
-    Py_XSETREF_(self->finish_state, finish_state);
+    Py_XINCREF(finish_record);
+    Py_XSETREF_(self->finish_record, finish_record);
     self->finish_root = finish_root;
     self->strip = strip;
     self->trio = trio;
@@ -381,8 +382,8 @@ StreamSend_countdown(StreamSend *self, PyObject *unused)
 
 static PyMethodDef StreamSend_methods[] = {
     {"arm", (PyCFunction)StreamSend_arm, METH_VARARGS,
-     "arm(countdown, tally_add, prefix, head, tail, mid, strip, trio, on_ids, root, finish): serve the deltas of "
-     "this splice (finish: None, or (finish_head, root_end, nvext_end, state) to serve choice 0's finish chunk)"},
+     "arm(countdown, tally_add, splice): serve the deltas of this splice.SpliceArm (and choice 0's finish chunk "
+     "when its finish is a splice.FinishArm)"},
     {"disarm", (PyCFunction)StreamSend_disarm, METH_NOARGS, "Hand every message to general again."},
     {"countdown", (PyCFunction)StreamSend_countdown, METH_NOARGS, "The metrics countdown while armed."},
     {NULL, NULL, 0, NULL},
@@ -414,8 +415,7 @@ add_stream_send(PyObject *module)
     s_body = PyUnicode_InternFromString("body");
     s_more_body = PyUnicode_InternFromString("more_body");
     s_body_type = PyUnicode_InternFromString("http.response.body");
-    s_finished = PyUnicode_InternFromString("finished");
-    if (!s_type || !s_body || !s_more_body || !s_body_type || !s_finished)
+    if (!s_type || !s_body || !s_more_body || !s_body_type)
         return -1;
     PyObject *time = PyImport_ImportModule("time");
     if (time == NULL)

@@ -297,23 +297,21 @@ class ChunkReshaper(PromptIds):
 
     def finish_first_choice(self, event: bytes, start: int, end: int) -> bytes | None:
         """What `reshape` records from choice 0's finish chunk (ids listed at event[start:end], nothing else
-        read; see finish.serves), and the encoded `nvext` it adds; None, nothing recorded, once finished."""
-        parts = self.finish_parts()
-        if parts is None:
-            return None
-        self.delta_ids(event, start, end)
-        parts[1].finished = True
-        return b'{"completion_token_ids":' + event[start:end] + parts[0][: -len(b"}\n\n")]
-
-    def finish_parts(self) -> tuple[bytes, _Choice] | None:
-        """The bytes after choice 0's finish ids (its nvext's rest, the chunk's end) and state; None: finished."""
+        read; see finish.serves), and the encoded `nvext` it adds; None, nothing recorded, once finished.
+        The one writer of that state whoever serves the chunk (finish.finish_chunk, either stream send)."""
         state = self._choices[0]
         if state.finished:
             return None
         kept, ids = self._prompt_json, self._prompt_ids  # the prompt ids as `_json.dumps` writes them
-        if kept is None and ids is None:
-            return b"}}\n\n", state
-        return b',"prompt_token_ids":' + (_json.dumps(ids) if kept is None else kept) + b"}}\n\n", state
+        prompt = b"" if kept is None and ids is None else b',"prompt_token_ids":' + (kept or _json.dumps(ids))
+        self.delta_ids(event, start, end)
+        state.finished = True
+        return b'{"completion_token_ids":' + event[start:end] + prompt + b"}"
+
+    @property
+    def first_finished(self) -> bool:
+        """Choice 0's finish chunk was recorded."""
+        return self._choices[0].finished
 
     def withhold_ids(self) -> None:
         """The byte-level path saw `token_ids: null` on the only choice (see `_reported_ids`)."""
