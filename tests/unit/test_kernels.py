@@ -8,6 +8,8 @@ AddressSanitizer + UndefinedBehaviorSanitizer build of the same sources.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import os
 import platform
 import re
@@ -17,6 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.kernels import kernels_for
+from vllm_nvext.kernels import Kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
@@ -64,3 +69,30 @@ def test_each_c_file_names_its_python_twin_and_its_oracle(source: str) -> None:
     assert twin and oracle, f"csrc/{source} names no Python twin or no oracle"
     for test in re.findall(r"tests/unit/\w+\.py", head):
         assert (ROOT / test).is_file(), f"csrc/{source} names {test}, which does not exist"
+
+
+def test_the_stub_types_every_compiled_kernel_and_nothing_else() -> None:
+    """`_speedups.pyi` names exactly what the extension exports, so mypy checks every use of it."""
+    kernels_for("c")  # skipped, or failed under VLLM_NVEXT_REQUIRE_EXTENSION, where the extension is not built
+    from vllm_nvext import _speedups
+
+    exported = {name for name in dir(_speedups) if not name.startswith("_")}
+    stub = ast.parse((ROOT / "vllm_nvext" / "_speedups.pyi").read_text(encoding="utf-8"))
+    typed = {n.name for n in stub.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name[0] != "_"}
+    assert typed == exported
+
+
+def test_each_kernel_of_the_compiled_record_is_compiled_and_each_has_a_python_twin() -> None:
+    """The compiled record holds no Python fallback, and the Python record fills every field the compiled one
+    does (plain_chunk excepted: it has no Python twin yet, and None there means "decode")."""
+    compiled = kernels_for("c")
+    python = kernels_for("python")
+    for field in dataclasses.fields(Kernels):
+        if field.name in ("impl", "stream_send"):
+            continue
+        assert callable(getattr(compiled, field.name)), field.name
+        assert type(getattr(compiled, field.name)).__name__ == "builtin_function_or_method", field.name
+        if field.name != "plain_chunk":
+            assert callable(getattr(python, field.name)), field.name
+    assert (compiled.impl, python.impl, python.plain_chunk) == ("c", "python", None)
+    assert type(compiled.stream_send(print, print)[0]).__name__ == "StreamSend"
