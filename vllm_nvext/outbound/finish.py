@@ -143,12 +143,8 @@ def reshape_single(chunks: ChunkReshaper, obj: Any) -> bool | None:
         chunks.prompt_ids = owner.get("prompt_token_ids")
     delta = choice.get("token_ids")
     ids = delta if isinstance(delta, list) else None if "token_ids" in choice or plan.ids_withheld else []
-    state = chunks.choice_state(choice.get("index"))
-    if ids is None:
-        state.withheld = True
     nv: dict[str, Any] = {"completion_token_ids": ids}
-    if choice.get("finish_reason") is not None and not state.finished:
-        state.finished = True
+    if chunks.record_choice(choice.get("index"), ids is None, choice.get("finish_reason") is not None):
         kv = _take_kv(obj, plan)
         if kv is not None:
             nv["kv_transfer_params"] = kv

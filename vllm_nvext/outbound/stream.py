@@ -272,7 +272,7 @@ class StreamReshaper:
             return None
         chunks = self.chunks
         finish = None
-        if self._finish_head is not None and not chunks.first_finished:  # finish.finish_chunk's bytes
+        if self._finish_head is not None and not chunks.choice_state(0).finished:  # finish.finish_chunk's bytes
             finish = FinishArm(self._finish_head, len(self.root), chunks.finish_first_choice)
         usage_root = b"" if self._renames else self.root  # the general path may rename an error in it
         on_ids = chunks.delta_ids if chunks.engine or (chunks.timed and chunks.ttft_ms is None) else None
