@@ -1,5 +1,6 @@
 """The compiled twins (csrc/, one extension: `vllm_nvext._speedups`) as C code: one file per twin, each
-naming its Python twin and its oracle, and a build with every warning an error.
+naming its Python twin and its oracle, and a build with every warning an error; and the seam that picks
+them (`vllm_nvext.kernels`): a stub that types every export, a Python twin for each compiled kernel.
 
 `make test-sanitize` runs the kernel tests (this file, test_stream_send.py, test_stream_finish.py,
 test_unary_plain.py, test_request_splice.py, test_attack_shortcuts.py, test_attack_stream_round2.py) on an
