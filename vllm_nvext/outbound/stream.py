@@ -59,6 +59,10 @@ class StreamKernels(Protocol):
     def plain_chunk(self) -> Scanner | None: ...
 
 
+# A record (a NamedTuple) from all its fields in order, without its generated Python `__new__`: an arm of a short
+# stream costs ~0.1 µs for its two records instead of ~0.9 (a stream arms once or twice).
+_record = tuple.__new__
+
 # How many times a stream learns a splice (its first delta, then after a layout change).
 ARMINGS = 3
 
@@ -273,12 +277,11 @@ class StreamReshaper:
         chunks = self.chunks
         finish = None
         if self._finish_head is not None and not chunks.choice_state(0).finished:  # finish.finish_chunk's bytes
-            finish = FinishArm(self._finish_head, len(self.root), chunks.finish_first_choice)
+            finish = _record(FinishArm, (self._finish_head, len(self.root), chunks.finish_first_choice))
         usage_root = b"" if self._renames else self.root  # the general path may rename an error in it
         on_ids = chunks.delta_ids if chunks.engine or (chunks.timed and chunks.ttft_ms is None) else None
-        return SpliceArm(
-            splice.prefix, splice.head, splice.tail, splice.mid, self._strip, self._trio, on_ids, usage_root, finish
-        )
+        parts = (splice.prefix, splice.head, splice.tail, splice.mid, self._strip, self._trio, on_ids, usage_root)
+        return _record(SpliceArm, (*parts, finish))
 
     def _delta(self, event: bytes, start: int, end: int) -> bytes | None:
         """A mid-stream delta whose ids (a list, or null) sit at event[start:end]."""
