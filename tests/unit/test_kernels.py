@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -96,4 +97,8 @@ def test_each_kernel_of_the_compiled_record_is_compiled_and_each_has_a_python_tw
         if field.name != "plain_chunk":
             assert callable(getattr(python, field.name)), field.name
     assert (compiled.impl, python.impl, python.plain_chunk) == ("c", "python", None)
-    assert type(compiled.stream_send(print, print)[0]).__name__ == "StreamSend"
+
+    async def nowhere(message: Any) -> None:
+        return None
+
+    assert type(compiled.stream_send(nowhere, nowhere)[0]).__name__ == "StreamSend"
