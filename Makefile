@@ -1,6 +1,6 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
 # `make help` lists every target with the line after its `##`.
-.PHONY: help build-ext setup setup-redis setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-rust033 fixtures-agent
+.PHONY: help build-ext test-sanitize setup setup-redis setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-rust033 fixtures-agent
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -52,8 +52,8 @@ test-unit: setup build-ext setup-redis ## the tests that need no server, with th
 setup-redis: ## install redis-server (Debian's package) for the capture store's tests
 	bash scripts/setup_redis.sh
 
-# The compiled stream path (vllm_nvext/_speedups.c), built in place.
-build-ext: setup ## build the compiled stream path (vllm_nvext/_speedups.c) in place
+# The compiled twins (csrc/, one extension: vllm_nvext._speedups), built in place.
+build-ext: setup ## build the compiled twins (csrc/, the extension vllm_nvext._speedups) in place
 	$(VENV)/bin/python setup.py -q build_ext --inplace
 
 # The main group (vLLM 0.32 servers, the 0.33 serving layer, the real Dynamo), then the parser server.
@@ -128,3 +128,22 @@ fixtures-rust033: setup setup-vllm033 ## re-record tests/fixtures/vllm-0.33-rust
 
 fixtures-agent: setup ## re-record tests/fixtures/agent-apis/ (/v1/responses, /v1/messages) from vLLM 0.32
 	$(VENV)/bin/python -m scripts.record_fixtures --set agent
+
+# The compiled twins (csrc/) under AddressSanitizer and UndefinedBehaviorSanitizer, in a copy of the tree
+# (build/sanitize/tree: the in-place build stays the plain one): built with every warning an error, the
+# kernel tests run with the sanitizers' runtimes preloaded into CPython; any report fails the run.
+KERNEL_TESTS := tests/unit/test_kernels.py tests/unit/test_stream_send.py tests/unit/test_stream_finish.py \
+	tests/unit/test_unary_plain.py tests/unit/test_request_splice.py tests/unit/test_attack_shortcuts.py \
+	tests/unit/test_attack_stream_round2.py
+SANITIZE := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -O1 -g
+SANITIZE_TREE := build/sanitize/tree
+test-sanitize: setup ## the kernel tests on an ASan + UBSan build of the compiled twins (csrc/), in a copy of the tree
+	rm -rf $(SANITIZE_TREE) && mkdir -p $(SANITIZE_TREE)
+	cp -r csrc vllm_nvext tests setup.py pyproject.toml $(SANITIZE_TREE)/
+	rm -f $(SANITIZE_TREE)/vllm_nvext/_speedups*.so
+	cd $(SANITIZE_TREE) && VLLM_NVEXT_STRICT_BUILD=1 CFLAGS="$(SANITIZE)" LDFLAGS="$(SANITIZE)" \
+		$(abspath $(VENV))/bin/python setup.py -q build_ext --inplace
+	cd $(SANITIZE_TREE) && LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+		VLLM_NVEXT_REQUIRE_EXTENSION=1 $(abspath $(VENV))/bin/python -m pytest $(KERNEL_TESTS) -p no:randomly \
+		-p no:cacheprovider $(PYTEST_ARGS)

@@ -396,10 +396,10 @@ async def measure_in_process(rounds: int, profile: bool) -> list[Target]:
             mw_apps[key] = await _build_app(build_app, init_state, engine, args)
         mw_app = mw_apps["default"]
         ready = time.perf_counter() - t0
-        from vllm_nvext.send import stream_path
+        from vllm_nvext.kernels import pick
 
         print(f"  vLLM {h.VLLM_VERSION} app x{1 + len(mw_apps)} over the scripted engine core, ready in {ready:.0f} s;"
-              f" NvextMiddleware's stream path: {stream_path(False)}", flush=True)  # fmt: skip
+              f" NvextMiddleware's stream path: {pick(False).impl}", flush=True)  # fmt: skip
         bodies = {(c.name, opt): request_body(c, opt) for c in CASES for opt in ("ids", "nvext", "plain")}
         # Warm-up and checks: every request once on each side, compared.
         answers: dict[tuple[str, str], Exchange] = {}  # stock vLLM's answer per case and arm

@@ -9,7 +9,7 @@ pass in one process so machine noise hits them alike:
   floor             a Python `send` that only awaits the server's: what any ASGI middleware costs
   general path      `ReshapingSend` itself (its coroutine, `StreamReshaper.feed`, the splice's
                     Python tier): what a delta costs that the armed send hands back
-  python send       `send.python_stream_send`, armed: the pure-Python path
+  python send       `kernels.python_stream_send`, armed: the pure-Python path
   compiled send     `_speedups.StreamSend`, armed (left out when the extension is not built)
 
 Each figure is the median over passes of (variant - server send) per delta, in µs, warm: the code
@@ -28,8 +28,9 @@ from typing import Any
 
 from vllm_nvext.config import Mode
 from vllm_nvext.inbound.request import plan_request
+from vllm_nvext.kernels import KERNELS
 from vllm_nvext.outbound.nvext_values import Clock
-from vllm_nvext.send import STREAM_SENDS, ReshapingSend
+from vllm_nvext.send import ReshapingSend
 
 from ._common import SSE_HEADERS, Target, fmt, load_case, median, print_table, run_sync
 
@@ -47,7 +48,7 @@ async def _floor_send(message: MutableMapping[str, Any]) -> None:
 
 def _armed(plan: Any, events: list[bytes], impl: str | None) -> Callable[[dict[str, Any]], Awaitable[None]]:
     """The send under test, after the stream's first events (the splice armed on its first delta)."""
-    reshaping = ReshapingSend(plan, Clock(), _server_send, None if impl is None else STREAM_SENDS[impl])
+    reshaping = ReshapingSend(plan, Clock(), _server_send, None if impl is None else KERNELS[impl])
     send = reshaping.app_send
     run_sync(send({"type": "http.response.start", "status": 200, "headers": list(SSE_HEADERS)}))
     for event in events:
@@ -67,7 +68,7 @@ def measure(name: str, vllm: str, passes: int) -> dict[str, float]:
         "general path": lambda: _armed(plan, events[:2], None),
         "python send": lambda: _armed(plan, events[:2], "python"),
     }
-    if "c" in STREAM_SENDS:
+    if "c" in KERNELS:
         variants["compiled send"] = lambda: _armed(plan, events[:2], "c")
     per_pass: dict[str, list[float]] = {k: [] for k in variants}
     clock = time.perf_counter_ns

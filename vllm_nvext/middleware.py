@@ -56,18 +56,13 @@ from .inbound import client_params, fields
 from .inbound.optin import OptInScan, opts_in_whole
 from .inbound.request import plan as plan_request_for
 from .inbound.request import read_request
-from .inbound.rewrite import SpliceRoot
+from .kernels import Kernels, pick
 from .outbound.nvext_values import Clock
 from .plan import Plan
 from .protocol import ENDPOINT_PATHS, Dialect, Endpoint, RequestError
-from .send import STREAM_SENDS, ReshapingSend, StreamSendFactory, compiled, stream_path
+from .send import ReshapingSend
 
 logger = logging.getLogger("vllm_nvext")
-
-
-# `_speedups.splice_root`, the request side's compiled root splice (unless the settings ask for the
-# pure-Python path); None when the extension is not built.
-SPLICE_ROOT: SpliceRoot | None = compiled("splice_root")
 
 
 def prepare() -> None:
@@ -111,8 +106,8 @@ class NvextMiddleware:
             capture_retention_s=capture_retention_s,
             base=settings,
         )
-        self.stream_path = stream_path(self.settings.pure_python)  # "c" or "python" (send.STREAM_SENDS)
-        self._stream_send = STREAM_SENDS[self.stream_path]
+        self.kernels = pick(self.settings.pure_python)  # the compiled kernels, or their Python twins
+        self.stream_path = self.kernels.impl  # "c" or "python"
         metrics.set_stream_path(self.stream_path)
         announce = "vllm-nvext: the %s stream path runs (VLLM_NVEXT_PURE_PYTHON=1 forces Python)"
         logger.info(announce, self.stream_path)
@@ -179,7 +174,7 @@ class NvextMiddleware:
                     return
             else:
                 receive = Replay.again(message, receive)  # `_Exchange` reads it as the first of many
-        exchange = _Exchange(self.app, self.settings, endpoint, scope, receive, send, self._stream_send, arrived)
+        exchange = _Exchange(self.app, self.settings, endpoint, scope, receive, send, self.kernels, arrived)
         exchange.serve_messages = self.serve_messages
         exchange.body_request_id = body_request_id
         exchange.hides_reasoning_ids = facts.hides_reasoning_ids
@@ -189,7 +184,7 @@ class NvextMiddleware:
 class _Exchange:
     """One request/response cycle through the middleware."""
 
-    __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "arrived", "stream_send", "body_request_id",
+    __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "arrived", "kernels", "body_request_id",
                  "serve_messages", "hides_reasoning_ids")  # fmt: skip
 
     def __init__(
@@ -200,11 +195,11 @@ class _Exchange:
         scope: Scope,
         receive: Receive,
         send: Send,
-        stream_send: StreamSendFactory,
+        kernels: Kernels,
         arrived: tuple[float, float],
     ) -> None:
         self.app = app
-        self.stream_send = stream_send
+        self.kernels = kernels
         self.serve_messages = False  # the plugin mount serves /v1/messages with ids itself
         self.settings = settings
         self.endpoint = endpoint
@@ -248,7 +243,7 @@ class _Exchange:
                 return
             settings = self.settings
             mode = self._mode(headers.modes) if headers.modes else settings.mode  # no header: the setting
-            splice = None if settings.pure_python else SPLICE_ROOT
+            splice = self.kernels.splice_root
             plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank,
                                     hides_reasoning_ids=self.hides_reasoning_ids, splice_root=splice)  # fmt: skip
         except RequestError as exc:
@@ -335,7 +330,7 @@ class _Exchange:
         # No echo (the common case): no generator entered.
         if plan.echo_prompts and any(not isinstance(p, str) for p in plan.echo_prompts):
             decode_echo = partial(self._decode_echo_prompts, model=model)
-        return ReshapingSend(plan, Clock(*self.arrived), self.send, self.stream_send, endpoint, decode_echo)
+        return ReshapingSend(plan, Clock(*self.arrived), self.send, self.kernels, endpoint, decode_echo)
 
     async def _agent_route(self, route: AgentRoute, body: bytes, found: bool, headers: RequestHeaders) -> None:
         """/v1/responses and /v1/messages (docs/protocol.md §11)."""

@@ -5,10 +5,10 @@ complete, reshaped by `unary.reshape_unary_body` and sent with its new length. A
 a field the middleware set from an nvext field is renamed to that field (`chunks.rename_error`);
 other errors, 204/206/304 and encoded bodies pass untouched. Used by `NvextMiddleware`; public for benchmarks.
 
-vLLM is handed `ReshapingSend.app_send`: a plain function (`python_stream_send`) or the compiled
-`_speedups.StreamSend`, which serve an armed stream's mid-stream deltas themselves
-(`splice.Splice`) and hand every other message to the `ReshapingSend`. Same bytes as the general
-path, both implementations: tests/unit/test_stream_send.py.
+vLLM is handed `ReshapingSend.app_send`, the stream send of the kernels that run (`kernels.Kernels`): a plain
+function (`kernels.python_stream_send`) or the compiled `_speedups.StreamSend`, which serve an armed stream's
+mid-stream deltas and finish chunk themselves (`splice.SpliceArm`) and hand every other message to the
+`ReshapingSend`. Same bytes as the general path, both implementations: tests/unit/test_stream_send.py.
 """
 
 from __future__ import annotations
@@ -16,16 +16,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from importlib import import_module
 from time import perf_counter_ns
-from typing import Any
 
 from . import _json, metrics
 from .asgi import Message, Send, is_event_stream, is_json
+from .kernels import Kernels, pick
 from .outbound.chunks import rename_error
-from .outbound.finish import Scanner
 from .outbound.nvext_values import Clock
-from .outbound.splice import Learner, kept_text
 from .outbound.stream import StreamReshaper
 from .outbound.unary import plain_body, reshape_unary_body
 from .outbound.unary import serves as unary_serves
@@ -35,112 +32,7 @@ from .protocol import Endpoint
 logger = logging.getLogger("vllm_nvext")
 
 _PASS_STATUSES = frozenset({204, 206, 304})
-_ID_BYTES = b"0123456789,"
 _UNTIMED = 1 << 62  # the countdown to the next timed message when metrics are off: never reached
-
-# The metrics countdown, the tally's `add` (None: metrics off), then `stream.StreamReshaper.arm_parts`: the
-# splice's parts, as `splice.Splice` holds them, the on-ids callback, the root of a usage chunk that goes out
-# as it came (b"": none does) and what serves choice 0's finish chunk (None: none is; the compiled send only).
-Arm = Callable[[int, "Callable[[int], int] | None", bytes, bytes, bytes, bytes, bool, bool,
-                "Callable[[bytes, int, int], None] | None", bytes, "tuple[bytes, int, bytes, Any] | None"],
-               None]  # fmt: skip
-
-
-# Until armed, every message goes to `general` (the `ReshapingSend`). Armed with a stream's
-# `splice.Splice`, it serves the mid-stream deltas the splice serves (the checks of `Splice.locate`,
-# the bytes of `Splice.render`), and `data: [DONE]`, the usage chunk and the stream's closing empty message
-# as they came (nothing is held or waits while armed; the closing message is not counted: the general path
-# counts it as a framed message of no event), as a plain function that returns `downstream`'s awaitable:
-# no coroutine of its own.
-# Anything else goes to `general`, which arms or disarms it again. While armed it keeps the metrics countdown
-# (metrics.StreamTally) and times the sampled message itself; `countdown` hands it back.
-def python_stream_send(general: Send, downstream: Send) -> tuple[Callable[[Message], Awaitable[None]], Arm,
-                                                                   Callable[[], None], Callable[[], int]]:  # fmt: skip
-    """The pure-Python `send` handed to vLLM: (send, arm, disarm, countdown); see the comment above."""
-    prefix = head = tail = mid = root = b""
-    lp = lh = lt = lr = 0
-    strip = trio = armed = False
-    on_ids: Callable[[bytes, int, int], None] | None = None
-    tally_add: Callable[[int], int] | None = None
-    left, clock = 0, perf_counter_ns
-
-    def send(message: Message) -> Awaitable[None]:
-        nonlocal left
-        if armed and message["type"] == "http.response.body":
-            body = message.get("body", b"")
-            if not message.get("more_body", False):
-                return downstream(message) if body == b"" and type(body) is bytes else general(message)
-            t0 = clock() if left == 1 else 0
-            if type(body) is bytes and body.startswith(prefix) and body.endswith(tail):
-                end = len(body) - lt
-                start = body.rfind(b"[")  # the tail holds none (splice.Splice)
-                h = start - lh
-                if not (
-                    h >= lp
-                    and body.startswith(head, h)
-                    and kept_text(body, lp, h)
-                    and body[end - 1] == 93  # ]
-                    and not body[start + 1 : end - 1].strip(_ID_BYTES)
-                ):
-                    return general(message)
-                if trio:  # the delta written before its ids are reported: by the splice it matched
-                    ids = body[start:end]
-                    message["body"] = b"".join((body[:start] if strip else body[:end], mid, ids, b"}}\n\n"))
-                elif strip:
-                    message["body"] = body[:start] + mid
-                if on_ids is not None and not _reported(on_ids, message, body, start, end):
-                    return general(message)  # ids a decode refuses: the delta as it came
-            elif type(body) is not bytes or (body != b"data: [DONE]\n\n" and not _is_usage(body, root, lr)):
-                return general(message)
-            if t0 and tally_add is not None:
-                left = tally_add(clock() - t0)
-            else:
-                left -= 1
-            return downstream(message)
-        return general(message)
-
-    def arm(countdown: int, add: Callable[[int], int] | None, p: bytes, h: bytes, t: bytes, m: bytes, s: bool,
-            tr: bool, ids: Callable[[bytes, int, int], None] | None, r: bytes, finish: object) -> None:  # fmt: skip
-        nonlocal prefix, head, tail, mid, root, lp, lh, lt, lr, strip, trio, armed, on_ids, left, tally_add
-        prefix, head, tail, mid, strip, trio, on_ids, left, tally_add = p, h, t, m, s, tr, ids, countdown, add
-        root, lp, lh, lt, lr = r, len(p), len(h), len(t), len(r)
-        armed = True
-
-    def disarm() -> None:
-        nonlocal armed
-        armed = False
-
-    def countdown() -> int:
-        return left
-
-    return send, arm, disarm, countdown
-
-
-def _reported(on_ids: Callable[[bytes, int, int], None], message: Message, body: bytes, start: int, end: int) -> bool:
-    """`on_ids` recorded the delta's ids; False: it refused them (ids a decode refuses), and the message holds
-    the delta as it came again, for the general path, which forwards it unchanged and counts it (the compiled
-    send does the same)."""
-    try:
-        on_ids(body, start, end)
-    except Exception:
-        message["body"] = body
-        return False
-    return True
-
-
-def _is_usage(body: bytes, root: bytes, lr: int) -> bool:
-    """The usage chunk `stream.StreamReshaper` forwards as it came: one whole event, the root (b"": none does),
-    `]`, no `"choices":` after it."""
-    return (
-        lr > 0
-        and body.startswith(root)
-        and body[lr : lr + 1] == b"]"
-        and body.endswith(b"\n\n")
-        and body.find(b"\n") == len(body) - 2
-        and body.find(b"\r") < 0
-        and body.find(b'"choices":', lr) < 0
-    )
-
 
 # The echoed prompts of a plan, decoded; None when the client went away meanwhile.
 DecodeEcho = Callable[[Plan], Awaitable["tuple[str | tuple[int, ...], ...] | None"]]
@@ -150,7 +42,7 @@ class ReshapingSend:
     """The `send` handed to vLLM when the response has to be reshaped."""
 
     __slots__ = ("plan", "clock", "send", "route", "decode_echo", "_kind", "_start", "_parts", "_stream", "_tally",
-                 "_left", "app_send", "_arm", "_disarm", "_countdown", "_armed", "_scan", "_learn")  # fmt: skip
+                 "_left", "app_send", "_arm", "_disarm", "_countdown", "_armed", "kernels")  # fmt: skip
 
     _PASS, _UNARY, _STREAM, _ERROR, _DROP = 0, 1, 2, 3, 4
 
@@ -159,7 +51,7 @@ class ReshapingSend:
         plan: Plan,
         clock: Clock,
         send: Send,
-        stream_send: StreamSendFactory | None = None,
+        kernels: Kernels | None = None,
         route: Endpoint | None = None,
         decode_echo: DecodeEcho | None = None,
     ) -> None:
@@ -177,19 +69,10 @@ class ReshapingSend:
         self._stream: StreamReshaper | None = None
         self._tally: metrics.StreamTally | None = None  # None: metrics off, nothing timed
         self._left = metrics.StreamTally.FIRST  # body messages until the next timed one
-        # The send to hand vLLM: serves armed streams' deltas itself, everything else through this object.
-        make = STREAM_SENDS[stream_path(False)] if stream_send is None else stream_send
-        if make is _compiled and _StreamSend is not None:  # the factory's work, inlined
-            app_send = _StreamSend(self, send)
-            self.app_send, self._arm, self._disarm = app_send, app_send.arm, app_send.disarm
-            self._countdown = app_send.countdown
-            self._scan = COMPILED_SCAN  # the compiled path's chunk scanner
-            self._learn = COMPILED_LEARN  # and its splice learner (splice.learn_splice's twin)
-        else:
-            self.app_send, self._arm, self._disarm, self._countdown = make(self, send)
-            compiled = make is _compiled
-            self._scan = COMPILED_SCAN if compiled else None
-            self._learn = COMPILED_LEARN if compiled else None
+        # The kernels that run (None: those of the default settings), and the send to hand vLLM from them:
+        # it serves armed streams' deltas itself, everything else through this object.
+        self.kernels = pick(False) if kernels is None else kernels
+        self.app_send, self._arm, self._disarm, self._countdown = self.kernels.stream_send(self, send)
         self._armed = False  # app_send is armed: its countdown is the one that counts
 
     async def __call__(self, message: Message) -> None:
@@ -217,9 +100,9 @@ class ReshapingSend:
             if more and stream.splice is not None and (parts := stream.arm_parts()) is not None:
                 tally = self._tally
                 if tally is None:
-                    self._arm(_UNTIMED, None, *parts)
+                    self._arm(_UNTIMED, None, parts)
                 else:
-                    self._arm(self._left, tally.add, *parts)
+                    self._arm(self._left, tally.add, parts)
                 self._armed = True
             elif self._armed:
                 self._disarm()
@@ -269,7 +152,7 @@ class ReshapingSend:
             self._kind = self._PASS  # only vLLM's errors could change (error events come in streams)
         elif event_stream:
             self._kind = self._STREAM
-            self._stream = StreamReshaper(self.plan, self.clock, self._scan, self._learn)
+            self._stream = StreamReshaper(self.plan, self.clock, self.kernels)
             self._tally = metrics.StreamTally() if metrics.enabled() else None
             if sized:
                 message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]
@@ -293,12 +176,12 @@ class ReshapingSend:
         try:
             if self._kind == self._ERROR:
                 new = _renamed_error(body, plan)
-            elif self._scan is not None and unary_serves(plan):  # reshape_unary_body's first step, inlined
-                new = plain_body(body, plan, self._scan)
+            elif (scan := self.kernels.plain_chunk) is not None and unary_serves(plan):  # reshape_unary_body, inlined
+                new = plain_body(body, plan, scan)
                 if new is None:
                     new = reshape_unary_body(body, plan, self.clock)
             else:
-                new = reshape_unary_body(body, plan, self.clock, self._scan)
+                new = reshape_unary_body(body, plan, self.clock, scan)
             if new is not None:
                 body = new
         except ValueError:
@@ -348,51 +231,3 @@ def _body_kind(content_type: bytes | None) -> tuple[bool, bool]:
 def _renamed_error(body: bytes, plan: Plan) -> bytes | None:
     obj = _json.loads(body)
     return _json.dumps(obj) if rename_error(obj, plan) else None
-
-
-StreamSendFactory = Callable[[Send, Send], tuple[Callable[[Message], Awaitable[None]], Arm, Callable[[], None],
-                                                 Callable[[], int]]]  # fmt: skip
-
-
-def compiled(name: str) -> Any:
-    """The compiled extension's `name` (`vllm_nvext._speedups`); None when the extension is not built
-    (or is a build without it)."""
-    try:
-        speedups = import_module("._speedups", __package__)
-    except ImportError:
-        return None
-    return getattr(speedups, name, None)
-
-
-_StreamSend: Any = compiled("StreamSend")
-
-
-def _compiled_stream_send() -> StreamSendFactory | None:
-    """`_speedups.StreamSend` as a factory like `python_stream_send`; None when the extension is not built."""
-    stream_send = _StreamSend
-    if stream_send is None:
-        return None
-
-    def factory(general: Send, downstream: Send) -> tuple[Callable[[Message], Awaitable[None]], Arm,
-                                                           Callable[[], None], Callable[[], int]]:  # fmt: skip
-        send = stream_send(general, downstream)
-        return send, send.arm, send.disarm, send.countdown
-
-    return factory
-
-
-# The stream paths this install has, by the name the startup log and metrics use (`impl`).
-STREAM_SENDS: dict[str, StreamSendFactory] = {"python": python_stream_send}
-_compiled = _compiled_stream_send()
-if _compiled is not None:
-    STREAM_SENDS["c"] = _compiled
-
-
-# outbound/finish.first_chunk's scanner, and splice.learn_splice's compiled twin.
-COMPILED_SCAN: Scanner | None = compiled("plain_chunk")
-COMPILED_LEARN: Learner | None = compiled("learn_splice")
-
-
-def stream_path(pure_python: bool) -> str:
-    """The stream path that runs: "c" when the extension is built and not turned off, else "python"."""
-    return "python" if pure_python or "c" not in STREAM_SENDS else "c"

@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
+from tests.support.kernels import IMPLS, kernels_for
 from vllm_nvext import _json, _vllm_compat
+from vllm_nvext.kernels import Kernels
 
 
 @pytest.fixture(autouse=True)
@@ -22,6 +24,12 @@ def _no_nvext_settings_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("VLLM_NVEXT_") and name != "VLLM_NVEXT_REQUIRE_EXTENSION":
             monkeypatch.delenv(name)
+
+
+@pytest.fixture(params=IMPLS, scope="session")
+def kernels(request: pytest.FixtureRequest) -> Kernels:
+    """Each kernel test runs on both implementations: the Python twins and the compiled kernels."""
+    return kernels_for(request.param)
 
 
 def _forget_vllm() -> None:

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.kernels import kernels_for
 from tests.unit.test_request_fidelity import BASE, _made_anew, _outcome
 from tests.unit.test_stream_finish import _both, _finish_at, _recording
 from tests.unit.test_stream_layouts import _events, _first_difference, _plan
@@ -27,8 +28,8 @@ from tests.unit.test_unary import _general
 from tests.unit.test_unary_plain import PLAIN, _reshaped, _trio_plan
 from vllm_nvext import Mode, metrics
 from vllm_nvext.inbound.request import plan_request
+from vllm_nvext.kernels import Kernels
 from vllm_nvext.protocol import Endpoint
-from vllm_nvext.send import COMPILED_SCAN
 
 CHAT, COMPLETIONS = Endpoint.CHAT, Endpoint.COMPLETIONS
 STREAMS = ["chat_stream_ids_long", "completions_stream_ids_long"]
@@ -36,9 +37,9 @@ COMPILED = pytest.mark.parametrize("compiled", [False, True], ids=["python", "c"
 
 
 def _scan(event: bytes) -> Any:
-    if COMPILED_SCAN is None:
-        pytest.skip("the compiled stream path is not built in this install")
-    return COMPILED_SCAN(event)
+    scan = kernels_for("c").plain_chunk  # (no Python twin yet: the general path's decode is its oracle)
+    assert scan is not None
+    return scan(event)
 
 
 # --- the compiled scanner: whatever it calls plain, orjson writes back byte for byte ----------------
@@ -124,10 +125,8 @@ def test_the_scanner_declines_what_is_not_one_plain_data_event(event):
 
 
 def test_the_scanner_refuses_anything_but_bytes():
-    if COMPILED_SCAN is None:
-        pytest.skip("the compiled stream path is not built in this install")
     with pytest.raises(TypeError):
-        COMPILED_SCAN(bytearray(b'data: {"a":1}\n\n'))
+        _scan(bytearray(b'data: {"a":1}\n\n'))
 
 
 # --- the plain unary body: the general path's bytes, status and error --------------------------------
@@ -277,7 +276,7 @@ def test_an_unusual_usage_chunk_or_done_through_the_armed_send_gets_the_general_
         counts = []
         for impl in ("python", "c"):
             counted.clear()
-            got, reshaping = _through_send(plan, events, impl)
+            got, reshaping = _through_send(plan, events, kernels_for(impl))
             reshaping.count_stream()
             want = _stream_general(plan, events)
             assert got == want, f"{impl}, {label}: {_first_difference(got, want)}"
@@ -384,7 +383,7 @@ def test_a_mid_stream_delta_whose_text_a_decode_writes_otherwise_gets_the_genera
     for at in (finish // 2, finish - 1):
         key = _text_key(events[at])
         events[at] = events[at].replace(key, key + b"a" + TEXT_BYTES[text] + b"z", 1)
-    got, _ = _through_send(plan, events, impl)
+    got, _ = _through_send(plan, events, kernels_for(impl))
     want = _stream_general(plan, events)
     assert got == want, _first_difference(got, want)
 
@@ -415,14 +414,13 @@ TEXTS = st.lists(
 
 @settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
 @given(text=TEXTS)
-def test_a_text_a_splice_keeps_is_one_orjson_writes_back_byte_for_byte(text):
+def test_a_text_a_splice_keeps_is_one_orjson_writes_back_byte_for_byte(kernels: Kernels, text):
     """Both checks (`splice.kept_text`, the compiled one) accept a text only if a decode and an encode give its
     own bytes back, and agree; every text orjson writes back passes (escaped quotes and backslashes too)."""
-    from vllm_nvext import _speedups  # type: ignore[attr-defined]
     from vllm_nvext.outbound.splice import kept_text
 
     kept = kept_text(text, 0, len(text))
-    assert kept == _speedups.kept_text(text)
+    assert kept == kernels.kept_text(text)
     same = _round_trips(text)
     assert not kept or same
     if same:

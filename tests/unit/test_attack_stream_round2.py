@@ -1,6 +1,6 @@
 """Attacks on the stream sends' shortcuts, round 2: the armed sends give the general path's bytes and metrics.
 
-The `send` handed to vLLM (`send.python_stream_send`, the compiled `_speedups.StreamSend`) serves an armed
+The `send` handed to vLLM (`kernels.python_stream_send`, the compiled `_speedups.StreamSend`) serves an armed
 stream's deltas (escaped quotes and backslashes in their texts included), choice 0's finish chunk (compiled
 only), `[DONE]`, the usage chunk and the closing empty message itself. Whatever it serves, the client must get
 the bytes, and the metrics must count the events (and the ones forwarded unchanged), that the general path
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -20,15 +21,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.recorded import recordings
+from tests.support.kernels import IMPLS, kernels_for
 from tests.unit.test_stream_finish import _run, _Sink
 from tests.unit.test_stream_layouts import _events, _first_difference, _plan
-from tests.unit.test_stream_send import _factory
 from vllm_nvext import Mode, metrics
+from vllm_nvext.kernels import PYTHON, Kernels
 from vllm_nvext.outbound.nvext_values import Clock
 from vllm_nvext.outbound.stream import DecodingStreamReshaper
 from vllm_nvext.send import ReshapingSend
 
-IMPLS = ["python", "c"]
 START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
 
 
@@ -56,11 +57,14 @@ def _never_armed(general: Any, downstream: Any) -> Any:
     return general, arm, lambda: None, lambda: left[0]
 
 
+NEVER_ARMED = replace(PYTHON, stream_send=_never_armed)  # the Python kernels whose send never serves a message
+
+
 Messages = list[tuple[bytes, bool]]
 
 
-def _sent(plan: Any, messages: Messages, factory: Any) -> tuple[bytes, list[tuple[int, int]]]:
-    """The client's bytes and the metrics' (events, unchanged) for a stream sent through `factory`'s send."""
+def _sent(plan: Any, messages: Messages, kernels: Kernels) -> tuple[bytes, list[tuple[int, int]]]:
+    """The client's bytes and the metrics' (events, unchanged) for a stream sent through `kernels`' send."""
     counted: list[tuple[int, int]] = []
     real = metrics.count_reshaping
 
@@ -70,7 +74,7 @@ def _sent(plan: Any, messages: Messages, factory: Any) -> tuple[bytes, list[tupl
     metrics.count_reshaping = count
     try:
         sink = _Sink()
-        reshaping = ReshapingSend(plan, _CountingClock(), sink, factory)
+        reshaping = ReshapingSend(plan, _CountingClock(), sink, kernels)
         _run(reshaping.app_send(dict(START)))
         for body, more in messages:
             _run(reshaping.app_send({"type": "http.response.body", "body": body, "more_body": more}))
@@ -92,10 +96,9 @@ def _messages(events: list[bytes]) -> Messages:
 # --- found broken: a delta whose ids a decode refuses, under a plan that reads the ids -----------------
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("ids", [b"[1,,2]", b"[,]", b"[1,]", b"[01]"])
 @pytest.mark.parametrize("name", ["chat_stream_ids_long", "vllm-0.33/completions_stream_ids_long"])
-def test_a_delta_whose_ids_are_not_json_under_engine_data_goes_out_as_the_general_path_sends_it(name, ids, impl):
+def test_a_delta_whose_ids_are_not_json_under_engine_data_goes_out_as_the_general_path_sends_it(name, ids, kernels):
     """engine_data reads every delta's ids (`ChunkReshaper.delta_ids`): the general path forwards a delta whose
     ids a decode refuses unchanged and counts it; the armed send raised out of vLLM's `send` (the client's
     stream cut short) instead."""
@@ -105,9 +108,9 @@ def test_a_delta_whose_ids_are_not_json_under_engine_data_goes_out_as_the_genera
     at = len(events) // 2
     start = events[at].find(b'"token_ids":[') + len(b'"token_ids":')
     events[at] = events[at][:start] + ids + events[at][events[at].find(b"]", start) + 1 :]
-    want, want_counted = _sent(plan, _messages(events), _never_armed)
+    want, want_counted = _sent(plan, _messages(events), NEVER_ARMED)
     assert events[at] in _events(want), "the general path forwards the delta as vLLM wrote it"
-    got, counted = _sent(plan, _messages(events), _factory(impl))
+    got, counted = _sent(plan, _messages(events), kernels)
     assert got == want, _first_difference(got, want)
     assert counted == want_counted
 
@@ -226,11 +229,11 @@ def test_a_mutated_recorded_stream_gets_the_general_paths_bytes_and_metrics_thro
     ids withheld or left out, other finish and stop reasons, with or without the usage chunk: both sends give
     the never-armed general path's bytes and metrics, which are the decoding path's for a stream of valid JSON."""
     plan, messages, valid = stream
-    want, want_counted = _sent(plan, messages, _never_armed)
+    want, want_counted = _sent(plan, messages, NEVER_ARMED)
     if valid:
         decoded = _decoded(plan, messages)
         assert want == decoded, "the general path: " + _first_difference(want, decoded)
     for impl in IMPLS:
-        got, counted = _sent(plan, messages, _factory(impl))
+        got, counted = _sent(plan, messages, kernels_for(impl))
         assert got == want, f"{impl}: " + _first_difference(got, want)
         assert counted == want_counted, f"{impl}: the metrics read {counted}, the general path's {want_counted}"

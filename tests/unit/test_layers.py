@@ -29,9 +29,11 @@ LAYERS: dict[str, frozenset[str]] = {
     # What the installed vLLM can do, and its `--api-key` check on the scope.
     "vllm": frozenset({"_vllm_compat"}),
     # The server's ASGI layer: the middleware (one request's cycle), its receive and send plumbing
-    # (`asgi`, `send`; `_speedups`, built from _speedups.c, is the compiled twin of the stream send),
+    # (`asgi`, `send`; `kernels` picks the compiled twins of `_speedups`, built from csrc/, or their Python ones),
     # the counters, the agent routes, the endpoint plugin.
-    "asgi": frozenset({"", "middleware", "asgi", "send", "_speedups", "metrics", "agent", "agent.*", "plugin"}),
+    "asgi": frozenset(
+        {"", "middleware", "asgi", "send", "kernels", "_speedups", "metrics", "agent", "agent.*", "plugin"}
+    ),
     # Out of process: the middleware in front of a server over HTTP (`vllm-nvext proxy`).
     "proxy": frozenset({"proxy"}),
     # For users, beside the server.

@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.kernels import kernels_for
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings
 from vllm_nvext import _json as nvjson
-from vllm_nvext import middleware as middleware_module
 from vllm_nvext.inbound import fields as fields_module
 from vllm_nvext.inbound import nvext_schema
 from vllm_nvext.inbound import request as request_module
@@ -682,7 +682,7 @@ def nvext_bodies(draw, nvext: dict[str, Any], decisions: dict[str, Any], endpoin
 def test_a_kept_nvext_plan_is_the_plan_made_anew(data, endpoint, nvext, decisions, mode, hides, header, compiled):
     """nvext plans are kept per reading of the fields and of `nvext` (each request's body spliced
     anew): for another body with the same readings the kept plan is the plan made anew."""
-    splice_root = middleware_module.SPLICE_ROOT if compiled else None
+    splice_root = kernels_for("c").splice_root if compiled else None
     first, other = (data.draw(nvext_bodies(nvext, decisions, endpoint)) for _ in range(2))
 
     def make(body: bytes) -> Any:

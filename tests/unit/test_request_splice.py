@@ -4,14 +4,15 @@
 left out, the added ones appended, every other byte kept, values skipped without decoding); the
 Python path (`_json.splice_object` over the decoded text) is the oracle and the fallback for what
 the compiled one hands back (None: a body that is not plain UTF-8, a key spelled with an escape).
-The compiled arm is skipped only where the extension is not built; CI sets
+Both twins of `splice_root` (`kernels.Kernels.splice_root`: the compiled one and `_json.splice_root`) run
+every test that holds for both. The compiled arm is skipped only where the extension is not built; CI sets
 VLLM_NVEXT_REQUIRE_EXTENSION=1 so that a missing build fails instead.
 """
 
 from __future__ import annotations
 
 import json
-import os
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -19,9 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.recorded import recordings
+from tests.support.kernels import kernels_for
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import NvextMiddleware, Settings
-from vllm_nvext import middleware as middleware_module
+from vllm_nvext import kernels as kernels_module
 from vllm_nvext.config import Mode
 from vllm_nvext.inbound import request as request_module
 from vllm_nvext.inbound import rewrite as rewrite_module
@@ -46,12 +48,15 @@ GAPS = st.sampled_from(["", "", "", " ", "\n", "\t", "\r\n  "])
 
 
 @pytest.fixture(scope="module")
-def splice_root() -> Any:
-    if middleware_module.SPLICE_ROOT is None:
-        if os.environ.get("VLLM_NVEXT_REQUIRE_EXTENSION"):
-            pytest.fail("the compiled extension is not built (python setup.py build_ext --inplace)")
-        pytest.skip("the compiled extension is not built in this install")
-    return middleware_module.SPLICE_ROOT
+def splice_root(kernels: kernels_module.Kernels) -> Any:
+    """Each twin of the root splice in turn."""
+    return kernels.splice_root
+
+
+@pytest.fixture(scope="module")
+def compiled_splice_root() -> Any:
+    """The compiled root splice, for what only it does (hand a body back to the Python twin)."""
+    return kernels_for("c").splice_root
 
 
 def _rewrite(drop: set[str], added: dict[str, str]) -> BodyRewrite:
@@ -99,13 +104,14 @@ def test_compiled_splice_gives_the_python_paths_bytes(splice_root, body, drop, a
 
 @SLOW
 @given(data=st.binary(max_size=40) | bodies().map(lambda b: b[: len(b) // 2]))
-def test_compiled_splice_never_fails_on_bytes_that_are_not_json(splice_root, data):
+def test_compiled_splice_never_fails_on_bytes_that_are_not_json(compiled_splice_root, data):
     # the request side hands it decoded bodies only; anything else must still be a clean answer
-    out = splice_root(data, (b"nvext",), b'"return_token_ids":true')
+    out = compiled_splice_root(data, (b"nvext",), b'"return_token_ids":true')
     assert out is None or isinstance(out, bytes)
 
 
-def test_compiled_splice_hands_back_what_the_python_path_decides(splice_root):
+def test_compiled_splice_hands_back_what_the_python_path_decides(compiled_splice_root):
+    splice_root = compiled_splice_root
     drop, extra = (b"nvext",), b'"return_token_ids":true'
     assert splice_root('\ufeff{"nvext":1}'.encode("utf-8"), drop, extra) is None  # a BOM
     assert splice_root('{"nvext":1}'.encode("utf-16-le"), drop, extra) is None
@@ -138,14 +144,16 @@ def test_recorded_requests_reach_vllm_as_the_python_path_writes_them(splice_root
 
 
 @pytest.mark.parametrize("pure_python", [False, True])
-async def test_the_pure_python_setting_keeps_the_request_side_in_python(splice_root, monkeypatch, pure_python):
+async def test_the_pure_python_setting_keeps_the_request_side_in_python(compiled_splice_root, monkeypatch, pure_python):
     seen: list[bytes] = []
 
     def recording_splice(body: bytes, drop: tuple[bytes, ...], extra: bytes) -> bytes | None:
         seen.append(body)
-        return splice_root(body, drop, extra)
+        return compiled_splice_root(body, drop, extra)
 
-    monkeypatch.setattr(middleware_module, "SPLICE_ROOT", recording_splice)
+    compiled = kernels_module.COMPILED
+    assert compiled is not None
+    monkeypatch.setattr(kernels_module, "COMPILED", replace(compiled, splice_root=recording_splice))
     upstream = Upstream(body=b'{"ok":true}')
     app = NvextMiddleware(upstream, settings=Settings.from_env({}), pure_python=pure_python)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "nvext": {"extra_fields": ["timing"]}}

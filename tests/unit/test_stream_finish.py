@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import subprocess
 import sys
 from typing import Any
@@ -23,12 +22,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.recorded import VLLM_VERSIONS, recordings
+from tests.support.kernels import kernels_for
 from tests.unit.test_stream_layouts import SPLICED, _events, _first_difference, _plan
 from vllm_nvext import Mode
+from vllm_nvext.kernels import Kernels
 from vllm_nvext.outbound.finish import finish_ids
 from vllm_nvext.outbound.nvext_values import Clock
+from vllm_nvext.outbound.splice import FinishArm, SpliceArm
 from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
-from vllm_nvext.send import COMPILED_SCAN, STREAM_SENDS, ReshapingSend, compiled
+from vllm_nvext.send import ReshapingSend
 
 NAMES = ["chat_stream_ids_long", "completions_stream_ids_long", "chat_stream_ids", "completions_stream_ids"]
 
@@ -37,22 +39,24 @@ def _recording(name: str, vllm: str) -> Any:
     return recordings()[name if vllm == "0.32" else f"vllm-{vllm}/{name}"]
 
 
+def _kernels(compiled: bool) -> Kernels:
+    """The compiled kernels (skipped, or failed under VLLM_NVEXT_REQUIRE_EXTENSION, where not built), or Python's."""
+    return kernels_for("c" if compiled else "python")
+
+
 def _scanner(compiled: bool) -> Any:
-    """The compiled scanner (`_speedups.plain_chunk`) that lets a plain first chunk skip its decode, or None."""
-    if compiled and COMPILED_SCAN is None:
-        if os.environ.get("VLLM_NVEXT_REQUIRE_EXTENSION"):
-            pytest.fail("the compiled stream path is not built (python setup.py build_ext --inplace)")
-        pytest.skip("the compiled stream path is not built in this install")
-    return COMPILED_SCAN if compiled else None
+    """The scanner (`_speedups.plain_chunk`) that lets a plain first chunk skip its decode; None: decode it."""
+    return _kernels(compiled).plain_chunk
 
 
 def _both(plan: Any, events: list[bytes], compiled: bool) -> tuple[bytes, bytes]:
-    fast, general = StreamReshaper(plan, Clock(), _scanner(compiled)), DecodingStreamReshaper(plan, Clock())
+    kernels = _kernels(compiled)
+    fast, general = StreamReshaper(plan, Clock(), kernels), DecodingStreamReshaper(plan, Clock())
     got = b"".join(fast.feed(e) for e in events) + fast.flush()
     want = b"".join(general.feed(e) for e in events) + general.flush()
-    if compiled:  # and through the compiled send handed to vLLM, which serves the finish chunk itself
-        sent = _through_compiled_send(plan, events)
-        assert sent == want, "the compiled send: " + _first_difference(sent, want)
+    # and through the send handed to vLLM, which serves the finish chunk itself
+    sent = _through_send(plan, events, kernels)
+    assert sent == want, f"the {kernels.impl} send: " + _first_difference(sent, want)
     return got, want
 
 
@@ -70,9 +74,9 @@ def _run(awaitable: Any) -> None:
         awaitable.__await__().send(None)
 
 
-def _through_compiled_send(plan: Any, events: list[bytes]) -> bytes:
+def _through_send(plan: Any, events: list[bytes], kernels: Kernels) -> bytes:
     sink = _Sink()
-    reshaping = ReshapingSend(plan, Clock(), sink, STREAM_SENDS["c"])
+    reshaping = ReshapingSend(plan, Clock(), sink, kernels)
     _run(
         reshaping.app_send(
             {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
@@ -94,7 +98,7 @@ def test_the_first_and_finish_chunks_are_not_decoded_and_carry_the_trio(name, vl
     rec = _recording(name, vllm)
     plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
     events = _events(rec.body)
-    reshaper = StreamReshaper(plan, Clock(), _scanner(True))
+    reshaper = StreamReshaper(plan, Clock(), _kernels(True))
     outs = [reshaper.feed(e) for e in events]
     finish = _finish_at(events)
     assert events[finish][6:-2] not in json_decodes, "the finish chunk was decoded"
@@ -222,8 +226,7 @@ def _armed_parts(rec: Any, events: list[bytes]) -> tuple[bytes, bytes, int]:
 
 
 def _compiled_finish_ids() -> Any:
-    _scanner(True)  # skips, or fails under VLLM_NVEXT_REQUIRE_EXTENSION, where the extension is not built
-    return compiled("finish_ids")
+    return _kernels(True).finish_ids  # skips, or fails under VLLM_NVEXT_REQUIRE_EXTENSION, where not built
 
 
 @pytest.mark.parametrize("vllm", SPLICED)
@@ -284,14 +287,14 @@ def test_a_root_end_past_the_chunk_serves_no_finish_chunk():
         assert finish_ids(finish, prefix, head, root_end) is None
     script = f"""
 from vllm_nvext import _speedups
+from vllm_nvext.outbound.splice import FinishArm, SpliceArm
 event, prefix, head = {finish!r}, {prefix!r}, {head!r}
 print([_speedups.finish_ids(event, prefix, head, r) for r in {_FAR_ROOT_ENDS!r}])
-class State:
-    finished = False
 for r in {_FAR_ROOT_ENDS!r}:
     general, downstream = [], []
     send = _speedups.StreamSend(general.append, downstream.append)
-    send.arm(1 << 62, None, prefix, b"x", b"y", b"", True, True, None, b"", (head, r, b"}}}}\\n\\n", State()))
+    finish = FinishArm(head, r, lambda event, start, end: b"{{}}")
+    send.arm(1 << 62, None, SpliceArm(prefix, b"x", b"y", b"", True, True, None, b"", finish))
     send({{"type": "http.response.body", "body": event, "more_body": True}})
     print(len(general), len(downstream))
 """
@@ -300,27 +303,28 @@ for r in {_FAR_ROOT_ENDS!r}:
     assert done.stdout.split("\n")[:-1] == [str([None] * len(_FAR_ROOT_ENDS))] + ["1 0"] * len(_FAR_ROOT_ENDS)
 
 
-def test_a_finish_chunk_the_compiled_send_cannot_record_goes_to_the_general_path():
-    """The compiled send never raises into vLLM's stream: a finish chunk whose ids it cannot report, or whose
-    choice it cannot mark finished, goes to the general path."""
+def test_a_finish_chunk_the_send_cannot_record_goes_to_the_general_path(kernels):
+    """Neither send raises into vLLM's stream: a finish chunk whose owner (`ChunkReshaper.finish_first_choice`)
+    fails to record it, or has recorded one already (None), goes to the general path; a second finish chunk is
+    never served."""
     rec = _recording("chat_stream_ids_long", "0.33")
     events = _events(rec.body)
     prefix, head, root_end = _armed_parts(rec, events)
     finish = events[_finish_at(events)]
-    send_type = _scanner(True) and STREAM_SENDS["c"]
-    assert send_type is not None
     general: list[bytes] = []
     downstream: list[bytes] = []
 
-    def broken(event: bytes, start: int, end: int) -> None:
+    def broken(event: bytes, start: int, end: int) -> bytes | None:
         raise RuntimeError("a bug")
 
-    class State:
-        __slots__ = ("finished",)
+    def recorded(event: bytes, start: int, end: int) -> bytes | None:
+        return b'{"completion_token_ids":' + event[start:end] + b"}"
 
-    for on_ids, state in ((broken, State()), (None, object()), (None, State())):
-        send, arm, _, _ = send_type(lambda m: general.append(m["body"]), lambda m: downstream.append(m["body"]))
-        arm(1 << 62, None, prefix, b"x", b"y", b"", True, True, on_ids, b"", (head, root_end, b"}}\n\n", state))
+    for record in (broken, lambda event, start, end: None, recorded):
+        send, arm, _, _ = kernels.stream_send(
+            lambda m: general.append(m["body"]), lambda m: downstream.append(m["body"])
+        )
+        arm(1 << 62, None, SpliceArm(prefix, b"x", b"y", b"", True, True, None, b"", FinishArm(head, root_end, record)))
         send({"type": "http.response.body", "body": finish, "more_body": True})
         send({"type": "http.response.body", "body": finish, "more_body": True})  # a second one: never served
     assert general == [finish] * 5 and len(downstream) == 1, "only the recordable finish chunk was served, once"
@@ -346,7 +350,7 @@ def test_long_prompt_ids_reach_the_finish_chunk_as_the_general_path_writes_them(
     finish = _finish_at(events)
     if finish_decoded:  # a float the byte-level finish never copies
         events[finish] = events[finish].replace(b'"finish_reason":', b'"x_y":1.5,"finish_reason":', 1)
-    fast = StreamReshaper(plan, Clock(), _scanner(True))
+    fast = StreamReshaper(plan, Clock(), _kernels(True))
     got = b"".join(fast.feed(e) for e in events) + fast.flush()
     decoded = [d for d in json_decodes if len(d) > 4000]
     assert len(decoded) == finish_decoded, "the prompt's ids were decoded though only their bytes were copied"
@@ -356,8 +360,7 @@ def test_long_prompt_ids_reach_the_finish_chunk_as_the_general_path_writes_them(
     assert orjson.loads(got.split(b"\n\n")[finish][6:])["nvext"]["prompt_token_ids"] == owner["prompt_token_ids"]
 
 
-@pytest.mark.parametrize("path", ["c", "python"])
-def test_a_delta_is_served_by_the_splice_it_matched_even_if_the_send_is_armed_anew_meanwhile(path):
+def test_a_delta_is_served_by_the_splice_it_matched_even_if_the_send_is_armed_anew_meanwhile(kernels):
     """A send reports a delta's ids (`on_ids`) while it serves the delta: a call back that arms the send
     anew (other parts) changes later deltas, never the bytes of the one it was called for (both sends)."""
     rec = _recording("chat_stream_ids_long", "0.33")
@@ -372,16 +375,14 @@ def test_a_delta_is_served_by_the_splice_it_matched_even_if_the_send_is_armed_an
     for event in events[:4]:
         expected.feed(event)
     want = expected.feed(delta)
-    send_type = STREAM_SENDS[path] if path == "python" else _scanner(True) and STREAM_SENDS["c"]
-    assert send_type is not None
     downstream: list[bytes] = []
-    send, arm, _, _ = send_type(lambda m: None, lambda m: downstream.append(m["body"]))
-    other = (parts[0], parts[1], parts[2], b"OTHER" * 40, not parts[4], not parts[5], None, *parts[7:])
+    send, arm, _, _ = kernels.stream_send(lambda m: None, lambda m: downstream.append(m["body"]))
+    other = parts._replace(mid=b"OTHER" * 40, strip=not parts.strip, trio=not parts.trio, on_ids=None)
 
     def rearm(event: bytes, start: int, end: int) -> None:
-        arm(1 << 62, None, *other)
+        arm(1 << 62, None, other)
         gc.collect()
 
-    arm(1 << 62, None, *parts[:6], rearm, *parts[7:])
+    arm(1 << 62, None, parts._replace(on_ids=rearm))
     send({"type": "http.response.body", "body": delta, "more_body": True})
     assert downstream == [want], "the delta's bytes are the splice's it matched"

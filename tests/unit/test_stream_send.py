@@ -1,6 +1,6 @@
 """The `send` handed to vLLM gives the general path's bytes, in both implementations.
 
-`send.python_stream_send` and the compiled `_speedups.StreamSend` serve the mid-stream
+`kernels.python_stream_send` and the compiled `_speedups.StreamSend` serve the mid-stream
 deltas of an armed stream themselves (splice.Splice); everything else goes through the general
 path. Whatever serves them, the client must get the bytes the general path gives (every shortcut
 off, every event decoded) on every recorded stream and on the layouts hypothesis derives from
@@ -11,8 +11,8 @@ not built; CI sets VLLM_NVEXT_REQUIRE_EXTENSION=1 so that a missing build fails 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import MutableMapping
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -28,23 +28,14 @@ from tests.unit.test_stream_layouts import (
     draw_relaid_stream,
 )
 from vllm_nvext import NvextMiddleware, Settings, metrics
-from vllm_nvext import send as asgi_response
 from vllm_nvext.config import ConfigError, Mode
+from vllm_nvext.kernels import KERNELS, PYTHON, Kernels
 from vllm_nvext.outbound.nvext_values import Clock
-from vllm_nvext.outbound.splice import Learner, Splice, learn_splice
+from vllm_nvext.outbound.splice import Splice, learn_splice
 from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
-from vllm_nvext.send import COMPILED_LEARN, STREAM_SENDS, ReshapingSend
+from vllm_nvext.send import ReshapingSend
 
-IMPLS = ["python", "c"]
 START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
-
-
-def _factory(impl: str) -> asgi_response.StreamSendFactory:
-    if impl not in STREAM_SENDS:
-        if os.environ.get("VLLM_NVEXT_REQUIRE_EXTENSION"):
-            pytest.fail("the compiled stream path is not built (python setup.py build_ext --inplace)")
-        pytest.skip("the compiled stream path is not built in this install")
-    return STREAM_SENDS[impl]
 
 
 def _drive(awaitable: Any) -> None:
@@ -62,10 +53,10 @@ class _Sink:
             self.bodies.append(bytes(message.get("body", b"")))
 
 
-def _through_send(plan: Any, events: list[bytes], impl: str) -> tuple[bytes, ReshapingSend]:
+def _through_send(plan: Any, events: list[bytes], kernels: Kernels) -> tuple[bytes, ReshapingSend]:
     """The client's bytes for a stream sent one event per message through the send handed to vLLM."""
     sink = _Sink()
-    reshaping = ReshapingSend(plan, Clock(), sink, _factory(impl))
+    reshaping = ReshapingSend(plan, Clock(), sink, kernels)
     _drive(reshaping.app_send(dict(START)))
     for event in events:
         _drive(reshaping.app_send({"type": "http.response.body", "body": event, "more_body": True}))
@@ -78,21 +69,19 @@ def _general(plan: Any, events: list[bytes]) -> bytes:
     return b"".join(general.feed(e) for e in events) + general.flush()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(("name", "mode", "selectors"), RECORDED_CASES)
-def test_recorded_stream_through_the_send_gives_the_general_paths_bytes(name, mode, selectors, impl):
+def test_recorded_stream_through_the_send_gives_the_general_paths_bytes(name, mode, selectors, kernels):
     plan = _plan(recordings()[name], mode, selectors)
     events = _events(recordings()[name].body)
-    got, _ = _through_send(plan, events, impl)
+    got, _ = _through_send(plan, events, kernels)
     want = _general(plan, events)
-    assert got == want, f"{impl}: the client would get other bytes than the general path gives" + _first_difference(
-        got, want
+    assert got == want, (
+        f"{kernels.impl}: the client would get other bytes than the general path gives" + _first_difference(got, want)
     )
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", ["chat_stream_ids_long", "vllm-0.33/completions_stream_ids_long"])
-def test_the_armed_send_serves_the_deltas_without_the_general_path(name, impl, monkeypatch):
+def test_the_armed_send_serves_the_deltas_without_the_general_path(name, kernels, monkeypatch):
     rec = recordings()[name]
     plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
     general_calls = []
@@ -104,17 +93,16 @@ def test_the_armed_send_serves_the_deltas_without_the_general_path(name, impl, m
 
     monkeypatch.setattr(ReshapingSend, "__call__", counting)
     events = _events(rec.body)
-    _through_send(plan, events, impl)
+    _through_send(plan, events, kernels)
     escaped = sum(b"\\" in e for e in events)
     assert escaped, "the recording has texts with escapes (quotes, backslashes): the splice serves those too"
     # start, first chunk, the delta that arms, finish, [DONE], end of stream
     assert len(general_calls) <= 6, (
-        f"{impl}: {len(general_calls)} of {len(events) + 2} messages went through the general path"
+        f"{kernels.impl}: {len(general_calls)} of {len(events) + 2} messages went through the general path"
     )
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_the_metrics_count_every_event_whichever_path_serves_it(impl, monkeypatch):
+def test_the_metrics_count_every_event_whichever_path_serves_it(kernels, monkeypatch):
     rec = recordings()["chat_stream_ids_long"]
     plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
     counted: list[tuple[int, float]] = []
@@ -124,45 +112,42 @@ def test_the_metrics_count_every_event_whichever_path_serves_it(impl, monkeypatc
         lambda endpoint, kind, events, seconds, unchanged=0: counted.append((events, seconds)),
     )
     events = _events(rec.body)
-    _, reshaping = _through_send(plan, events, impl)
+    _, reshaping = _through_send(plan, events, kernels)
     reshaping.count_stream()
     assert counted and counted[0][0] == len(events) and counted[0][1] > 0, (
-        f"{impl}: the reshaped-events metric reads {counted}, the stream had {len(events)} events"
+        f"{kernels.impl}: the reshaped-events metric reads {counted}, the stream had {len(events)} events"
     )
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("selectors", [["timing"], ["completion_token_ids", "timing"]])
-def test_the_first_tokens_time_reaches_timing_whichever_path_serves_the_deltas(impl, selectors):
+def test_the_first_tokens_time_reaches_timing_whichever_path_serves_the_deltas(kernels, selectors):
     # Only `timing` reads the first token's time: the deltas of a stream that asks for it are reported to
     # the reshaper until it is known, by whichever send serves them (only then; no other plan records it).
     rec = recordings()["chat_stream_ids_long"]
     plan = _plan(rec, Mode.NVEXT, selectors)
-    got, _ = _through_send(plan, _events(rec.body), impl)
+    got, _ = _through_send(plan, _events(rec.body), kernels)
     timed = [json.loads(e[6:]) for e in got.split(b"\n\n") if e.startswith(b"data: {") and b'"timing":' in e]
     assert len(timed) == 1, "one finish chunk carries timing"
     timing = timed[0]["nvext"]["timing"]
     assert "ttft_ms" in timing and 0 <= timing["ttft_ms"] <= timing["total_time_ms"], timing
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_with_the_metrics_off_the_send_gives_the_general_paths_bytes(impl, monkeypatch):
+def test_with_the_metrics_off_the_send_gives_the_general_paths_bytes(kernels, monkeypatch):
     monkeypatch.setattr(metrics, "enabled", lambda: False)  # prometheus_client not importable: nothing timed
     for name, mode, selectors in (p.values for p in RECORDED_CASES):
         plan = _plan(recordings()[name], mode, selectors)
         events = _events(recordings()[name].body)
-        got, reshaping = _through_send(plan, events, impl)
-        assert got == _general(plan, events), f"{impl} {name}: other bytes than the general path"
+        got, reshaping = _through_send(plan, events, kernels)
+        assert got == _general(plan, events), f"{kernels.impl} {name}: other bytes than the general path"
         assert reshaping._tally is None
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_the_send_serves_memoryview_bodies_and_message_shapes_it_does_not_know_through_the_general_path(impl):
+def test_the_send_serves_memoryview_bodies_and_message_shapes_it_does_not_know_through_the_general_path(kernels):
     rec = recordings()["chat_stream_ids_long"]
     plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
     events = _events(rec.body)
     sink = _Sink()
-    reshaping = ReshapingSend(plan, Clock(), sink, _factory(impl))
+    reshaping = ReshapingSend(plan, Clock(), sink, kernels)
     _drive(reshaping.app_send(dict(START)))
     for i, event in enumerate(events):
         body: Any = memoryview(event) if i % 3 == 0 else bytearray(event) if i % 3 == 1 else event
@@ -171,28 +156,26 @@ def test_the_send_serves_memoryview_bodies_and_message_shapes_it_does_not_know_t
             message = {"type": "http.response.body", "more_body": 1, "body": event}  # a truthy non-bool
         _drive(reshaping.app_send(message))
     _drive(reshaping.app_send({"type": "http.response.body", "more_body": False}))
-    assert b"".join(sink.bodies) == _general(plan, events), f"{impl}: other bytes than the general path"
+    assert b"".join(sink.bodies) == _general(plan, events), f"{kernels.impl}: other bytes than the general path"
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
 @given(data=st.data())
-def test_the_send_gives_the_general_paths_bytes_on_any_layout(impl, data):
+def test_the_send_gives_the_general_paths_bytes_on_any_layout(kernels, data):
     case = draw_relaid_stream(data)
     if case is None:
         return
     label, plan, events = case
-    got, _ = _through_send(plan, events, impl)
+    got, _ = _through_send(plan, events, kernels)
     want = _general(plan, events)
-    assert got == want, f"{impl} {label}" + _first_difference(got, want)
+    assert got == want, f"{kernels.impl} {label}" + _first_difference(got, want)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_the_two_implementations_agree_with_each_other_on_every_recorded_stream(impl):
-    reference = STREAM_SENDS["python"]
-    other = _factory(impl)
+def test_the_two_implementations_agree_with_each_other_on_every_recorded_stream(kernels):
+    reference = PYTHON
+    other = kernels
     for name, mode, selectors in (p.values for p in RECORDED_CASES):
         plan = _plan(recordings()[name], mode, selectors)
         events = _events(recordings()[name].body)
@@ -204,7 +187,7 @@ def test_the_two_implementations_agree_with_each_other_on_every_recorded_stream(
             for event in events:
                 _drive(reshaping.app_send({"type": "http.response.body", "body": event, "more_body": True}))
             sinks.append(sink.bodies)
-        assert sinks[0] == sinks[1], f"{name}: python and {impl} send other messages"
+        assert sinks[0] == sinks[1], f"{name}: python and {kernels.impl} send other messages"
 
 
 def test_the_setting_forces_the_pure_python_path():
@@ -215,7 +198,7 @@ def test_the_setting_forces_the_pure_python_path():
         Settings.from_env({"VLLM_NVEXT_PURE_PYTHON": "maybe"})
     with pytest.raises(ConfigError, match="pure_python"):
         Settings(pure_python="yes")  # type: ignore[arg-type]
-    built = "c" if "c" in STREAM_SENDS else "python"
+    built = "c" if "c" in KERNELS else "python"
     assert NvextMiddleware(lambda *a: None).stream_path == built
 
 
@@ -244,21 +227,13 @@ def test_the_startup_log_and_the_info_metric_say_which_path_runs(caplog):
         vllm_log.setLevel(level)
     assert any("the python stream path runs" in m for m in seen), "vLLM's log names the stream path"
     assert REGISTRY.get_sample_value("vllm_nvext:stream_path_info", {"impl": "python"}) == 1
-    if "c" in STREAM_SENDS:
+    if "c" in KERNELS:
         NvextMiddleware(lambda *a: None)
         assert REGISTRY.get_sample_value("vllm_nvext:stream_path_info", {"impl": "c"}) == 1
         assert REGISTRY.get_sample_value("vllm_nvext:stream_path_info", {"impl": "python"}) == 0
 
 
 # ---------------------------------------------------------------- arming: the splice a delta teaches
-
-
-def _learner(impl: str) -> Learner:
-    if impl == "python":
-        return learn_splice
-    _factory(impl)  # skips, or fails under VLLM_NVEXT_REQUIRE_EXTENSION, where the extension is not built
-    assert COMPILED_LEARN is not None
-    return COMPILED_LEARN
 
 
 def _arming_calls(plan: Any, events: list[bytes]) -> list[tuple[bytes, int, int, bool, bool, bytes]]:
@@ -269,7 +244,7 @@ def _arming_calls(plan: Any, events: list[bytes]) -> list[tuple[bytes, int, int,
         calls.append(args)
         return learn_splice(*args)
 
-    reshaper = StreamReshaper(plan, Clock(), None, recording)
+    reshaper = StreamReshaper(plan, Clock(), replace(PYTHON, learn_splice=recording))
     for event in events:
         reshaper.feed(event)
     return calls
@@ -293,9 +268,8 @@ def _variants(call: tuple[bytes, int, int, bool, bool, bytes], text: bytes) -> l
 _TEXTS = [b"", b"x", b'\\"', b"\\\\", b'a\\\\\\"b', b"\\u0022", b"\\n", b"[1,2]", b'"', b"a\nb", b"a\\"]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_the_two_learners_arm_the_same_splice_on_every_recorded_stream(impl):
-    learner = _learner(impl)
+def test_the_two_learners_arm_the_same_splice_on_every_recorded_stream(kernels):
+    learner = kernels.learn_splice
     armed = 0
     for name, mode, selectors in (p.values for p in RECORDED_CASES):
         plan = _plan(recordings()[name], mode, selectors)
@@ -304,17 +278,16 @@ def test_the_two_learners_arm_the_same_splice_on_every_recorded_stream(impl):
                 for args in _variants(call, text):
                     want = learn_splice(*args)
                     armed += want is not None
-                    assert learner(*args) == want, f"{name}: {impl} learns another splice from {args[0]!r}"
+                    assert learner(*args) == want, f"{name}: {kernels.impl} learns another splice from {args[0]!r}"
     assert armed > 100, "the recordings' deltas arm a splice"
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @settings(
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
 @given(data=st.data(), text=st.text(max_size=8))
-def test_the_two_learners_arm_the_same_splice_on_any_layout_and_text(impl, data, text):
-    learner = _learner(impl)
+def test_the_two_learners_arm_the_same_splice_on_any_layout_and_text(kernels, data, text):
+    learner = kernels.learn_splice
     case = draw_relaid_stream(data)
     if case is None:
         return
@@ -322,20 +295,21 @@ def test_the_two_learners_arm_the_same_splice_on_any_layout_and_text(impl, data,
     encoded = json.dumps(text, ensure_ascii=data.draw(st.booleans()))[1:-1].encode()
     for call in _arming_calls(plan, events):
         for args in _variants(call, encoded):
-            assert learner(*args) == learn_splice(*args), f"{impl} {label}: another splice from {args[0]!r}"
+            assert learner(*args) == learn_splice(*args), f"{kernels.impl} {label}: another splice from {args[0]!r}"
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_a_splice_that_does_not_give_the_byte_level_paths_bytes_is_never_armed(impl, monkeypatch):
+def test_a_splice_that_does_not_give_the_byte_level_paths_bytes_is_never_armed(kernels, monkeypatch):
     rec = recordings()["chat_stream_ids_long"]
     plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
     events = _events(rec.body)
     call = _arming_calls(plan, events)[0]
     event, start, end, strip, trio, out = call
-    learner = _learner(impl)
+    learner = kernels.learn_splice
     assert learner(*call) is not None, "the recorded delta arms a splice"
     for wrong in (out + b" ", out[:-1], out[:-2] + b"}\n", event):
-        assert learner(event, start, end, strip, trio, wrong) is None, f"{impl} arms a splice that renders {out!r}"
+        assert learner(event, start, end, strip, trio, wrong) is None, (
+            f"{kernels.impl} arms a splice that renders {out!r}"
+        )
     # Through the send: a byte-level path that gives other bytes than the splice leaves every delta to it.
     real = StreamReshaper._delta
 
@@ -344,17 +318,18 @@ def test_a_splice_that_does_not_give_the_byte_level_paths_bytes_is_never_armed(i
         return (event if new is None else new)[:-2] + b" \n\n"
 
     monkeypatch.setattr(StreamReshaper, "_delta", other_bytes)
-    got, reshaping = _through_send(plan, events, impl)
+    got, reshaping = _through_send(plan, events, kernels)
     stream = reshaping._stream
-    assert stream is not None and stream.splice is None, f"{impl}: armed a splice the byte-level path disowns"
+    assert stream is not None and stream.splice is None, f"{kernels.impl}: armed a splice the byte-level path disowns"
     alone = StreamReshaper(plan, Clock())  # the stream path by itself, no splice served by the send
     want = b"".join(alone.feed(e) for e in events) + alone.flush()
-    assert got.count(b" \n\n") > 300 and got == want, f"{impl}: a delta went out other than the byte-level path made it"
+    assert got.count(b" \n\n") > 300 and got == want, (
+        f"{kernels.impl}: a delta went out other than the byte-level path made it"
+    )
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_a_delta_whose_text_or_ids_cannot_be_found_teaches_no_splice(impl):
-    learner = _learner(impl)
+def test_a_delta_whose_text_or_ids_cannot_be_found_teaches_no_splice(kernels):
+    learner = kernels.learn_splice
     rec = recordings()["chat_stream_ids_long"]
     plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
     event, start, end, strip, trio, out = _arming_calls(plan, _events(rec.body))[0]
@@ -367,7 +342,7 @@ def test_a_delta_whose_text_or_ids_cannot_be_found_teaches_no_splice(impl):
     }
     for label, (relaid, s, e) in cases.items():
         assert learn_splice(relaid, s, e, strip, trio, out) is None, f"python: {label}"
-        assert learner(relaid, s, e, strip, trio, out) is None, f"{impl}: {label}"
-    if impl == "c":
+        assert learner(relaid, s, e, strip, trio, out) is None, f"{kernels.impl}: {label}"
+    if kernels.impl == "c":
         with pytest.raises(ValueError, match="inside the event"):
             learner(event, end, start, strip, trio, out)

@@ -296,24 +296,22 @@ class ChunkReshaper(PromptIds):
                 self.ids.extend(_json.loads(event[start:end]))
 
     def finish_first_choice(self, event: bytes, start: int, end: int) -> bytes | None:
-        """What `reshape` records from choice 0's finish chunk (ids listed at event[start:end], nothing else
-        read; see finish.serves), and the encoded `nvext` it adds; None, nothing recorded, once finished."""
-        parts = self.finish_parts()
-        if parts is None:
-            return None
-        self.delta_ids(event, start, end)
-        parts[1].finished = True
-        return b'{"completion_token_ids":' + event[start:end] + parts[0][: -len(b"}\n\n")]
-
-    def finish_parts(self) -> tuple[bytes, _Choice] | None:
-        """The bytes after choice 0's finish ids (its nvext's rest, the chunk's end) and state; None: finished."""
-        state = self._choices[0]
-        if state.finished:
+        """What `reshape` records from choice 0's finish chunk (ids at event[start:end]; see finish.serves), for
+        whoever serves it (finish_chunk, either stream send), and its `nvext`; None, nothing recorded, once finished."""
+        if self._choices[0].finished:
             return None
         kept, ids = self._prompt_json, self._prompt_ids  # the prompt ids as `_json.dumps` writes them
-        if kept is None and ids is None:
-            return b"}}\n\n", state
-        return b',"prompt_token_ids":' + (_json.dumps(ids) if kept is None else kept) + b"}}\n\n", state
+        prompt = b"" if kept is None and ids is None else b',"prompt_token_ids":' + (kept or _json.dumps(ids))
+        self.delta_ids(event, start, end)
+        self.record_choice(0, False, True)
+        return b'{"completion_token_ids":' + event[start:end] + prompt + b"}"
+
+    def record_choice(self, index: Any, withheld: bool, finishes: bool) -> bool:
+        """What `reshape` records of a choice beside its ids: withheld, finished once (True: it finishes here)."""
+        state = self.choice_state(index)
+        state.withheld |= withheld
+        finished, state.finished = state.finished, state.finished or finishes
+        return finishes and not finished
 
     def withhold_ids(self) -> None:
         """The byte-level path saw `token_ids: null` on the only choice (see `_reported_ids`)."""

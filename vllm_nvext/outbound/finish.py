@@ -9,11 +9,11 @@ keeps is one orjson writes the same way: the delta's learned prefix and a text o
 kind (`splice.kept_text`), then only `null`, plain ASCII strings and small integers under keys
 the general path leaves alone, and a list of small non-negative ids. Anything else is decoded.
 Same bytes: tests/unit/test_stream_layouts.py, test_stream.py and test_stream_send.py. On the
-compiled path the send handed to vLLM serves it itself, with `finish_ids`' C twin
-(`_speedups.finish_ids`) and what `chunks.ChunkReshaper.finish_parts` hands it when it is armed.
+stream send handed to vLLM serves it itself (`kernels.Kernels.stream_send`, either twin), with the
+`finish_ids` of its own kind and `chunks.ChunkReshaper.finish_first_choice` (`splice.FinishArm`).
 
-`first_chunk` serves, with the compiled scanner (`_speedups.plain_chunk`, which `send.py` hands
-`stream.StreamReshaper` on the compiled path), a decoded chunk's
+`first_chunk` serves, with the compiled scanner (`_speedups.plain_chunk`, the `plain_chunk` of the
+kernels `stream.StreamReshaper` runs), a decoded chunk's
 general-path bytes without the decode: a chunk of choice 0 that does not finish it (the role
 chunk with vLLM's prompt ids, every chunk of a stream no splice serves) whose JSON is plain
 (every value one orjson writes as vLLM does, no key twice), so vLLM's copies of the ids go back
@@ -143,12 +143,8 @@ def reshape_single(chunks: ChunkReshaper, obj: Any) -> bool | None:
         chunks.prompt_ids = owner.get("prompt_token_ids")
     delta = choice.get("token_ids")
     ids = delta if isinstance(delta, list) else None if "token_ids" in choice or plan.ids_withheld else []
-    state = chunks.choice_state(choice.get("index"))
-    if ids is None:
-        state.withheld = True
     nv: dict[str, Any] = {"completion_token_ids": ids}
-    if choice.get("finish_reason") is not None and not state.finished:
-        state.finished = True
+    if chunks.record_choice(choice.get("index"), ids is None, choice.get("finish_reason") is not None):
         kv = _take_kv(obj, plan)
         if kv is not None:
             nv["kv_transfer_params"] = kv
@@ -159,6 +155,9 @@ def reshape_single(chunks: ChunkReshaper, obj: Any) -> bool | None:
     obj["nvext"] = nv
     return True
 
+
+# `finish_ids` and its compiled twin `_speedups.finish_ids` (`kernels.Kernels.finish_ids`).
+FinishIds = Callable[[bytes, bytes, bytes, int], "tuple[int, int] | None"]
 
 # `_speedups.plain_chunk`: None, or (choices, root prompt ids, root nvext, index, ids, prompt ids, finish
 # reason), the first the number of choices (-1: no `choices`), each other the (start, end) of a value (-1, -1).

@@ -2,7 +2,7 @@
 
 `finish.first_chunk` keeps a plain first chunk's prompt ids as bytes (`keep_prompt_json`): a list
 `_json.dumps` writes back to the same bytes, so the byte-level finish chunk (`finish.finish_chunk`)
-copies them (`chunks.ChunkReshaper.finish_parts`) and only another reader (a decoded chunk, the general path)
+copies them (`chunks.ChunkReshaper.finish_first_choice`) and only another reader (a decoded chunk, the general path)
 decodes them. Same bytes as decoding them: tests/unit/test_stream_finish.py.
 """
 

@@ -2,7 +2,7 @@
 
 `stream.StreamReshaper` learns one from the delta that arms a stream and keeps it only if it
 reproduces, byte for byte, what the byte-level path made of that delta; the `send` handed to vLLM
-(`send.python_stream_send`, `_speedups.StreamSend`) then serves the deltas it fits. On the compiled
+(`kernels.python_stream_send`, `_speedups.StreamSend`) then serves the deltas it fits. On the compiled
 path `_speedups.learn_splice` learns and checks it, with `learn_splice` as its oracle
 (tests/unit/test_stream_send.py). Nothing here knows ASGI.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import NamedTuple
 
 _FINISH_KEY = b'"finish_reason":'
 _JSON_AT = len(b"data: ")  # where the chunk's JSON object starts
@@ -74,7 +75,7 @@ class Splice:
     learned delta's structure with another text and other ids, so the general path would give it
     the bytes `render` gives (for the valid JSON vLLM writes). `StreamReshaper` arms one only
     after `render` reproduced, byte for byte, what the general path made of the delta it was
-    learned from; `send.python_stream_send` and the compiled `_speedups.StreamSend` serve the
+    learned from; `kernels.python_stream_send` and the compiled `_speedups.StreamSend` serve the
     same deltas with the same checks.
     """
 
@@ -121,9 +122,33 @@ class Splice:
 
 # The parts of a `Splice`, as `learn_splice` returns them: prefix, head, tail, mid, finish_head.
 SpliceParts = tuple[bytes, bytes, bytes, bytes, "bytes | None"]
-# What learns the splice a delta teaches (`learn_splice`, or its compiled twin `_speedups.learn_splice`, which
-# `send.py` hands `StreamReshaper` on the compiled path): (event, start, end, strip, trio, out) -> parts or None.
+# What learns the splice a delta teaches (`learn_splice`, or its compiled twin `_speedups.learn_splice`: the
+# `learn_splice` of `kernels.Kernels`): (event, start, end, strip, trio, out) -> parts or None.
 Learner = Callable[[bytes, int, int, bool, bool, bytes], "SpliceParts | None"]
+
+
+class FinishArm(NamedTuple):
+    """What serves choice 0's finish chunk by `finish.finish_chunk`'s bytes (`StreamReshaper.arm_parts`)."""
+
+    head: bytes  # the armed splice's bytes before a finish reason (`Splice.finish_head`)
+    root_end: int  # where `choices`' first element starts
+    record: Callable[[bytes, int, int], bytes | None]  # `ChunkReshaper.finish_first_choice`: its nvext, or None
+
+
+class SpliceArm(NamedTuple):
+    """What the send handed to vLLM is armed with (`StreamReshaper.arm_parts`): a splice's parts as `Splice`
+    holds them, what a served delta's ids are reported to, the root of a usage chunk that goes out as it
+    came (b"": none does) and what serves choice 0's finish chunk (None: none is)."""
+
+    prefix: bytes
+    head: bytes
+    tail: bytes
+    mid: bytes
+    strip: bool
+    trio: bool
+    on_ids: Callable[[bytes, int, int], None] | None
+    usage_root: bytes
+    finish: FinishArm | None
 
 
 def learn_splice(event: bytes, start: int, end: int, strip: bool, trio: bool, out: bytes) -> SpliceParts | None:

@@ -4,14 +4,14 @@
 bytes into events, decodes each `data:` payload, lets `chunks.ChunkReshaper` reshape the
 chunk and encodes it again; each shortcut below names the test that proves it gives the same
 bytes as that path. `splice.Splice`, the cheapest, is also what the `send` handed to vLLM serves
-deltas with (`send.python_stream_send`, `_speedups.c`). Nothing here knows ASGI.
+deltas with (`kernels.python_stream_send`, csrc/stream_send.c). Nothing here knows ASGI.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import Any, Protocol
 
 from .. import _json
 from ..plan import Plan
@@ -19,7 +19,7 @@ from ..sse import EventFramer, data_payload
 from .chunks import ChunkReshaper
 from .finish import Scanner, finish_chunk, finishes, first_chunk, reshape_single, serves
 from .nvext_values import Clock
-from .splice import Learner, Splice, checked_splice, kept_json
+from .splice import FinishArm, Learner, Splice, SpliceArm, kept_json, learn_splice
 
 logger = logging.getLogger("vllm_nvext")
 
@@ -49,8 +49,19 @@ _LIST = ord("[")
 _NOT_JSON = object()
 
 
-# `StreamReshaper.arm_parts`: prefix, head, tail, mid, strip, trio, on_ids, usage root, finish.
-ArmParts = tuple[bytes, bytes, bytes, bytes, bool, bool, Any, bytes, "tuple[bytes, int, bytes, Any] | None"]
+class StreamKernels(Protocol):
+    """The kernels a stream runs (`kernels.Kernels`, compiled or Python): the splice learner and the plain
+    chunk scanner (None: every such chunk is decoded)."""
+
+    @property
+    def learn_splice(self) -> Learner: ...
+    @property
+    def plain_chunk(self) -> Scanner | None: ...
+
+
+# A record (a NamedTuple) from all its fields in order, without its generated Python `__new__`: an arm of a short
+# stream costs ~0.1 µs for its two records instead of ~0.9 (a stream arms once or twice).
+_record = tuple.__new__
 
 # How many times a stream learns a splice (its first delta, then after a layout change).
 ARMINGS = 3
@@ -77,11 +88,13 @@ class StreamReshaper:
                  "_held", "_waiting", "framed", "framed_events", "unchanged", "_renames", "_finishes",
                  "_scan", "_learn", "_finish_head")  # fmt: skip
 
-    def __init__(self, plan: Plan, clock: Clock, scan: Scanner | None = None, learn: Learner | None = None) -> None:
+    def __init__(self, plan: Plan, clock: Clock, kernels: StreamKernels | None = None) -> None:
         self.chunks = ChunkReshaper(plan, clock)
         self._finishes = finishes = serves(plan)  # single-choice shortcuts for the trio (finish.py)
-        self._scan = scan if finishes else None  # lets a plain chunk skip its decode (finish.first_chunk)
-        self._learn = learn  # learns and checks the splice a delta teaches (None: `learn_splice`, here in Python)
+        # The kernels (None: the Python twins): a plain chunk's scanner skips its decode (finish.first_chunk),
+        # the learner learns and checks the splice a delta teaches.
+        self._scan = None if kernels is None or not finishes else kernels.plain_chunk
+        self._learn = learn_splice if kernels is None else kernels.learn_splice
         self._framer: EventFramer | None = None  # made for the first message that is not one whole event
         self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
         self._trio = plan.nvext_trio
@@ -248,33 +261,27 @@ class StreamReshaper:
         self.splice = splice = None
         new = self._delta(event, start, end)
         out = event if new is None else new
-        learn = self._learn
-        if learn is None:
-            self.splice = splice = checked_splice(event, start, end, self._strip, self._trio, out)
-        elif (parts := learn(event, start, end, self._strip, self._trio, out)) is not None:
+        if (parts := self._learn(event, start, end, self._strip, self._trio, out)) is not None:
             self.splice = splice = Splice(*parts, self._strip, self._trio)
         self._finish_head = None  # the finish chunks it may serve (finish.finish_chunk)
         if splice is not None and self._finishes and splice.finish_head is not None and finishes(splice.prefix):
             self._finish_head = splice.finish_head
         return out
 
-    def arm_parts(self) -> ArmParts | None:
-        """What the send handed to vLLM is armed with (`send.Arm`'s arguments after the metrics' two): the splice's
-        parts, what a delta's ids are reported to, the root of a usage chunk that goes out as it came (b"": none
-        does), and (finish.finish_chunk's bytes) the finish head, where `choices`' first element starts and
-        `ChunkReshaper.finish_parts`, or None. None: not armed, the next message may not be served by the
-        splice alone (something held back or waiting)."""
+    def arm_parts(self) -> SpliceArm | None:
+        """What the send handed to vLLM is armed with (`splice.SpliceArm`); None: not armed, the next message may
+        not be served by the splice alone (something held back or waiting)."""
         splice = self.splice
         if splice is None or not self._fast or self._held or self._waiting is not None:
             return None
         chunks = self.chunks
         finish = None
-        if self._finish_head is not None and (parts := chunks.finish_parts()) is not None:
-            finish = (self._finish_head, len(self.root), *parts)
+        if self._finish_head is not None and not chunks.choice_state(0).finished:  # finish.finish_chunk's bytes
+            finish = _record(FinishArm, (self._finish_head, len(self.root), chunks.finish_first_choice))
         usage_root = b"" if self._renames else self.root  # the general path may rename an error in it
-        strip, trio = self._strip, self._trio
         on_ids = chunks.delta_ids if chunks.engine or (chunks.timed and chunks.ttft_ms is None) else None
-        return splice.prefix, splice.head, splice.tail, splice.mid, strip, trio, on_ids, usage_root, finish
+        parts = (splice.prefix, splice.head, splice.tail, splice.mid, self._strip, self._trio, on_ids, usage_root)
+        return _record(SpliceArm, (*parts, finish))
 
     def _delta(self, event: bytes, start: int, end: int) -> bytes | None:
         """A mid-stream delta whose ids (a list, or null) sit at event[start:end]."""

@@ -1,0 +1,180 @@
+/* finish_ids: where the ids of choice 0's finish chunk sit.
+ *
+ * Python twin: `outbound.finish.finish_ids`
+ * Oracle: tests/unit/test_stream_finish.py
+ *
+ * The compiled twin of `finish.finish_ids`: where the ids of choice 0's finish chunk sit, when the chunk is
+ * one `finish.finish_chunk` serves (the armed splice's prefix, a kept text, the splice's bytes before the
+ * finish reason, then only what `finish._FINISH_TAIL` matches, no key of that tail written twice or before
+ * it). The Python twin is the oracle: tests/unit/test_stream_finish.py runs both on every recorded finish
+ * chunk and on hypothesis layouts.
+ */
+#include "speedups.h"
+
+#define FS_MAX_KEYS 64 /* a tail with more keys is refused (finish._key_twice refuses it too) */
+
+/* The length of the name [a-z_]+ at b[i] when `":` follows it; 0 if none does. */
+static Py_ssize_t
+fs_name(const char *b, Py_ssize_t i, Py_ssize_t n)
+{
+    Py_ssize_t k = i;
+    while (k < n && ((b[k] >= 'a' && b[k] <= 'z') || b[k] == '_'))
+        k++;
+    if (k == i || k + 2 > n || b[k] != '"' || b[k + 1] != ':')
+        return 0;
+    return k - i;
+}
+
+static int
+fs_is(const char *b, Py_ssize_t at, Py_ssize_t len, const char *name)
+{
+    return (size_t)len == strlen(name) && memcmp(b + at, name, (size_t)len) == 0;
+}
+
+/* A kept member of the finish tail (finish._KEPT_KEY) at b[i]: `,"name":` and null under a key the general
+   path neither reads nor writes, or a string of printable ASCII without escapes or an integer of at most 15
+   digits under one it does not move either. The index past it (its name's place in *at, *len), or -1. */
+static Py_ssize_t
+fs_kept(const char *b, Py_ssize_t i, Py_ssize_t n, Py_ssize_t *at, Py_ssize_t *len)
+{
+    if (i + 2 > n || b[i] != ',' || b[i + 1] != '"')
+        return -1;
+    Py_ssize_t a = i + 2, l = fs_name(b, a, n);
+    if (l == 0 || fs_is(b, a, l, "token_ids") || fs_is(b, a, l, "finish_reason") || fs_is(b, a, l, "choices")
+        || fs_is(b, a, l, "nvext"))
+        return -1;
+    *at = a;
+    *len = l;
+    Py_ssize_t v = a + l + 2;
+    if (v + 4 <= n && memcmp(b + v, "null", 4) == 0)
+        return v + 4;
+    if (v >= n || fs_is(b, a, l, "prompt_token_ids") || fs_is(b, a, l, "kv_transfer_params")
+        || fs_is(b, a, l, "index"))
+        return -1;
+    if (b[v] == '"')
+        return pc_string(b, v, n); /* printable ASCII without escapes, as a plain chunk's strings */
+    if (b[v] == '-' && (++v >= n || b[v] == '0'))
+        return -1; /* -0: orjson writes 0 */
+    return id_end(b, v, n);
+}
+
+/* A list of ids (finish._ID: 0, or up to 15 digits without a leading zero) at b[i]: the index past it, or -1. */
+static Py_ssize_t
+fs_ids(const char *b, Py_ssize_t i, Py_ssize_t n)
+{
+    if (i >= n || b[i] != '[')
+        return -1;
+    i++;
+    if (i < n && b[i] == ']')
+        return i + 1;
+    for (;;) {
+        i = id_end(b, i, n);
+        if (i < 0 || i >= n)
+            return -1;
+        if (b[i] == ']')
+            return i + 1;
+        if (b[i] != ',')
+            return -1;
+        i++;
+    }
+}
+
+/* `finish.finish_ids`: 1 with the ids at b[*start:*end] when the finish chunk b is served, else 0. */
+int
+finish_span(const char *b, Py_ssize_t n, const char *prefix, Py_ssize_t lp, const char *fh, Py_ssize_t lf,
+            Py_ssize_t root_end, Py_ssize_t *start, Py_ssize_t *end)
+{
+    /* root_end comes from the caller, any Py_ssize_t: compared without the sum that could overflow */
+    if (n < lp || memcmp(b, prefix, lp) != 0 || root_end < 0 || root_end > n - 11
+        || memcmp(b + root_end, "{\"index\":0,", 11) != 0)
+        return 0;
+    /* the first quote: the text's end unless escaped (a text holding `\"`), which kept_text then refuses */
+    const char *q = memchr(b + lp, '"', n - lp);
+    if (q == NULL)
+        return 0;
+    Py_ssize_t close = q - b;
+    if (close + lf > n || memcmp(b + close, fh, lf) != 0 || !kept_text((const unsigned char *)b + lp, close - lp))
+        return 0;
+    Py_ssize_t keys[2 * FS_MAX_KEYS]; /* each key's name: where it starts, its length */
+    int count = 0;
+    Py_ssize_t tail = close + lf, i = tail + 17;
+    if (i > n || memcmp(b + tail, "\"finish_reason\":\"", 17) != 0)
+        return 0;
+    keys[count * 2] = tail + 1;
+    keys[count * 2 + 1] = 13;
+    count++;
+    Py_ssize_t reason = i;
+    while (i < n && ((b[i] >= 'a' && b[i] <= 'z') || b[i] == '_'))
+        i++;
+    if (i == reason || i >= n || b[i] != '"')
+        return 0;
+    i++;
+    for (;;) { /* kept members, then the ids */
+        if (i + 13 <= n && memcmp(b + i, ",\"token_ids\":", 13) == 0) {
+            keys[count * 2] = i + 2;
+            keys[count * 2 + 1] = 9;
+            count++;
+            i += 13;
+            break;
+        }
+        Py_ssize_t at, len;
+        i = fs_kept(b, i, n, &at, &len);
+        if (i < 0 || count == FS_MAX_KEYS - 1)
+            return 0;
+        keys[count * 2] = at;
+        keys[count * 2 + 1] = len;
+        count++;
+    }
+    *start = i;
+    i = fs_ids(b, i, n);
+    if (i < 0)
+        return 0;
+    *end = i;
+    for (int closed = 0;;) { /* kept members, the end of the choice and of `choices`, kept root members, the end */
+        if (!closed && i + 2 <= n && b[i] == '}' && b[i + 1] == ']') {
+            closed = 1;
+            i += 2;
+            continue;
+        }
+        if (closed && i + 3 == n && memcmp(b + i, "}\n\n", 3) == 0)
+            break;
+        Py_ssize_t at, len;
+        i = fs_kept(b, i, n, &at, &len);
+        if (i < 0 || count == FS_MAX_KEYS)
+            return 0;
+        keys[count * 2] = at;
+        keys[count * 2 + 1] = len;
+        count++;
+    }
+    for (int k = 0; k < count; k++) { /* finish._key_twice */
+        const char *name = b + keys[2 * k];
+        Py_ssize_t len = keys[2 * k + 1];
+        for (int o = k + 1; o < count; o++)
+            if (keys[2 * o + 1] == len && memcmp(b + keys[2 * o], name, len) == 0)
+                return 0;
+        for (Py_ssize_t p = 0; p + len + 3 <= tail; p++) { /* `"name":` before the tail */
+            const char *r = memchr(b + p, '"', tail - len - 3 - p + 1);
+            if (r == NULL)
+                break;
+            p = r - b;
+            if (memcmp(r + 1, name, len) == 0 && r[len + 1] == '"' && r[len + 2] == ':')
+                return 0;
+        }
+    }
+    return 1;
+}
+
+PyObject *
+py_finish_ids(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *event, *prefix, *finish_head;
+    Py_ssize_t root_end, start, end;
+    if (!PyArg_ParseTuple(args, "SSSn:finish_ids", &event, &prefix, &finish_head, &root_end))
+        return NULL;
+    if (!finish_span(PyBytes_AsString(event), PyBytes_Size(event), PyBytes_AsString(prefix), PyBytes_Size(prefix),
+                     PyBytes_AsString(finish_head), PyBytes_Size(finish_head), root_end, &start, &end))
+        Py_RETURN_NONE;
+    return Py_BuildValue("(nn)", start, end);
+}
+

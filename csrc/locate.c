@@ -1,0 +1,123 @@
+/* The checks of an armed splice: a kept text, where a delta's ids start.
+ *
+ * Python twin: `outbound.splice.kept_text` (`kept_text`) and `outbound.splice.Splice.locate` (`splice_locate`)
+ * Oracle: tests/unit/test_attack_shortcuts.py (kept_text on texts with escapes), tests/unit/test_stream_send.py
+ */
+#include "speedups.h"
+
+/* The hex digit `c` in lowercase, or -1. */
+static int
+lower_hex(unsigned char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    return -1;
+}
+
+/* `splice.kept_text`: the n bytes at t, one JSON string's bytes, are ones a decode and orjson's encode give
+   back as they are: no raw byte below 0x20, no raw quote, valid UTF-8 (no surrogate, no overlong, nothing
+   past U+10FFFF), every backslash the start of one of orjson's escapes (`\"` `\\` `\b` `\f` `\n` `\r` `\t`,
+   `\u00xx` in lowercase for another byte below 0x20), read from the string's start: a backslash that ends the
+   bytes starts no escape (the quote after it is escaped), so it is refused. */
+int
+kept_text(const unsigned char *t, Py_ssize_t n)
+{
+    Py_ssize_t i = 0;
+    while (i < n) {
+        unsigned char c = t[i];
+        if (c >= 0x20 && c < 0x80 && c != '"' && c != '\\') {
+            i++;
+            continue;
+        }
+        if (c == '\\') {
+            if (i + 1 >= n)
+                return 0;
+            unsigned char e = t[i + 1];
+            if (e == '"' || e == '\\' || e == 'b' || e == 'f' || e == 'n' || e == 'r' || e == 't') {
+                i += 2;
+                continue;
+            }
+            if (e != 'u' || i + 5 >= n || t[i + 2] != '0' || t[i + 3] != '0')
+                return 0;
+            int hi = lower_hex(t[i + 4]), lo = lower_hex(t[i + 5]);
+            if (hi < 0 || hi > 1 || lo < 0)
+                return 0;
+            int v = hi * 16 + lo;
+            if (v == 0x08 || v == 0x09 || v == 0x0a || v == 0x0c || v == 0x0d)
+                return 0;
+            i += 6;
+            continue;
+        }
+        if (c < 0x80)  /* a byte below 0x20 or a quote */
+            return 0;
+        Py_ssize_t len;
+        unsigned char lo = 0x80, hi = 0xbf;  /* the bounds of the second byte */
+        if (c >= 0xc2 && c <= 0xdf)
+            len = 2;
+        else if (c >= 0xe0 && c <= 0xef) {
+            len = 3;
+            if (c == 0xe0)
+                lo = 0xa0;
+            else if (c == 0xed)
+                hi = 0x9f;
+        }
+        else if (c >= 0xf0 && c <= 0xf4) {
+            len = 4;
+            if (c == 0xf0)
+                lo = 0x90;
+            else if (c == 0xf4)
+                hi = 0x8f;
+        }
+        else
+            return 0;
+        if (i + len > n || t[i + 1] < lo || t[i + 1] > hi)
+            return 0;
+        for (Py_ssize_t k = 2; k < len; k++)
+            if (t[i + k] < 0x80 || t[i + k] > 0xbf)
+                return 0;
+        i += len;
+    }
+    return 1;
+}
+
+/* `Splice.locate` over a splice's parts: where the ids of a delta the splice serves start; -1 for any other event. */
+Py_ssize_t
+splice_locate(const char *b, Py_ssize_t n, const char *prefix, Py_ssize_t lp, const char *head, Py_ssize_t lh,
+              const char *tail, Py_ssize_t lt)
+{
+    if (n < lp + lh + lt + 2)
+        return -1;
+    if (memcmp(b, prefix, lp) != 0)
+        return -1;
+    if (memcmp(b + n - lt, tail, lt) != 0)
+        return -1;
+    Py_ssize_t end = n - lt;
+    if (b[end - 1] != ']')
+        return -1;
+    /* the last `[` of the event (the tail holds none), with only digits and commas after it */
+    Py_ssize_t start = end - 2;
+    while (start >= 0 && ((b[start] >= '0' && b[start] <= '9') || b[start] == ','))
+        start--;
+    if (start < 0 || b[start] != '[')
+        return -1;
+    Py_ssize_t h = start - lh;
+    if (h < lp || memcmp(b + h, head, lh) != 0)
+        return -1;
+    if (!kept_text((const unsigned char *)b + lp, h - lp))
+        return -1;
+    return start;
+}
+
+PyObject *
+py_kept_text(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    if (!PyBytes_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "bytes expected");
+        return NULL;
+    }
+    return PyBool_FromLong(kept_text((const unsigned char *)PyBytes_AsString(arg), PyBytes_Size(arg)));
+}
+

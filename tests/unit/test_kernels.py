@@ -1,0 +1,104 @@
+"""The compiled twins (csrc/, one extension: `vllm_nvext._speedups`) as C code: one file per twin, each
+naming its Python twin and its oracle, and a build with every warning an error; and the seam that picks
+them (`vllm_nvext.kernels`): a stub that types every export, a Python twin for each compiled kernel.
+
+`make test-sanitize` runs the kernel tests (this file, test_stream_send.py, test_stream_finish.py,
+test_unary_plain.py, test_request_splice.py, test_attack_shortcuts.py, test_attack_stream_round2.py) on an
+AddressSanitizer + UndefinedBehaviorSanitizer build of the same sources.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.kernels import kernels_for
+from vllm_nvext.kernels import Kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+CSRC = ROOT / "csrc"
+
+
+def _compiler_or_skip() -> None:
+    if platform.python_implementation() != "CPython" or shutil.which("gcc") is None and shutil.which("cc") is None:
+        if os.environ.get("VLLM_NVEXT_REQUIRE_EXTENSION"):
+            pytest.fail("no C compiler: the compiled twins cannot be built here")
+        pytest.skip("no C compiler (or not CPython): the pure-Python path runs")
+
+
+def test_every_compiled_twin_builds_with_every_warning_an_error(tmp_path: Path) -> None:
+    """A warning in any file of the extension (-Wall -Wextra) fails the build the tests make, and a failed
+    build fails the command instead of leaving the pure-Python path as an install would."""
+    _compiler_or_skip()
+    env = {**os.environ, "VLLM_NVEXT_STRICT_BUILD": "1"}
+    env.pop("VLLM_NVEXT_NO_EXTENSION", None)
+    where = ["--build-lib", str(tmp_path / "lib"), "--build-temp", str(tmp_path / "tmp")]
+    done = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--force", *where],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, f"the strict build failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    compiled = {Path(m).name for m in re.findall(r"-c (\S+\.c) ", done.stdout + done.stderr)}
+    assert compiled == {p.name for p in CSRC.glob("*.c")}, "every file of csrc/ is part of the one extension"
+    for line in (done.stdout + done.stderr).splitlines():
+        if re.search(r"-c \S+\.c ", line):
+            assert "-Wall" in line and "-Wextra" in line and "-Werror" in line, line
+    assert list((tmp_path / "lib" / "vllm_nvext").glob("_speedups*")), "the extension was built"
+
+
+@pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.c")))
+def test_each_c_file_names_its_python_twin_and_its_oracle(source: str) -> None:
+    """Each file's head says which Python function it must agree with and which test proves that it does,
+    and the test it names exists."""
+    head = (CSRC / source).read_text(encoding="utf-8").split("*/", 1)[0]
+    twin = re.search(r"\* Python twin: (.+)", head)
+    oracle = re.search(r"\* Oracle: (.+)", head)
+    assert twin and oracle, f"csrc/{source} names no Python twin or no oracle"
+    for test in re.findall(r"tests/unit/\w+\.py", head):
+        assert (ROOT / test).is_file(), f"csrc/{source} names {test}, which does not exist"
+
+
+def test_the_stub_types_every_compiled_kernel_and_nothing_else() -> None:
+    """`_speedups.pyi` names exactly what the extension exports, so mypy checks every use of it."""
+    kernels_for("c")  # skipped, or failed under VLLM_NVEXT_REQUIRE_EXTENSION, where the extension is not built
+    from vllm_nvext import _speedups
+
+    exported = {name for name in dir(_speedups) if not name.startswith("_")}
+    stub = ast.parse((ROOT / "vllm_nvext" / "_speedups.pyi").read_text(encoding="utf-8"))
+    typed = {n.name for n in stub.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name[0] != "_"}
+    assert typed == exported
+
+
+def test_each_kernel_of_the_compiled_record_is_compiled_and_each_has_a_python_twin() -> None:
+    """The compiled record holds no Python fallback, and the Python record fills every field the compiled one
+    does (plain_chunk excepted: it has no Python twin yet, and None there means "decode")."""
+    compiled = kernels_for("c")
+    python = kernels_for("python")
+    for field in dataclasses.fields(Kernels):
+        if field.name in ("impl", "stream_send"):
+            continue
+        assert callable(getattr(compiled, field.name)), field.name
+        assert type(getattr(compiled, field.name)).__name__ == "builtin_function_or_method", field.name
+        if field.name != "plain_chunk":
+            assert callable(getattr(python, field.name)), field.name
+    assert (compiled.impl, python.impl, python.plain_chunk) == ("c", "python", None)
+
+    async def nowhere(message: Any) -> None:
+        return None
+
+    assert type(compiled.stream_send(nowhere, nowhere)[0]).__name__ == "StreamSend"
