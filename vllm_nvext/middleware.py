@@ -341,6 +341,7 @@ class _Exchange:
         if isinstance(plan, MessagesPlan):
             if plan.ids:
                 data = _json.loads_as_vllm(body)
+                data.update(plan.dropped)  # as sent: vLLM's model ignores them, its errors count them
                 if not await serve_messages(self.app, self.scope, receive, self.send, data, plan.placements):
                     await self._send_error(plan.refusal(), anthropic_error_body(plan.refusal()))
                 return
