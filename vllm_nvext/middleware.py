@@ -3,8 +3,9 @@
 Request plumbing lives in `asgi.py`, the reshaping `send` in `send.py`.
 
 Only POSTs to the routes of `protocol.ENDPOINT_PATHS` (chat, completions, the chat batch route,
-/invocations) are ever read; everything else, and every request that opts into nothing, reaches
-vLLM and the client byte for byte (docs/protocol.md §10).
+/invocations) and the agent routes are ever translated (a few more are read for the client values
+that reach further: `inbound.client_params.checks_on`); everything else, and every request that opts
+into nothing, reaches vLLM and the client byte for byte (docs/protocol.md §10).
 """
 
 from __future__ import annotations
@@ -133,20 +134,22 @@ class NvextMiddleware:
         if endpoint is None:
             endpoint = AGENT_PATHS.get(path)  # /v1/responses, /v1/messages: agent/
         facts = _vllm_compat.server_facts(scope)
-        request_id = None
-        if facts.paths_from_request_ids:
-            # A server whose kv connector joins request ids into file paths gets plain names only.
-            request_id = first_header(scope, b"x-request-id")
-            if (
-                request_id is not None
-                and not client_params.is_plain_name(request_id.decode("latin-1"))
-                and not _vllm_compat.auth_refuses(scope, facts)
-            ):
-                refusal = RequestError(client_params.not_plain_message("X-Request-Id"), client_params.REQUEST_ID_HEADER)
-                await send_error(send, refusal)
-                return
+        # A server whose kv connector joins request ids into file paths gets plain names only.
+        request_id = first_header(scope, b"x-request-id") if facts.paths_from_request_ids else None
         if (
-            endpoint is None
+            request_id is not None
+            and not client_params.is_plain_name(request_id.decode("latin-1"))
+            and not _vllm_compat.auth_refuses(scope, facts)
+        ):
+            refusal = RequestError(client_params.not_plain_message("X-Request-Id"), client_params.REQUEST_ID_HEADER)
+            await send_error(send, refusal)
+            return
+        # What of the body reaches further (a route translated nowhere is read for this alone).
+        body_request_id, strip = client_params.checks_on(
+            path, endpoint is not None, facts.paths_from_request_ids, request_id, self.settings.strip_kv_remote_address
+        )
+        if (
+            (endpoint is None and not body_request_id and not strip)
             or (facts.key_digests and _vllm_compat.auth_refuses(scope, facts))  # without a key vLLM refuses nothing
             or (endpoint is AgentRoute.MESSAGES and not self.serve_messages and plugin_serves_messages(scope))
         ):
@@ -156,11 +159,10 @@ class NvextMiddleware:
             await self.app(scope, receive, send)
             return
         scope[HANDLED] = True
-        body_request_id = facts.paths_from_request_ids and request_id is None  # vLLM takes the body's `request_id`
         arrived = (time.time(), time.perf_counter())  # when the request came, before its body (nvext `timing`)
         whole = None  # the body, when it came in one message, opts in and is read as JSON
         headers = None  # its headers, once read (`_Exchange.run` reads them otherwise)
-        if not body_request_id and not self.settings.strip_kv_remote_address:
+        if not body_request_id and not strip:
             # Only the opt-in keys make this body one to read: one that comes whole is scanned here
             # (`optin.opts_in_whole`, the verdict of `_Exchange._read_body`'s scan), and goes on to
             # vLLM at once when it names none or vLLM does not read it as JSON.
@@ -177,6 +179,7 @@ class NvextMiddleware:
         exchange = _Exchange(self.app, self.settings, endpoint, scope, receive, send, self.kernels, arrived)
         exchange.serve_messages = self.serve_messages
         exchange.body_request_id = body_request_id
+        exchange.strip = strip
         exchange.hides_reasoning_ids = facts.hides_reasoning_ids
         await exchange.run(whole, headers)
 
@@ -185,13 +188,13 @@ class _Exchange:
     """One request/response cycle through the middleware."""
 
     __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "arrived", "kernels", "body_request_id",
-                 "serve_messages", "hides_reasoning_ids")  # fmt: skip
+                 "strip", "serve_messages", "hides_reasoning_ids")  # fmt: skip
 
     def __init__(
         self,
         app: ASGIApp,
         settings: Settings,
-        endpoint: Endpoint | AgentRoute,
+        endpoint: Endpoint | AgentRoute | None,
         scope: Scope,
         receive: Receive,
         send: Send,
@@ -208,6 +211,7 @@ class _Exchange:
         self.send = send
         self.arrived = arrived  # `time.time()` and `time.perf_counter()` when the request came (`Clock`)
         self.body_request_id = False  # the body's `request_id` must be a plain name
+        self.strip = False  # the address keys of the body's kv_transfer_params go (docs/scaling-out.md)
         self.hides_reasoning_ids = False  # the server withholds ids (`_vllm_compat.hides_reasoning_ids`)
 
     async def run(self, whole: bytes | None = None, headers: RequestHeaders | None = None) -> None:
@@ -222,7 +226,7 @@ class _Exchange:
         if whole is not None:
             read = (whole, True) if len(whole) <= self.settings.max_body_bytes else None
             if read is None:
-                await self._refuse(too_large(self.settings.max_body_bytes))  # as `_read_body` refuses it
+                await self._send_error(too_large(self.settings.max_body_bytes))  # as `_read_body` refuses it
         elif not headers.json_body:
             await self._forward(None)  # vLLM does not read this body as JSON
             return
@@ -233,6 +237,9 @@ class _Exchange:
         body, opts_in = read
         del read  # the client's bytes are `body` alone: dropped once the rewritten body replaces them
         endpoint = self.endpoint
+        if endpoint is None:  # read for client_params' checks alone
+            await self.app(self.scope, replay_body(body, self.receive), self.send)
+            return
         if isinstance(endpoint, AgentRoute):
             await self._agent_route(endpoint, body, opts_in, headers)
             return
@@ -247,7 +254,7 @@ class _Exchange:
             plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank,
                                     hides_reasoning_ids=self.hides_reasoning_ids, splice_root=splice)  # fmt: skip
         except RequestError as exc:
-            await self._refuse(exc)
+            await self._send_error(exc)
             return
         if plan.body is not None:  # `_rewrite`, inline: one function less per request
             body = plan.body
@@ -275,9 +282,7 @@ class _Exchange:
         """
         cap = self.settings.max_body_bytes
         # Keys besides the opt-in ones that make a body one to read (and hold to the cap).
-        also: tuple[str, ...] = ("request_id",) if self.body_request_id else ()
-        if self.settings.strip_kv_remote_address:
-            also += tuple(sorted(client_params.REMOTE_ADDRESS_KEYS))
+        also = client_params.keys_to_read(self.body_request_id, self.strip)
         scan = OptInScan(also)
         parts: list[bytes] = []
         size = 0
@@ -292,10 +297,11 @@ class _Exchange:
             size += len(chunk)
             parts.append(chunk)
             if scan.feed(chunk) and size > cap:
-                await self._refuse(too_large(cap))
+                await self._send_error(too_large(cap))
                 return None
             if more and not scan.found and max(size, declared_length) > cap:
-                metrics.count_request(self.endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN)
+                if self.endpoint is not None:
+                    metrics.count_request(self.endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN)
                 await self._pass_through(parts, scan)  # too large to hold, and no opt-in so far
                 return None
         body = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -318,7 +324,8 @@ class _Exchange:
     def _forward(self, body: bytes | None) -> Awaitable[None]:
         """To vLLM as the client sent it (`body` once read, else the client's own stream), answer untouched:
         vLLM's app, for the caller to await (no coroutine of ours between the two)."""
-        metrics.REQUESTS[self.endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN].inc()
+        if self.endpoint is not None:
+            metrics.REQUESTS[self.endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN].inc()
         return self.app(self.scope, self.receive if body is None else replay_body(body, self.receive), self.send)
 
     def _reshaping(self, endpoint: Endpoint, plan: Plan, mode: Mode, model: Any) -> ReshapingSend | None:
@@ -348,7 +355,7 @@ class _Exchange:
             ):
                 raise rust_frontend_refusal(plan, rs)  # through the proxy (docs/scaling-out.md)
         except RequestError as exc:
-            await self._refuse(exc, anthropic_error_body(exc) if messages else None)
+            await self._send_error(exc, anthropic_error_body(exc) if messages else None)
             return
         if plan is None:
             await self._forward(body)
@@ -359,6 +366,7 @@ class _Exchange:
         if isinstance(plan, MessagesPlan):
             if plan.ids:
                 data = _json.loads_as_vllm(body)
+                data.update(plan.dropped)  # as sent: vLLM's model ignores them, its errors count them
                 if not await serve_messages(self.app, self.scope, receive, self.send, data, plan.placements):
                     await self._send_error(plan.refusal(), anthropic_error_body(plan.refusal()))
                 return
@@ -436,9 +444,6 @@ class _Exchange:
         if receive.aborted and not started:
             await self._send_error(too_large(self.settings.max_body_bytes))
 
-    async def _refuse(self, error: RequestError, payload: bytes | None = None) -> None:
-        await self._send_error(error, payload)
-
     async def _check_client_params(self, body: bytes) -> bytes | None:
         """The body with the client's remote address stripped (when set); None once a refusal went out.
 
@@ -451,7 +456,7 @@ class _Exchange:
         if isinstance(request_id, str) and not client_params.is_plain_name(request_id):
             await self._send_error(RequestError(client_params.not_plain_message("request_id"), "request_id"))
             return None
-        if self.settings.strip_kv_remote_address:
+        if self.strip:
             stripped = client_params.strip_remote_address(body, data)
             if stripped is not None:
                 set_header(self.scope, b"content-length", str(len(stripped)).encode())

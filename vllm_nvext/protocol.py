@@ -46,6 +46,14 @@ ENDPOINT_PATHS = {
     "/v1/chat/completions/batch": Endpoint.CHAT_BATCH,
     "/invocations": Endpoint.INVOCATIONS,
 }
+# Routes translated nowhere that the middleware still reads, for the client values that reach further
+# than the request (inbound/client_params.py): where vLLM makes the engine's request id of the body's
+# `request_id` (without an X-Request-Id: docs/hidden-states.md) ...
+REQUEST_ID_PATHS = frozenset({"/inference/v1/generate", "/generative_scoring", "/v1/systemone"})
+# ... and where it hands the body's `kv_transfer_params` to the kv connector (docs/scaling-out.md).
+KV_PARAMS_PATHS = frozenset({"/inference/v1/generate", "/cohere/v2/chat"})
+# Where vLLM takes the body's `request_id` even with an X-Request-Id.
+BODY_REQUEST_ID_PATHS = frozenset({"/v1/responses"})
 # The same table the other way round: each endpoint's path (what the tools and tests send to).
 PATHS = {endpoint: path for path, endpoint in ENDPOINT_PATHS.items()}
 

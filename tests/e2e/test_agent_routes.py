@@ -165,6 +165,19 @@ def test_messages_stream_through_the_plugin_has_the_ids_on_message_delta(plugin_
     assert start["message"]["prompt_token_ids"] == prompt and delta["token_ids"] == completion
 
 
+def test_an_invalid_messages_body_gets_stock_vllms_own_400_through_the_plugin(plugin_server, raw):
+    """The plugin answers an opted-in body vLLM's Messages model refuses with stock vLLM's own 400, byte
+    for byte (its errors count the body's keys as sent), from one validation
+    (tests/unit/test_messages_api.py counts them)."""
+    with httpx.Client(base_url=str(plugin_server.url), headers=raw.headers, timeout=60) as plugin:
+        for extra in (NVEXT_IDS, {"return_token_ids": True}):
+            body = {"model": MODEL_NAME, "messages": [{"role": "user"}] * 3, **extra}
+            stock = raw.post("/v1/messages", json=body)
+            served = plugin.post("/v1/messages", json=body)
+            assert stock.status_code == 400 and "validation errors" in stock.json()["error"]["message"]
+            assert (served.status_code, served.content) == (stock.status_code, stock.content)
+
+
 def test_messages_opt_out_is_stock(server_url, raw):
     client = _anthropic(server_url)
     message = client.messages.create(**MESSAGES_BODY, extra_body=GREEDY).to_dict()

@@ -313,3 +313,37 @@ def test_stream_ids_moved_to_nvext_are_null_where_vllm_rs_omits_them(raw, transl
         ids = [c.get("token_ids") or [] for e in content_events(post(raw, path, {**body, "return_token_ids": True}))
                for c in e["choices"]]  # fmt: skip
         assert sum((e["nvext"]["completion_token_ids"] for e in events), []) == sum(ids, []), path
+
+
+_VLLM_DIR = "import importlib.util; print(importlib.util.find_spec('vllm').submodule_search_locations[0])"
+
+
+@pytest.mark.parametrize(
+    "version",
+    [
+        pytest.param(
+            v, id=f"vllm-{v}", marks=[pytest.mark.reference, *([pytest.mark.e2e_versions] if v in SEPARATE else [])]
+        )
+        for v in PROBE_ANSWERS
+    ],
+)
+def test_the_strip_names_every_address_key_of_each_releases_kv_connectors(version):
+    """VLLM_NVEXT_STRIP_KV_REMOTE_ADDRESS removes every key of kv_transfer_params that this release's
+    kv connectors dial, and every route this release hands kv_transfer_params on from is one the
+    middleware reads (docs/scaling-out.md; the installed release: tests/unit/test_client_params.py)."""
+    from tests.support.vllm_source import connector_address_keys, kv_params_routes
+    from vllm_nvext.agent.responses import AGENT_PATHS
+    from vllm_nvext.inbound.client_params import REMOTE_ADDRESS_KEYS
+    from vllm_nvext.protocol import ENDPOINT_PATHS, KV_PARAMS_PATHS
+
+    done = subprocess.run(
+        [str(venv_python(version)), "-c", _VLLM_DIR], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    vllm_dir = Path(done.stdout.strip())
+    found = connector_address_keys(vllm_dir)
+    assert {"remote_host", "remote_port"} <= set(found), "the walk reads NIXL's connector"
+    missing = {key: sorted(found[key]) for key in set(found) - REMOTE_ADDRESS_KEYS}
+    assert not missing, f"address keys {version}'s connectors dial that the strip leaves: {missing}"
+    routes = {route for route in kv_params_routes(vllm_dir) if not route.endswith("/render")}
+    assert routes and routes <= set(ENDPOINT_PATHS) | set(AGENT_PATHS) | KV_PARAMS_PATHS, routes

@@ -5,7 +5,9 @@ paths (docs/hidden-states.md), and the client's `kv_transfer_params` (docs/scali
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,12 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.vllm_source import connector_address_keys, kv_params_routes
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings, _vllm_compat
-from vllm_nvext.inbound.client_params import is_plain_name, strip_remote_address
+from vllm_nvext.agent.responses import AGENT_PATHS
+from vllm_nvext.inbound.client_params import REMOTE_ADDRESS_KEYS, is_plain_name, strip_remote_address
 from vllm_nvext.inbound.nvext_schema import NVEXT_FIELDS
 from vllm_nvext.inbound.request import plan, read_request
-from vllm_nvext.protocol import PATHS, Endpoint, RequestError
+from vllm_nvext.protocol import ENDPOINT_PATHS, KV_PARAMS_PATHS, PATHS, REQUEST_ID_PATHS, Endpoint, RequestError
 
 CHAT_PATH, COMPLETIONS_PATH = PATHS[Endpoint.CHAT], PATHS[Endpoint.COMPLETIONS]
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -145,6 +149,41 @@ def test_plain_request_ids_and_other_connectors_pass_untouched():
         assert got.status == 200 and upstream.received == json.dumps(body).encode()
 
 
+GENERATE = {"model": "tiny", "token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}
+
+
+@pytest.mark.parametrize("path", sorted(REQUEST_ID_PATHS))
+def test_a_body_request_id_is_refused_on_the_routes_vllm_makes_the_engines_request_id_of_it(path):
+    """/inference/v1/generate (`generate-tokens-{request_id}`), /generative_scoring, /v1/systemone:
+    routes translated nowhere, whose body's `request_id` vLLM joins into the engine's request id."""
+    got, upstream = _send({**GENERATE, "request_id": "/../../target/evil"}, path=path)
+    assert got.status == 400 and upstream.calls == 0, "the request never reached vLLM's connector"
+    error = json.loads(got.body)["error"]
+    assert error["param"] == "request_id" and "target" not in error["message"]
+    for headers, body in (([(b"x-request-id", b"req-1")], {**GENERATE, "request_id": "a/../b"}),
+                          ([], {**GENERATE, "request_id": "req-2"})):  # fmt: skip
+        got, upstream = _send(body, path=path, headers=headers)  # vLLM takes the header first
+        assert got.status == 200 and upstream.received == json.dumps(body).encode()
+    raw = json.dumps({**GENERATE, "request_id": "a/../b"}).encode()
+    for kv in (PROJECT_HS, None):  # a connector that names no file after ids: the body as sent
+        got, upstream = _send(raw, path=path, kv=kv)
+        assert got.status == 200 and upstream.received == raw
+
+
+def test_responses_takes_the_body_request_id_even_with_a_header_so_it_is_checked_then_too():
+    body = {"model": "tiny", "input": "Hi", "request_id": "a/../b"}
+    got, upstream = _send(body, path="/v1/responses", headers=[(b"x-request-id", b"req-1")])
+    assert got.status == 400 and upstream.calls == 0
+    assert json.loads(got.body)["error"]["param"] == "request_id"
+
+
+def test_routes_that_take_no_body_request_id_pass_it_untouched():
+    raw = json.dumps({"model": "tiny", "message": "Hi", "prompt": "Hi", "request_id": "a/../b"}).encode()
+    for path in ("/cohere/v2/chat", "/tokenize", "/v1/messages/count_tokens"):
+        got, upstream = _send(raw, path=path, strip_kv_remote_address=True)
+        assert got.status == 200 and upstream.received == raw, path
+
+
 def test_a_caller_without_the_key_gets_vllms_401_not_the_request_id_verdict(monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", "secret")
     for headers, body in (([(b"x-request-id", b"../evil")], CHAT), ([], {**CHAT, "request_id": "../evil"})):
@@ -163,7 +202,8 @@ JSON = st.recursive(
     max_leaves=6,
 )
 KV_KEYS = st.sampled_from(["prompt_token_ids", "remote_host", "remote_port", "do_remote_decode", "prefill",
-                           "hidden_states_path", "decode", "x"])  # fmt: skip
+                           "hidden_states_path", "decode", "x", "remote_bootstrap_addr", "disagg_spec",
+                           "remote_notify_port"])  # fmt: skip
 CLIENT_KV = st.none() | st.dictionaries(KV_KEYS, JSON | st.dictionaries(KV_KEYS, JSON, max_size=3), max_size=4)
 NVEXT_VALUE = JSON | st.lists(st.integers(0, 300), min_size=1, max_size=4) | st.dictionaries(KV_KEYS, JSON)
 NVEXT = st.dictionaries(st.sampled_from(sorted(NVEXT_FIELDS)) | KV_KEYS, NVEXT_VALUE, max_size=4)
@@ -208,10 +248,10 @@ def test_no_nvext_field_puts_a_key_into_kv_transfer_params_the_client_could_not_
 def _without_remote(kv: Any) -> Any:
     if not isinstance(kv, dict):
         return kv
-    out = {k: v for k, v in kv.items() if k not in {"remote_host", "remote_port"}}
+    out = {k: v for k, v in kv.items() if k not in REMOTE_ADDRESS_KEYS}
     for stage in ("prefill", "decode"):
         if isinstance(out.get(stage), dict):
-            out[stage] = {k: v for k, v in out[stage].items() if k not in {"remote_host", "remote_port"}}
+            out[stage] = {k: v for k, v in out[stage].items() if k not in REMOTE_ADDRESS_KEYS}
     return out
 
 
@@ -254,6 +294,69 @@ def test_with_the_strip_on_vllm_never_gets_a_clients_remote_address_in_either_di
     assert int(header) == len(upstream.received), "the length vLLM reads is the new body's"
     off, upstream = _send(body, kv=None)  # off by default: vLLM gets what the client sent
     assert json.loads(upstream.received)["kv_transfer_params"]["remote_host"] == "10.0.0.9"
+
+
+# The routes vLLM hands a client's kv_transfer_params on from (`kv_params_routes` below reads them from
+# its source; /invocations serves the body as chat or completions).
+KV_ROUTES = ["/v1/chat/completions", "/v1/completions", "/invocations", "/v1/responses", "/v1/messages",
+             "/inference/v1/generate", "/cohere/v2/chat"]  # fmt: skip
+EVERY_ADDRESS = {
+    "remote_host": "10.0.0.9",
+    "remote_port": 5600,
+    "remote_hosts": ["10.0.0.9", "10.0.0.10"],
+    "remote_handshake_port": 6301,
+    "remote_notify_port": 61005,
+    "remote_bootstrap_addr": "10.0.0.9:8998",
+    "disagg_spec": {"req_id": "r", "receiver_host": "10.0.0.9", "receiver_init_port": [1], "receiver_alloc_port": [2]},
+}
+
+
+@pytest.mark.parametrize("path", KV_ROUTES)
+def test_the_strip_removes_every_connectors_address_on_every_route_vllm_reads_kv_transfer_params_from(path):
+    """NIXL's, MoRIIO's, Mooncake's and LMCache's addresses, on chat and /inference/v1/generate alike."""
+    kept = {"do_remote_prefill": True, "remote_engine_id": "e0", "remote_block_ids": [1, 2], "transfer_id": "t"}
+    body = {**(CHAT if path != "/v1/completions" else COMPLETION), "kv_transfer_params": {**EVERY_ADDRESS, **kept}}
+    got, upstream = _send(body, path=path, kv=None, strip_kv_remote_address=True)
+    assert got.status == 200 and upstream.received is not None
+    assert json.loads(upstream.received)["kv_transfer_params"] == kept, "no address reaches vLLM's connector"
+    assert int(dict(upstream.received_headers)[b"content-length"]) == len(upstream.received)
+    raw = json.dumps(body).encode().replace(b'"kv_transfer_params"', b'"kv\\u005ftransfer_params"')
+    got, upstream = _send(raw, path=path, kv=None, strip_kv_remote_address=True)
+    assert json.loads(upstream.received or b"")["kv_transfer_params"] == kept, "the key spelled with an escape"
+
+
+def _installed_vllm() -> Path:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.skip("no vLLM installed")
+    return Path(spec.origin).parent
+
+
+def test_the_strip_names_every_address_key_the_installed_vllms_kv_connectors_read():
+    """tests/e2e/test_versions.py walks every other supported release the same way."""
+    found = connector_address_keys(_installed_vllm())
+    assert {"remote_host", "remote_port", "remote_bootstrap_addr"} <= set(found), "the walk reads the connectors"
+    missing = {key: sorted(found[key]) for key in set(found) - REMOTE_ADDRESS_KEYS}
+    assert not missing, f"address keys vLLM's connectors dial that the strip leaves: {missing}"
+
+
+def test_every_route_vllm_reads_kv_transfer_params_from_is_read_for_the_strip():
+    # The render routes answer with what they would send on (a GenerateRequest): no engine runs there.
+    routes = {route for route in kv_params_routes(_installed_vllm()) if not route.endswith("/render")}
+    assert "/inference/v1/generate" in routes and set(KV_ROUTES) - {"/invocations"} == routes
+    assert routes <= set(ENDPOINT_PATHS) | set(AGENT_PATHS) | KV_PARAMS_PATHS
+
+
+def test_the_connector_walk_follows_names_bound_to_kv_transfer_params(tmp_path):
+    connectors = tmp_path / "distributed/kv_transfer/kv_connector/v1"
+    connectors.mkdir(parents=True)
+    (connectors / "c.py").write_text(
+        "def f(self, request):\n"
+        "    params = request.kv_transfer_params or {}\n"
+        "    spec = params['peer']\n"
+        "    return params.get('remote_zmq_addr'), spec['receiver_host'], params.get('tp_size'), request.host\n"
+    )
+    assert connector_address_keys(tmp_path) == {"remote_zmq_addr": {"c.py"}, "peer": {"c.py"}}
 
 
 def test_the_strip_leaves_a_body_without_a_remote_address_byte_for_byte():

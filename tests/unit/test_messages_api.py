@@ -212,6 +212,49 @@ async def test_invalid_bodies_get_vllms_own_answer_and_a_vllm_without_the_handle
     assert result.status == 400 and "endpoint plugin" in json.loads(result.body)["error"]["message"]
 
 
+def _vllm_app(handler: Any, plugin: bool) -> Any:
+    """vLLM's own /v1/messages route and exception handlers on a FastAPI app, the plugin mounted as vLLM mounts it."""
+    from fastapi import FastAPI
+    from vllm.entrypoints.anthropic.api_router import router
+    from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
+
+    from vllm_nvext.plugin import NvextPlugin
+
+    app = FastAPI()
+    app.include_router(router)
+    init_exception_handler(app)
+    app.state.anthropic_serving_messages = handler
+    app.state.args = SimpleNamespace(log_error_stack=False)
+    if plugin:
+        NvextPlugin().attach_router(app)
+    return app
+
+
+@pytest.mark.parametrize("extra", [NVEXT_IDS, {"return_token_ids": True}, {**NVEXT_IDS, "return_token_ids": True}])
+async def test_an_invalid_body_is_validated_once_and_gets_stock_vllms_own_400(monkeypatch, extra):
+    """vLLM's model validation runs once per request, as on stock vLLM's own route (its before-validator
+    counts the runs), and the 400 is stock's byte for byte: its errors count the body's keys as sent."""
+    anthropic = pytest.importorskip("vllm.entrypoints.anthropic.protocol")
+    real = anthropic.resolve_return_mm_kwargs_alias
+    runs: list[int] = []
+
+    def counted(data: Any) -> Any:
+        runs.append(1)
+        return real(data)
+
+    monkeypatch.setattr(anthropic, "resolve_return_mm_kwargs_alias", counted)
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user"}] * 3, **extra}).encode()
+    handler, seen = _handler()
+    stock = await call(_vllm_app(handler, plugin=False), "/v1/messages", body)
+    assert stock.status == 400 and len(runs) == 1, "stock vLLM validates once"
+    runs.clear()
+    served = await call(_vllm_app(handler, plugin=True), "/v1/messages", body)
+    assert (served.status, served.body) == (stock.status, stock.body)
+    assert len(runs) == 1, "the plugin mount validates once, not once more for vLLM's own route"
+    assert "dict of " + str(2 + len(extra)) + " items" in json.loads(served.body)["error"]["message"]
+    assert not seen
+
+
 async def test_errors_of_vllms_handler_come_back_in_its_anthropic_envelope():
     handler, _ = _handler()
 

@@ -187,8 +187,9 @@ async def serve(
 ) -> bool:
     """Answer one /v1/messages request with ids through vLLM's own Anthropic handler.
 
-    `data`: the body `receive` replays, which vLLM is to read (without `nvext` / `return_token_ids`).
-    A body that is not a valid Messages request goes to vLLM (`app`), whose validation answers it.
+    `data`: the body `receive` replays, which vLLM is to read, with the client's `nvext` /
+    `return_token_ids` (which vLLM's model ignores, and its errors count: as in the body sent). A body
+    that is not a valid Messages request gets vLLM's own 400 from this one validation.
     False, with nothing sent, when this vLLM has no Anthropic handler to serve it with.
     """
     try:
@@ -205,8 +206,8 @@ async def serve(
         return False
     try:
         request = AnthropicMessagesRequest.model_validate(data)
-    except ValidationError:
-        await app(scope, receive, send)  # vLLM's own validation answers it
+    except ValidationError as exc:
+        await _refuse_invalid(exc, data, app, scope, receive, send)
         return True
     ids = CapturedIds()
     # As vLLM's route (`with_cancellation`): a client that goes away cancels the work, nothing outlives it.
@@ -224,6 +225,26 @@ async def serve(
         result = create_error_response(exc)
     await _response(result, ids, placements)(scope, receive, send)
     return True
+
+
+async def _refuse_invalid(exc: Any, data: Any, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    """vLLM's 400 for a body its model refuses, from the errors of the one validation already run.
+
+    As FastAPI hands them to the handler vLLM registered (`loc` under `body`, no `url`), so the answer
+    is stock's, without validating the body again. Without that handler, vLLM's route answers it.
+    """
+    from fastapi.exceptions import RequestValidationError
+    from starlette.requests import Request
+
+    handler = getattr(scope.get("app"), "exception_handlers", {}).get(RequestValidationError)
+    if handler is None:
+        await app(scope, receive, send)
+        return
+    errors = [{**error, "loc": ("body", *error["loc"])} for error in exc.errors(include_url=False)]
+    response = handler(Request(scope, receive), RequestValidationError(errors, body=data))
+    if asyncio.iscoroutine(response):
+        response = await response
+    await response(scope, receive, send)
 
 
 def _response(result: Any, ids: CapturedIds, placements: IdPlacements) -> Any:

@@ -239,6 +239,8 @@ class MessagesPlan:
     body: bytes | None
     headers: tuple[tuple[bytes, bytes], ...] = ()
     dialect: Dialect = Dialect.VLLM
+    # The client's `nvext` / `return_token_ids`, which vLLM's model ignores but its errors count.
+    dropped: tuple[tuple[str, Any], ...] = ()
 
     @property
     def ids(self) -> bool:
@@ -269,6 +271,7 @@ def plan_messages(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = Non
         body=rewrite.apply(body),
         headers=headers,
         dialect=opt.dialect,
+        dropped=tuple((key, opt.data[key]) for key in ("nvext", "return_token_ids") if key in opt.data),
     )
 
 

@@ -2,8 +2,8 @@
 
 - A request id (`X-Request-Id`, else the body's `request_id`) that a kv connector joins into a
   file path must be a plain name (docs/hidden-states.md).
-- `remote_host` / `remote_port` in a client's `kv_transfer_params` steer a prefill/decode
-  connector's outbound connection; the optional strip removes them (docs/scaling-out.md).
+- The address keys of a client's `kv_transfer_params` steer a kv connector's outbound connection;
+  the optional strip removes them (docs/scaling-out.md).
 """
 
 from __future__ import annotations
@@ -12,15 +12,50 @@ import json
 from typing import Any
 
 from .. import _json
+from ..protocol import BODY_REQUEST_ID_PATHS, KV_PARAMS_PATHS, REQUEST_ID_PATHS
 
 REQUEST_ID_HEADER = "x-request-id"
 MAX_REQUEST_ID = 128
 _FORBIDDEN = ("/", "\\", "..")
 
-# The keys vLLM's prefill/decode connectors dial, at the root of kv_transfer_params and under
-# `prefill` / `decode` (docs/scaling-out.md).
-REMOTE_ADDRESS_KEYS = frozenset({"remote_host", "remote_port"})
+# The keys of kv_transfer_params that say where vLLM's kv connectors connect, read from each supported
+# release's connectors (tests/support/vllm_source.py walks their source), at the root of
+# kv_transfer_params and under `prefill` / `decode` (docs/scaling-out.md). `disagg_spec` (LMCache:
+# `receiver_host`, `receiver_init_port`, `receiver_alloc_port`) goes whole: LMCache reads all of it or none.
+REMOTE_ADDRESS_KEYS = frozenset(
+    {
+        "remote_host",  # NIXL, MoRIIO
+        "remote_port",  # NIXL
+        "remote_hosts",  # MoRIIO
+        "remote_handshake_port",  # MoRIIO
+        "remote_notify_port",  # MoRIIO
+        "remote_bootstrap_addr",  # Mooncake
+        "disagg_spec",  # LMCache
+    }
+)
+# The one root key whose mention makes a body one to read for the strip.
+KV_TRANSFER_PARAMS = "kv_transfer_params"
 NESTED_STAGES = ("prefill", "decode")
+
+
+def checks_on(
+    path: str, translated: bool, ids_name_files: bool, header_id: bytes | None, strip: bool
+) -> tuple[bool, bool]:
+    """(check the body's `request_id`, strip its kv_transfer_params' address keys) on `path`.
+
+    `translated`: a route the middleware reads anyway (chat, completions, the agent routes);
+    `ids_name_files`: the server's kv connector joins request ids into paths; `header_id`: the
+    request's X-Request-Id (None: none), which vLLM takes before the body's `request_id` on most routes.
+    """
+    body_id = ids_name_files and (header_id is None or path in BODY_REQUEST_ID_PATHS)
+    if not translated:
+        return body_id and path in REQUEST_ID_PATHS, strip and path in KV_PARAMS_PATHS
+    return body_id, strip
+
+
+def keys_to_read(body_request_id: bool, strip: bool) -> tuple[str, ...]:
+    """The root keys whose mention makes a body one to read for these checks."""
+    return (("request_id",) if body_request_id else ()) + ((KV_TRANSFER_PARAMS,) if strip else ())
 
 
 def is_plain_name(request_id: str) -> bool:

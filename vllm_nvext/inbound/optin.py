@@ -59,16 +59,18 @@ def _key_tokens(words: tuple[str, ...]) -> re.Pattern[bytes]:
 class OptInScan:
     """The `might_opt_in` test over a body that arrives in pieces (keys split across pieces too).
 
-    `also`: more keys (at most as long as `return_token_ids`) whose mention makes the body one to read.
+    `also`: more keys whose mention makes the body one to read.
     """
 
-    __slots__ = ("found", "_head", "_tail", "_also")
+    __slots__ = ("found", "_head", "_tail", "_also", "_keep")
 
     def __init__(self, also: tuple[str, ...] = ()) -> None:
         self.found = False
         self._head = b""
         self._tail = b""
         self._also = _key_tokens(also) if also else None
+        # The bytes kept from one piece to the next: all but one of the longest key token's, escaped.
+        self._keep = max((_LONGEST_KEY_TOKEN, *(2 + 6 * len(word) for word in also))) - 1
 
     def feed(self, chunk: bytes) -> bool:
         if self.found:
@@ -81,5 +83,5 @@ class OptInScan:
         window = self._tail + chunk
         if _mentions_key(window) or (self._also is not None and self._also.search(window) is not None):
             self.found = True
-        self._tail = window[-(_LONGEST_KEY_TOKEN - 1) :]
+        self._tail = window[-self._keep :]
         return self.found
