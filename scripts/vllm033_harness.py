@@ -28,7 +28,7 @@ Scripted behaviour, per engine-core request:
   which a server with `--tool-call-parser hermes` turns into a tool call.
 
 Run it through `Vllm033Server` (below; what tests, fixtures and benchmarks use), or by hand:
-    "$(bash scripts/setup_vllm033.sh | tail -1)" scripts/vllm033_harness.py serve MODEL_DIR [args...]
+    "$(bash scripts/setup_vllm_cuda.sh 0.33.0 | tail -1)" scripts/vllm033_harness.py serve MODEL_DIR [args...]
 Importing this module is cheap and side-effect free: vLLM is imported only when serving.
 """
 
