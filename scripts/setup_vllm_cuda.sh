@@ -30,6 +30,15 @@ if [ -z "$PY" ]; then
   done
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+# What a release pins that the package index lacks, replaced (uv --override). vllm 0.34.0 pins
+# flashinfer-python==0.7.3, which is not on PyPI (0.7.2.post1, then 0.7.4): 0.33's 0.7.2.post1 is
+# taken, the same files as 0.33's venv (flashinfer's GPU kernels; the serving layer on a CPU machine
+# never imports it).
+OVERRIDES="$REFS/uv-overrides-$VLLM_VERSION.txt"
+case "$VLLM_VERSION" in
+  0.34.0) OVERRIDE_LINES="flashinfer-python==0.7.2.post1" ;;
+  *) OVERRIDE_LINES="" ;;
+esac
 
 if [ ! -f "$STAMP" ]; then
   start=$(date +%s)
@@ -43,7 +52,8 @@ if [ ! -f "$STAMP" ]; then
   fi
   # --seed: pip in the venv, for the editable install below and its repointing.
   "$UV" venv -q --seed --python "$PY" "$VENV"
-  "$UV" pip install -q --python "$VENV/bin/python" "vllm==$VLLM_VERSION" "setuptools>=68" wheel
+  printf '%s\n' "$OVERRIDE_LINES" >"$OVERRIDES"
+  "$UV" pip install -q --python "$VENV/bin/python" --override "$OVERRIDES" "vllm==$VLLM_VERSION" "setuptools>=68" wheel
   "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$REPO"
   VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "
 import vllm, vllm_nvext

@@ -3,9 +3,9 @@
 Three fixture sets, each recorded from the real serving code, never typed:
 - vLLM 0.32 (tests/fixtures/): the real engine on the tiny model;
 - vLLM 0.33 (tests/fixtures/vllm-0.33/): vLLM 0.33's own `vllm serve` over a scripted engine
-  core (scripts/vllm033_harness.py): 0.33's bytes around scripted token ids;
+  core (scripts/vllm_harness.py): 0.33's bytes around scripted token ids;
 - vLLM 0.33's Rust frontend (tests/fixtures/vllm-0.33-rust/): stock `vllm-rs` over vLLM 0.33's
-  engine core with a scripted executor (scripts/vllm033_executor.py): what `vllm-nvext proxy`
+  engine core with a scripted executor (scripts/vllm_executor.py): what `vllm-nvext proxy`
   reads in front of it.
 
 `recordings()` holds them all: the 0.32 recordings under their own names, the others under
