@@ -4,10 +4,11 @@ core; run with that release's reference venv (`bash scripts/setup_vllm_cuda.sh <
 
 What this is: the release's own CLI, FastAPI app, routers, `--middleware`, endpoint plugins,
 chat template, tokenizer, detokenizer, logprobs formatting, n>1 fan-out, stop strings and
-`kv_transfer_params` plumbing, unchanged. Exactly one thing is replaced:
+`kv_transfer_params` plumbing, unchanged. One thing is replaced:
 `EngineCoreClient.make_async_mp_client`, which here returns `ScriptedEngineCore` instead of
 a client of the engine-core process (these releases have no CPU build, and their CUDA engine core
-cannot run on a machine without a GPU). So the token ids and logprob values are scripted,
+cannot run on a machine without a GPU); and, for vLLM 0.34, one check of its CPU platform sees Triton
+while the config is resolved (`_cpu_config_without_triton`). So the token ids and logprob values are scripted,
 deterministic functions of the prompt ids, the seed and the choice index; every byte of the
 HTTP answer around them is the release's. The same code serves every release in `VERSIONS`:
 their engine-core protocol (`EngineCoreRequest` in, `EngineCoreOutputs` out) is the same.
@@ -249,10 +250,32 @@ class RsServer(HarnessServer):
         ]  # fmt: skip
 
 
+def _cpu_config_without_triton() -> None:
+    """vLLM 0.34's CPU platform refuses an x86 machine without triton-cpu while resolving the config
+    ("vLLM on x86 CPUs requires Triton"): its model runner would compile kernels with it. No model runs
+    here, so that one check sees Triton while the CPU platform resolves the config (0.33 has no such
+    check: nothing changes there); every other use of `HAS_TRITON` keeps the real answer."""
+    import vllm.triton_utils as triton_utils
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def check_and_update_config(cls: Any, vllm_config: Any) -> None:
+        has_triton = triton_utils.HAS_TRITON
+        triton_utils.HAS_TRITON = True
+        try:
+            check(cls, vllm_config)
+        finally:
+            triton_utils.HAS_TRITON = has_triton
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
+
+
 def main() -> int:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # config resolution on the CPU platform
     text = os.environ.get("SCRIPTED_TEXT")
     _install(None if text is None else text_ids(sys.argv[2], text))
+    _cpu_config_without_triton()
     # vLLM's CLI, through the project's own entry point (which must work on every release).
     from vllm_nvext.tools._vllm_cli import main as vllm_cli_main
 
