@@ -55,6 +55,7 @@ VERSIONS = {"0.33": "0.33.0", "0.34": "0.34.0"}
 _VOCAB_PRINTABLE = 94  # ids 0..93 of the tiny model are the bytes '!'..'~'
 _CHILD_ID = re.compile(r"^(\d+)_")
 KV_DIR = "/tmp/vllm-nvext-scripted"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def scripted_ids(prompt: list[int], seed: int | None, index: int, count: int) -> list[int]:
@@ -221,6 +222,9 @@ class HarnessServer(VllmServer):
 
     def __post_init__(self) -> None:
         self.name = self.name or f"vllm-{self.vllm}"
+        # This checkout's vllm_nvext (and scripts/, for the executor), whichever one the venv's editable
+        # install points at: the reference venvs are shared by every checkout on the machine.
+        self.env = {"PYTHONPATH": str(REPO), **self.env}
 
     def command(self) -> list[str]:
         return [
@@ -242,6 +246,7 @@ class RsServer(HarnessServer):
 
     def __post_init__(self) -> None:
         self.name = self.name or f"vllm-rs-{self.vllm}"
+        super().__post_init__()
 
     def command(self) -> list[str]:
         return [

@@ -96,6 +96,7 @@ class NvextMiddleware:
         self.stream_path = stream_path(self.settings.pure_python)  # "c" or "python" (send.STREAM_SENDS)
         self._stream_send = STREAM_SENDS[self.stream_path]
         metrics.set_stream_path(self.stream_path)
+        metrics.report_vllm_version()  # an untested vLLM: a warning and a gauge, once per process
         announce = "vllm-nvext: the %s stream path runs (VLLM_NVEXT_PURE_PYTHON=1 forces Python)"
         logger.info(announce, self.stream_path)
         if "vllm.logger" in sys.modules:

@@ -146,11 +146,13 @@ EVERY_CAPABILITY = dict.fromkeys(
     ],
     True,
 )
+# /v1/responses takes `thinking_token_budget` from 0.34 on.
+BEFORE_034 = {**EVERY_CAPABILITY, "responses_thinking_token_budget": False, "untyped_body_is_json": False}
 PROBE_ANSWERS = {
-    "0.30": {**EVERY_CAPABILITY, "untyped_body_is_json": False},
-    "0.31": {**EVERY_CAPABILITY, "untyped_body_is_json": False},
-    "0.33": {**EVERY_CAPABILITY, "untyped_body_is_json": False},
-    "0.34": {**EVERY_CAPABILITY, "untyped_body_is_json": False},
+    "0.30": BEFORE_034,
+    "0.31": BEFORE_034,
+    "0.33": BEFORE_034,
+    "0.34": {**EVERY_CAPABILITY, "responses_thinking_token_budget": True, "untyped_body_is_json": False},
 }
 
 
