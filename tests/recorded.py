@@ -11,7 +11,8 @@ Four fixture sets, each recorded from the real serving code, never typed:
   reads in front of it.
 
 `recordings()` holds them all: the 0.32 recordings under their own names, the others under
-`vllm-0.33/<name>`, `vllm-0.34/<name>` and `vllm-0.33-rust/<name>`, so a test that iterates over `recordings()` covers every layout, and
+`vllm-0.33/<name>`, `vllm-0.34/<name>` and `vllm-0.33-rust/<name>`, so a test that iterates over
+`recordings()` covers every layout, and
 `recording("chat_stream_ids")` stays the 0.32 one.
 """
 

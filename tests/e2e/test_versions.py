@@ -208,6 +208,31 @@ def test_the_rules_copied_from_vllm_are_each_versions_own(version):
     assert rules["sanitize"], "the copy of sanitize_message's rules"
 
 
+# vLLM 0.34 rewrote sanitize_message's last rule (an atomic group, and only when the message has a dot):
+# the pinned copy must still give its answer on messages built to tell such rules apart.
+_SANITIZE_CASES = """
+import json
+from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
+from vllm_nvext import protocol
+deep = "/a" * 40
+cases = [
+    "no path here", "a/b/c", "/x/y/z", "/x/y/z.", "/x/y.z/w.txt", "see /a/b-c/d_e.py: bad", deep + "/f.txt",
+    deep + "/f", "/etc/passwd and /root/.ssh/id_rsa", "<obj at 0xDEADbeef> at 0x12>", "..//.//x.y",
+    'Traceback:\\n  File "/srv/app.py", line 9, in run\\n    boom()\\nValueError: x', "/-/-.-", "ümlaut/ä/ö.ü",
+]
+print(json.dumps([c for c in cases if sanitize_message(c) != protocol._pinned_sanitize(c)]))
+"""
+
+
+@pytest.mark.parametrize("version", [pytest.param(v, id=f"vllm-{v}", marks=_version_marks(v)) for v in PROBE_ANSWERS])
+def test_sanitize_message_copy_answers_as_each_versions_own_on_hostile_messages(version):
+    done = subprocess.run(
+        [str(venv_python(version)), "-c", _SANITIZE_CASES], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [], "messages the copy sanitizes otherwise"
+
+
 def test_every_translated_route_answers_the_key_check_as_this_releases_own(vllm_version):
     """`--middleware` (outermost, applying vLLM's rule itself) answers the key check on every translated
     route as the plugin mount does, where this release's own check runs first: no key, a wrong key, the
