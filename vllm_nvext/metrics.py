@@ -12,10 +12,13 @@ no prompt, id or other client-supplied string ever becomes one. Pure: nothing he
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 from functools import partial
 from typing import Any
 
+from . import _vllm_compat
 from .config import MODE_HEADER
 from .inbound.client_params import REQUEST_ID_HEADER
 from .inbound.fields import DECISION_FIELDS
@@ -161,6 +164,42 @@ def _info_gauge(gauge: Any) -> Any:
             multiprocess_mode="max",  # several API-server processes run the same path
         )
     return _gauges["stream_path"]
+
+
+UNTESTED_VLLM = (
+    "vllm-nvext: vLLM %s is outside the releases vllm-nvext is tested on (%s to %s): it runs, but this release's "
+    "wire format and the rules copied from vLLM were not checked on it (docs/supported-vllm.md)"
+)
+_reported_version: list[str] = []
+
+
+def report_vllm_version() -> None:
+    """Once per process: `vllm_nvext:vllm_version_tested{version}` (1: in the tested range, 0: not), and a
+    warning at start-up for a vLLM outside it (never a refusal). Nothing without vLLM installed."""
+    version = _vllm_compat.vllm_version()
+    if version is None or _reported_version:
+        return
+    _reported_version.append(version)
+    tested = _vllm_compat.version_tested(version) is True
+    if not tested:
+        low, high = (".".join(map(str, release)) for release in _vllm_compat.TESTED_RANGE)
+        logging.getLogger("vllm_nvext").warning(UNTESTED_VLLM, version, low, high)
+        if "vllm.logger" in sys.modules:  # vLLM's server prints only its own `vllm` loggers: say it there too
+            logging.getLogger("vllm.nvext").warning(UNTESTED_VLLM, version, low, high)
+    if _counters() is None:
+        return
+    with _lock:
+        from prometheus_client import Gauge
+
+        if "vllm_version" not in _gauges:
+            _gauges["vllm_version"] = Gauge(
+                PREFIX + "vllm_version_tested",
+                "The installed vLLM release (label version): 1 if vllm-nvext was tested on it, 0 if not "
+                "(a warning at start-up says so; docs/supported-vllm.md).",
+                ["version"],
+                multiprocess_mode="max",  # every API-server process runs the same vLLM
+            )
+        _gauges["vllm_version"].labels(version=version).set(1 if tested else 0)
 
 
 def enabled() -> bool:

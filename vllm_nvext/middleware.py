@@ -110,6 +110,7 @@ class NvextMiddleware:
         self.kernels = pick(self.settings.pure_python)  # the compiled kernels, or their Python twins
         self.stream_path = self.kernels.impl  # "c" or "python"
         metrics.set_stream_path(self.stream_path)
+        metrics.report_vllm_version()  # an untested vLLM: a warning and a gauge, once per process
         announce = "vllm-nvext: the %s stream path runs (VLLM_NVEXT_PURE_PYTHON=1 forces Python)"
         logger.info(announce, self.stream_path)
         if "vllm.logger" in sys.modules:

@@ -8,7 +8,8 @@ other than .venv's starts its servers when its first test runs and stops them be
 version's (the tests of each version run together): 0.30 and 0.31 never run side by side. Their
 tests (marked `e2e_versions`) run only when `-m` names that group (`make test-e2e-versions`), never
 beside .venv's servers: `pytest tests/e2e/test_translation.py` runs .venv's and 0.33's. vLLM 0.33's
-Rust frontend ("0.33-rust") runs only the proxy in front of it, its tests marked `e2e_proxy`.
+Rust frontend ("0.33-rust") runs only the proxy in front of it, its tests marked `e2e_proxy`. vLLM
+0.34's tests (marker `e2e_vllm034`) likewise run only when `-m` names their group (`make test-e2e-vllm034`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 
 from tests.helpers import http_client
 from tests.support import servers
-from tests.support.refs import CURRENT, PROXY_ONLY, RUST033, SEPARATE
+from tests.support.refs import APART, CURRENT, PROXY_ONLY, RUST033, SEPARATE
 from tests.support.servers import *  # noqa: F403  (every kind's `<name>_server` fixture)
 from tests.support.servers import VERSION_KINDS, VERSION_ROLES, Server
 
@@ -39,6 +40,7 @@ def _case(version: str | None, mount: str | None) -> Any:
     marks = [pytest.mark.e2e_proxy] if mount == "proxy" or version in PROXY_ONLY else []
     if version is not None and version != CURRENT:
         marks += [pytest.mark.reference, *([pytest.mark.e2e_versions] if version in SEPARATE else [])]
+        marks += [getattr(pytest.mark, APART[version])] if version in APART else []
     values = [v for v in (version, mount) if v is not None]
     ids = ([f"vllm-{version}"] if version is not None else []) + ([mount] if mount is not None else [])
     return pytest.param(*values, id="-".join(ids), marks=marks)
@@ -90,12 +92,14 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 @pytest.hookimpl(trylast=True)  # after pytest's own ordering and `-m`/`-k` deselection
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if "e2e_versions" not in (config.option.markexpr or ""):
-        # 0.30 and 0.31's servers never run beside .venv's: only a run that names their group has them.
-        apart = [item for item in items if item.get_closest_marker("e2e_versions") is not None]
+    for group in ("e2e_versions", *APART.values()):
+        if group in (config.option.markexpr or ""):
+            continue
+        # 0.30 and 0.31's servers (0.34's) never run beside .venv's: only a run that names their group has them.
+        apart = [item for item in items if item.get_closest_marker(group) is not None]
         if apart:
             config.hook.pytest_deselected(items=apart)
-            items[:] = [item for item in items if item.get_closest_marker("e2e_versions") is None]
+            items[:] = [item for item in items if item.get_closest_marker(group) is None]
     _one_version_at_a_time(items)
     if config.option.collectonly:
         return

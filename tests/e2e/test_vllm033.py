@@ -1,7 +1,7 @@
 """End to end on vLLM 0.33's real serving code: what only 0.33 has (kv_transfer_params, the CLI).
 
 The servers are vLLM 0.33.0's own `vllm serve` app over a scripted engine core
-(scripts/vllm033_harness.py; 0.33's engine cannot run without a GPU): routers, `--middleware`,
+(scripts/vllm_harness.py; 0.33's engine cannot run without a GPU): routers, `--middleware`,
 the endpoint plugin, chat template, detokenizer, logprobs, n>1 fan-out and the
 kv_transfer_params plumbing are 0.33's code, only the token ids are scripted. Each answer
 through the middleware (mounted by `--middleware` and by the endpoint plugin) is compared with

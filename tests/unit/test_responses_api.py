@@ -296,6 +296,46 @@ async def test_nvext_request_fields_reach_vllm_as_its_own():
     assert (b"x-data-parallel-rank", b"1") in upstream.received_headers
 
 
+@pytest.fixture
+def responses_take_a_thinking_budget(vllm_at, tmp_path):
+    """The installed vLLM (0.32), its Responses request model with vLLM 0.34's `thinking_token_budget` added."""
+    from vllm_nvext import _vllm_compat
+
+    installed = _vllm_compat._vllm_root()
+    assert installed is not None
+    relative = "entrypoints/openai/responses/protocol.py"
+    copy = tmp_path / "vllm"
+    for name in (relative, "entrypoints/openai/completion/protocol.py"):
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        (copy / name).write_text((installed / name).read_text())
+    with (copy / relative).open("a") as protocol:
+        protocol.write("\n    thinking_token_budget: ThinkingTokenBudget = None\n")
+    vllm_at(copy)
+
+
+async def test_max_thinking_tokens_reaches_a_vllm_whose_responses_take_a_thinking_budget(
+    responses_take_a_thinking_budget,
+):
+    """vLLM 0.34's Responses API: `nvext.max_thinking_tokens` is sent as `thinking_token_budget` (a root one wins)."""
+    for extra, budget in (({}, 5), ({"thinking_token_budget": 9}, 9)):
+        app, upstream = _app("responses_unary_plain")
+        result = await call(
+            app, RESPONSES, _request("responses_unary_plain", nvext={"max_thinking_tokens": 5}, **extra)
+        )
+        sent = json.loads(upstream.received or b"")
+        assert result.status == 200 and sent["thinking_token_budget"] == budget and "nvext" not in sent
+
+
+async def test_messages_refuse_max_thinking_tokens_where_responses_take_it(responses_take_a_thinking_budget):
+    """/v1/messages has Anthropic's own `thinking.budget_tokens`: `nvext.max_thinking_tokens` stays refused there."""
+    app, upstream = _app("responses_unary_plain")
+    body = json.dumps({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                       "nvext": {"max_thinking_tokens": 5}}).encode()  # fmt: skip
+    result = await call(app, "/v1/messages", body)
+    assert result.status == 400 and upstream.calls == 0
+    assert "`nvext.max_thinking_tokens` is not supported on /v1/messages" in json.loads(result.body)["error"]["message"]
+
+
 def test_bodies_that_are_not_objects_pass_through():
     for body in (b"[1]", b"{", b'"nvext"'):
         assert plan_responses(body, Mode.AUTO) is None

