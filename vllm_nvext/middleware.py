@@ -14,6 +14,7 @@ import logging
 import sys
 import time
 from collections.abc import Awaitable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -46,15 +47,17 @@ from .asgi import (
     set_header,
     too_large,
 )
+from .capture.keys import header_key, session_key
+from .capture.tap import Collector, Sink
 from .config import MODE_HEADER, Mode, Settings
 from .inbound import client_params
 from .inbound.optin import OptInScan, opts_in_whole
 from .inbound.request import plan as plan_request_for
-from .inbound.request import read_request
+from .inbound.request import read_for_capture, read_request
 from .inbound.rewrite import SpliceRoot
 from .outbound.nvext_values import Clock
 from .plan import Plan
-from .protocol import ENDPOINT_PATHS, Dialect, Endpoint, RequestError
+from .protocol import ENDPOINT_PATHS, PATHS, Dialect, Endpoint, RequestError
 from .send import STREAM_SENDS, ReshapingSend, StreamSendFactory, compiled, stream_path
 
 logger = logging.getLogger("vllm_nvext")
@@ -83,6 +86,7 @@ class NvextMiddleware:
         strip_kv_remote_address: bool | None = None,
         pure_python: bool | None = None,
         serve_messages: bool = False,
+        capture_sink: Sink | None = None,
     ) -> None:
         self.app = app
         self.settings = Settings.create(
@@ -103,6 +107,13 @@ class NvextMiddleware:
             logging.getLogger("vllm.nvext").info(announce, self.stream_path)
         # The plugin mount serves /v1/messages with ids itself (agent/messages.py).
         self.serve_messages = serve_messages
+        # Where captured turns go (docs/capture.md); None: capture is off and nothing of it runs.
+        self.sink = capture_sink
+        url = getattr(self.settings, "capture", None)
+        if self.sink is None and url:
+            from .capture.store import open_sink
+
+            self.sink = open_sink(url)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or HANDLED in scope:
@@ -143,7 +154,7 @@ class NvextMiddleware:
         arrived = (time.time(), time.perf_counter())  # when the request came, before its body (nvext `timing`)
         whole = None  # the body, when it came in one message, opts in and is read as JSON
         headers = None  # its headers, once read (`_Exchange.run` reads them otherwise)
-        if not body_request_id and not self.settings.strip_kv_remote_address:
+        if not body_request_id and not self.settings.strip_kv_remote_address and self.sink is None:
             # Only the opt-in keys make this body one to read: one that comes whole is scanned here
             # (`optin.opts_in_whole`, the verdict of `_Exchange._read_body`'s scan), and goes on to
             # vLLM at once when it names none or vLLM does not read it as JSON.
@@ -161,6 +172,7 @@ class NvextMiddleware:
         exchange.serve_messages = self.serve_messages
         exchange.body_request_id = body_request_id
         exchange.hides_reasoning_ids = facts.hides_reasoning_ids
+        exchange.sink = self.sink
         await exchange.run(whole, headers)
 
 
@@ -168,7 +180,7 @@ class _Exchange:
     """One request/response cycle through the middleware."""
 
     __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "arrived", "stream_send", "body_request_id",
-                 "serve_messages", "hides_reasoning_ids")  # fmt: skip
+                 "serve_messages", "hides_reasoning_ids", "sink")  # fmt: skip
 
     def __init__(
         self,
@@ -192,6 +204,7 @@ class _Exchange:
         self.arrived = arrived  # `time.time()` and `time.perf_counter()` when the request came (`Clock`)
         self.body_request_id = False  # the body's `request_id` must be a plain name
         self.hides_reasoning_ids = False  # the server withholds ids (`_vllm_compat.hides_reasoning_ids`)
+        self.sink: Sink | None = None  # capture is on: every request is recorded (docs/capture.md)
 
     async def run(self, whole: bytes | None = None, headers: RequestHeaders | None = None) -> None:
         """One request, top-down: its headers and body, the plan, then vLLM, whose answer is reshaped.
@@ -220,23 +233,52 @@ class _Exchange:
             return
         try:
             request = read_request(body, endpoint, scanned=True) if opts_in else None
-            if request is None:
-                await self._forward(body)
-                return
+        except RequestError as exc:
+            await self._refuse(exc)
+            return
+        if request is None and self.sink is not None:
+            await self._capture_only(endpoint, body, headers)
+            return
+        if request is None:
+            await self._forward(body)
+            return
+        try:
             settings = self.settings
             mode = self._mode(headers.modes) if headers.modes else settings.mode  # no header: the setting
             splice = None if settings.pure_python else SPLICE_ROOT
-            plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank,
+            plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank, capture=self.sink is not None,
                                     hides_reasoning_ids=self.hides_reasoning_ids, splice_root=splice)  # fmt: skip
         except RequestError as exc:
             await self._refuse(exc)
             return
+        await self._answer(body, plan, mode, request.data)
+
+    async def _capture_only(self, endpoint: Endpoint, body: bytes, headers: RequestHeaders) -> None:
+        """A captured request that opts into nothing: planned with ids on for the tap alone; one the plan
+        refuses goes to vLLM untouched (capture never answers a client otherwise than vLLM would)."""
+        mode = self.settings.mode
+        try:
+            request = read_for_capture(body, endpoint)
+            plan = None
+            if request is not None:
+                plan = plan_request_for(request, mode, hides_reasoning_ids=self.hides_reasoning_ids, capture=True)
+        except RequestError:
+            request = plan = None
+        if request is None or plan is None:
+            await self._forward(body)
+            return
+        await self._answer(body, replace(plan, dialect=Dialect.NONE), mode, request.data)
+
+    async def _answer(self, body: bytes, plan: Plan, mode: Mode, data: dict[str, Any]) -> None:
+        """vLLM's answer to the planned request, reshaped as the plan says and told to the capture tap."""
+        endpoint = plan.endpoint
         if plan.body is not None:  # `_rewrite`, inline: one function less per request
             body = plan.body
             set_header(self.scope, b"content-length", str(len(body)).encode())
         for name, value in plan.headers:
             set_header(self.scope, name, value, replace=False)
-        reshaping = self._reshaping(endpoint, plan, mode, request.data.get("model"))
+        tap = self._tap(PATHS[endpoint], data) if plan.capture else None
+        reshaping = self._reshaping(endpoint, plan, mode, data.get("model"), tap)
         # vLLM's app is awaited here, not in a coroutine of its own: every time the app resumes (each
         # token of a stream) it passes through one frame of ours less.
         receive = replay_body(body, self.receive)
@@ -247,6 +289,18 @@ class _Exchange:
             await self.app(self.scope, receive, reshaping.app_send)
         finally:
             reshaping.count_stream()  # also for a stream the client cut short
+            if tap is not None:
+                tap.finish()
+
+    def _tap(self, route: str, data: Any) -> Collector | None:
+        """The capture tap of this request, keyed by its session (capture/keys.py); `data`: its body, read."""
+        sink = self.sink
+        if sink is None:
+            return None
+        key = header_key(self.scope["headers"])
+        if key.session_id is None:
+            key = session_key((), data)._replace(parent_id=key.parent_id, agent_id=key.agent_id)
+        return Collector(sink, route, key, self.arrived[0])
 
     async def _read_body(self, declared_length: int) -> tuple[bytes, bool] | None:
         """The whole body and whether it opts in; None once it was answered, passed on or abandoned.
@@ -302,7 +356,9 @@ class _Exchange:
         metrics.REQUESTS[self.endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN].inc()
         return self.app(self.scope, self.receive if body is None else replay_body(body, self.receive), self.send)
 
-    def _reshaping(self, endpoint: Endpoint, plan: Plan, mode: Mode, model: Any) -> ReshapingSend | None:
+    def _reshaping(
+        self, endpoint: Endpoint, plan: Plan, mode: Mode, model: Any, tap: Collector | None = None
+    ) -> ReshapingSend | None:
         """The request counted; the send that reshapes vLLM's answer as the plan says (None: it goes out as is)."""
         metrics.REQUESTS[endpoint, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY].inc()
         if not plan.reshapes_response:
@@ -311,15 +367,16 @@ class _Exchange:
         # No echo (the common case): no generator entered.
         if plan.echo_prompts and any(not isinstance(p, str) for p in plan.echo_prompts):
             decode_echo = partial(self._decode_echo_prompts, model=model)
-        return ReshapingSend(plan, Clock(*self.arrived), self.send, self.stream_send, endpoint, decode_echo)
+        return ReshapingSend(plan, Clock(*self.arrived), self.send, self.stream_send, endpoint, decode_echo, tap)
 
     async def _agent_route(self, route: AgentRoute, body: bytes, found: bool, headers: RequestHeaders) -> None:
         """/v1/responses and /v1/messages (docs/protocol.md §11)."""
         messages = route is AgentRoute.MESSAGES
+        captured = self.sink is not None
         try:
             mode = self._mode(headers.modes) if found else self.settings.mode
             planner = plan_messages if messages else plan_responses
-            plan = planner(body, mode, dp_rank_header=headers.dp_rank) if found else None
+            plan = planner(body, mode, dp_rank_header=headers.dp_rank, capture=captured) if found or captured else None
             if isinstance(plan, MessagesPlan) and plan.ids and not self.serve_messages:
                 raise plan.refusal()
         except RequestError as exc:
@@ -331,15 +388,25 @@ class _Exchange:
         body = self._rewrite(body, plan.body, plan.headers)
         metrics.count_request(route, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY)
         receive = Replay([body], False, self.receive)
-        if isinstance(plan, MessagesPlan):
-            if plan.ids:
-                data = _json.loads_as_vllm(body)
-                if not await serve_messages(self.app, self.scope, receive, self.send, data, plan.placements):
-                    await self._send_error(plan.refusal(), anthropic_error_body(plan.refusal()))
+        tap = None
+        if plan.capture and (not messages or self.serve_messages):  # the --middleware mount alone sees no ids
+            tap = self._tap("/v1/messages" if messages else "/v1/responses", _json.object_as_vllm(body))
+        try:
+            if isinstance(plan, MessagesPlan):
+                if plan.ids or tap is not None:
+                    data = _json.loads_as_vllm(body)
+                    if await serve_messages(self.app, self.scope, receive, self.send, data, plan.placements, tap):
+                        return
+                    if plan.ids:
+                        await self._send_error(plan.refusal(), anthropic_error_body(plan.refusal()))
+                        return
+                await self.app(self.scope, receive, self.send)
                 return
-            await self.app(self.scope, receive, self.send)
-            return
-        await self.app(self.scope, receive, ResponsesSend(plan, self.send) if plan.reshapes else self.send)
+            send = ResponsesSend(plan, self.send, tap) if plan.reshapes else self.send
+            await self.app(self.scope, receive, send)
+        finally:
+            if tap is not None:
+                tap.finish()
 
     def _mode(self, values: list[bytes]) -> Mode:
         """The mode for a request that opts in; an empty header counts as absent."""

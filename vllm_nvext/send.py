@@ -26,7 +26,7 @@ from .outbound.chunks import rename_error
 from .outbound.finish import Scanner
 from .outbound.nvext_values import Clock
 from .outbound.splice import Learner, kept_text
-from .outbound.stream import StreamReshaper
+from .outbound.stream import DecodingStreamReshaper, StreamReshaper
 from .outbound.unary import plain_body, reshape_unary_body
 from .outbound.unary import serves as unary_serves
 from .plan import Plan
@@ -150,7 +150,7 @@ class ReshapingSend:
     """The `send` handed to vLLM when the response has to be reshaped."""
 
     __slots__ = ("plan", "clock", "send", "route", "decode_echo", "_kind", "_start", "_parts", "_stream", "_tally",
-                 "_left", "app_send", "_arm", "_disarm", "_countdown", "_armed", "_scan", "_learn")  # fmt: skip
+                 "_left", "app_send", "_arm", "_disarm", "_countdown", "_armed", "_scan", "_learn", "tap")  # fmt: skip
 
     _PASS, _UNARY, _STREAM, _ERROR, _DROP = 0, 1, 2, 3, 4
 
@@ -162,8 +162,12 @@ class ReshapingSend:
         stream_send: StreamSendFactory | None = None,
         route: Endpoint | None = None,
         decode_echo: DecodeEcho | None = None,
+        tap: Any = None,
     ) -> None:
         self.plan = plan
+        # The capture tap (`capture.tap.Collector`): told each decoded chunk or body as vLLM sent it; a
+        # captured stream stays on the general path, which decodes every chunk (docs/capture.md).
+        self.tap = tap
         self.clock = clock
         self.send = send
         # The metrics' `endpoint` label: the route the client called (docs/metrics.md), /invocations
@@ -269,7 +273,11 @@ class ReshapingSend:
             self._kind = self._PASS  # only vLLM's errors could change (error events come in streams)
         elif event_stream:
             self._kind = self._STREAM
-            self._stream = StreamReshaper(self.plan, self.clock, self._scan, self._learn)
+            if self.tap is None:
+                self._stream = StreamReshaper(self.plan, self.clock, self._scan, self._learn)
+            else:
+                self._stream = DecodingStreamReshaper(self.plan, self.clock)
+                self._stream.chunks.tap = self.tap
             self._tally = metrics.StreamTally() if metrics.enabled() else None
             if sized:
                 message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]
@@ -293,6 +301,9 @@ class ReshapingSend:
         try:
             if self._kind == self._ERROR:
                 new = _renamed_error(body, plan)
+            elif self.tap is not None:
+                self.tap.body(_json.loads(body))  # as vLLM sent it
+                new = reshape_unary_body(body, plan, self.clock)
             elif self._scan is not None and unary_serves(plan):  # reshape_unary_body's first step, inlined
                 new = plain_body(body, plan, self._scan)
                 if new is None:

@@ -85,10 +85,12 @@ class ResponsesPlan:
     body: bytes | None
     headers: tuple[tuple[bytes, bytes], ...] = ()
     dialect: Dialect = Dialect.VLLM
+    # The operator captures it (docs/capture.md): the response objects go past the capture tap.
+    capture: bool = False
 
     @property
     def reshapes(self) -> bool:
-        return self.nvext_trio or self.nvext_prompt_ids or self.strip_messages
+        return self.nvext_trio or self.nvext_prompt_ids or self.strip_messages or self.capture
 
 
 def _flag(data: dict[str, Any], name: str) -> bool:
@@ -174,32 +176,70 @@ def _opt_in(body: bytes, mode: Mode, route: str) -> _OptIn | None:
     )
 
 
-def plan_responses(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None) -> ResponsesPlan | None:
+def plan_responses(
+    body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None, capture: bool = False
+) -> ResponsesPlan | None:
     """The plan for a /v1/responses body; None means pass it through untouched.
 
+    `capture`: the operator captures the request, which then gets `enable_response_messages` upstream
+    whatever it asked (taken back out of the answer unless the client asked for it).
     Raises RequestError for what vLLM reads but cannot be answered with ids.
     """
     opt = _opt_in(body, mode, "/v1/responses")
     if opt is None:
-        return None
+        return _capture_plan(body) if capture else None
     data = opt.data
     if opt.ids and _flag(data, "background"):
         # vLLM answers a background request at once, before anything is generated.
         raise RequestError("token ids on /v1/responses cannot be combined with `background`", "background")
     client_enabled = _flag(data, "enable_response_messages")
+    captured = capture and not _flag(data, "background")  # vLLM answers a background request at once
     rewrite, headers = opt.rewrite(body, dp_rank_header)
-    if opt.ids and not client_enabled:
+    if (opt.ids or captured) and not client_enabled:
         rewrite.set("enable_response_messages", "true")
     return ResponsesPlan(
         vllm_placement=opt.vllm_placement,
         nvext_trio=opt.nvext_trio,
         nvext_prompt_ids=opt.nvext_prompt_ids,
-        strip_messages=(opt.nvext_trio or opt.nvext_prompt_ids) and not opt.vllm_placement and not client_enabled,
+        strip_messages=(opt.nvext_trio or opt.nvext_prompt_ids or captured)
+        and not opt.vllm_placement
+        and not client_enabled,
         kv_stays_at_root=data.get("kv_transfer_params") is not None,
         stream=_flag(data, "stream"),
         body=rewrite.apply(body),
         headers=headers,
         dialect=opt.dialect,
+        capture=captured,
+    )
+
+
+def _capture_plan(body: bytes) -> ResponsesPlan | None:
+    """The plan for a captured body that opts into nothing: `enable_response_messages` on upstream, its
+    messages taken back out for the client; None (untouched, not captured) for one vLLM refuses itself
+    or answers at once (`background`), or whose flags vLLM would refuse."""
+    data = _json.object_as_vllm(body)
+    if data is None:
+        return None
+    try:
+        if _flag(data, "background"):
+            return None
+        client_enabled = _flag(data, "enable_response_messages")
+        stream = _flag(data, "stream")
+    except RequestError:
+        return None  # vLLM's own 400
+    rewrite = BodyRewrite()
+    if not client_enabled:
+        rewrite.set("enable_response_messages", "true")
+    return ResponsesPlan(
+        vllm_placement=False,
+        nvext_trio=False,
+        nvext_prompt_ids=False,
+        strip_messages=not client_enabled,
+        kv_stays_at_root=False,
+        stream=stream,
+        body=rewrite.apply(body),
+        dialect=Dialect.NONE,
+        capture=True,
     )
 
 
@@ -223,6 +263,8 @@ class MessagesPlan:
     body: bytes | None
     headers: tuple[tuple[bytes, bytes], ...] = ()
     dialect: Dialect = Dialect.VLLM
+    # The operator captures it (docs/capture.md): served with ids (by the plugin mount) for the tap.
+    capture: bool = False
 
     @property
     def ids(self) -> bool:
@@ -238,11 +280,24 @@ class MessagesPlan:
         )
 
 
-def plan_messages(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None) -> MessagesPlan | None:
-    """The plan for a /v1/messages body; None means pass it through untouched. Raises RequestError."""
+def plan_messages(
+    body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None, capture: bool = False
+) -> MessagesPlan | None:
+    """The plan for a /v1/messages body; None means pass it through untouched. Raises RequestError.
+
+    `capture`: the operator captures the request (a body that opts into nothing is then planned too,
+    with no ids to answer; vLLM gets the client's bytes).
+    """
     opt = _opt_in(body, mode, "/v1/messages")
     if opt is None:
-        return None
+        if not capture or _json.object_as_vllm(body) is None:
+            return None
+        try:
+            stream = _flag(_json.object_as_vllm(body) or {}, "stream")
+        except RequestError:
+            return None  # vLLM's own 400
+        return MessagesPlan(IdPlacements(False, False, False), "return_token_ids", stream, None,
+                            dialect=Dialect.NONE, capture=True)  # fmt: skip
     asked = set(opt.nvext.get("extra_fields") or []) & ID_SELECTORS
     param = "nvext.extra_fields" if asked else "return_token_ids"
     rewrite, headers = opt.rewrite(body, dp_rank_header)
@@ -253,6 +308,7 @@ def plan_messages(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = Non
         body=rewrite.apply(body),
         headers=headers,
         dialect=opt.dialect,
+        capture=capture,
     )
 
 
@@ -311,22 +367,25 @@ def reshape_response(response: dict[str, Any], plan: ResponsesPlan) -> bool:
     return True
 
 
-def reshape_unary(body: bytes, plan: ResponsesPlan) -> bytes | None:
+def reshape_unary(body: bytes, plan: ResponsesPlan, tap: Any = None) -> bytes | None:
     """The client's bytes for a unary answer, or None to forward vLLM's. Raises ValueError on non-JSON."""
     obj = _json.loads(body)
     if not isinstance(obj, dict) or obj.get("object") != "response":
         return None
+    if tap is not None:
+        tap.response(obj)
     return _json.dumps(obj) if reshape_response(obj, plan) else None
 
 
 class ResponsesStream:
     """A Responses stream: only the event that ends it is decoded and reshaped; the rest pass as sent."""
 
-    __slots__ = ("plan", "_framer")
+    __slots__ = ("plan", "_framer", "tap")
 
-    def __init__(self, plan: ResponsesPlan) -> None:
+    def __init__(self, plan: ResponsesPlan, tap: Any = None) -> None:
         self.plan = plan
         self._framer = EventFramer()
+        self.tap = tap  # the capture tap (`capture.tap.Collector.response`): told the final response object
 
     def feed(self, body: bytes) -> bytes:
         events = self._framer.feed(body)
@@ -350,6 +409,8 @@ class ResponsesStream:
         response = obj.get("response") if isinstance(obj, dict) else None
         if obj.get("type") not in TERMINAL_EVENTS or not isinstance(response, dict):
             return event
+        if self.tap is not None:
+            self.tap.response(response)
         if not reshape_response(response, self.plan):
             return event
         return event[:start] + _json.dumps(obj) + event[end:]
@@ -358,11 +419,12 @@ class ResponsesStream:
 class ResponsesSend:
     """The `send` handed to vLLM for a /v1/responses request that opts in."""
 
-    __slots__ = ("plan", "send", "_start", "_parts", "_stream", "_unary")
+    __slots__ = ("plan", "send", "_start", "_parts", "_stream", "_unary", "tap")
 
-    def __init__(self, plan: ResponsesPlan, send: Send) -> None:
+    def __init__(self, plan: ResponsesPlan, send: Send, tap: Any = None) -> None:
         self.plan = plan
         self.send = send
+        self.tap = tap
         self._start: Message | None = None
         self._parts: list[bytes] = []
         self._stream: ResponsesStream | None = None
@@ -381,7 +443,7 @@ class ResponsesSend:
                     encoded = True
             if message["status"] == 200 and not encoded:
                 if content_type.startswith(b"text/event-stream"):
-                    self._stream = ResponsesStream(self.plan)
+                    self._stream = ResponsesStream(self.plan, self.tap)
                     message["headers"] = [(n, v) for n, v in headers if n.lower() != b"content-length"]
                 elif content_type.startswith(b"application/json"):
                     self._unary = True
@@ -407,7 +469,7 @@ class ResponsesSend:
             return
         whole = b"".join(self._parts)
         try:
-            new = reshape_unary(whole, self.plan)
+            new = reshape_unary(whole, self.plan, self.tap)
         except ValueError:
             new = None  # not JSON after all: forwarded unchanged
         except Exception:  # never turn a good vLLM answer into a 500

@@ -1,0 +1,108 @@
+"""The session a captured request belongs to, from its headers and body (docs/capture.md, Session keys).
+
+Pure. Header values and body values are client input: a value longer than `MAX_KEY` or holding a
+character outside `_KEY_CHARS` is not a key (the next one in the order is tried). Capture never
+changes the client's answer, so an unusable key is skipped, never refused.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+MAX_KEY = 256
+_KEY_CHARS = re.compile(r"[A-Za-z0-9._:@/+=~-]+")
+
+# In order: the first that carries a usable value names the session. Ours; the session headers a
+# Dynamo 1.6.1 frontend reads; then what Codex and Claude Code send.
+SESSION_HEADERS: tuple[bytes, ...] = (
+    b"x-nvext-session-id",
+    b"x-dynamo-session-id",
+    b"x-session-id",
+    b"x-claude-code-session-id",
+    b"session_id",  # Codex (codex-rs/codex-api: build_conversation_headers), its conversation id
+    b"session-id",  # later Codex releases
+)
+# Beside them: the parent session / thread and the (sub)agent a request names, in order.
+PARENT_HEADERS: tuple[bytes, ...] = (
+    b"x-dynamo-parent-session-id",
+    b"x-claude-code-parent-agent-id",
+    b"x-codex-parent-thread-id",
+)
+AGENT_HEADERS: tuple[bytes, ...] = (b"x-claude-code-agent-id", b"x-openai-subagent")
+# Body keys, by route: Responses' `prompt_cache_key` (Codex sets it to its conversation id),
+# Messages' `metadata.user_id` (Claude Code's carries its session).
+PROMPT_CACHE_KEY = "prompt_cache_key"
+METADATA_USER_ID = "metadata.user_id"
+REQUEST_ID = "request_id"
+
+
+class SessionKey(NamedTuple):
+    """Where a request's session comes from; `session_id` None: its own one-turn session, named by
+    the id vLLM gives the response (`source` is then "request_id")."""
+
+    session_id: str | None
+    source: str
+    parent_id: str | None
+    agent_id: str | None
+
+
+def usable(value: Any) -> str | None:
+    """`value` as a key, or None when it is not one (not a string, empty, too long, odd characters)."""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    if not isinstance(value, str):
+        return None
+    value = value.strip()
+    if not value or len(value) > MAX_KEY or _KEY_CHARS.fullmatch(value) is None:
+        return None
+    return value
+
+
+def _first(headers: dict[bytes, bytes], names: tuple[bytes, ...]) -> tuple[str, str] | None:
+    for name in names:
+        value = usable(headers.get(name))
+        if value is not None:
+            return value, name.decode()
+    return None
+
+
+def header_key(raw: Any) -> SessionKey:
+    """The key the request's headers give (ASGI `(name, value)` pairs, names lower-case; the first of a
+    repeated header counts, as starlette reads it); `session_id` None when none does."""
+    headers: dict[bytes, bytes] = {}
+    for name, value in raw:
+        headers.setdefault(bytes(name), bytes(value))
+    session = _first(headers, SESSION_HEADERS)
+    parent = _first(headers, PARENT_HEADERS)
+    agent = _first(headers, AGENT_HEADERS)
+    return SessionKey(
+        session[0] if session else None,
+        session[1] if session else REQUEST_ID,
+        parent[0] if parent else None,
+        agent[0] if agent else None,
+    )
+
+
+def body_key(data: Any) -> tuple[str, str] | None:
+    """(session id, source) from a body's `prompt_cache_key` or `metadata.user_id`; None: neither is usable."""
+    if not isinstance(data, dict):
+        return None
+    value = usable(data.get(PROMPT_CACHE_KEY))
+    if value is not None:
+        return value, PROMPT_CACHE_KEY
+    metadata = data.get("metadata")
+    value = usable(metadata.get("user_id")) if isinstance(metadata, dict) else None
+    return (value, METADATA_USER_ID) if value is not None else None
+
+
+def session_key(raw_headers: Any, data: Any) -> SessionKey:
+    """The key in the documented order: headers first, then the body's keys."""
+    key = header_key(raw_headers)
+    if key.session_id is not None:
+        return key
+    found = body_key(data)
+    return key if found is None else key._replace(session_id=found[0], source=found[1])
