@@ -9,7 +9,6 @@ vLLM and the client byte for byte (docs/protocol.md §10).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 import time
@@ -40,20 +39,20 @@ from .asgi import (
     RequestHeaders,
     Scope,
     Send,
+    decode_echo_prompts,
     first_header,
-    internal_post,
     replay_body,
     send_error,
     set_header,
     too_large,
 )
-from .capture.keys import header_key, session_key
-from .capture.tap import Collector, Sink
+from .capture.requests import read_for_capture
+from .capture.tap import Collector, Sink, open_sink
 from .config import MODE_HEADER, Mode, Settings
 from .inbound import client_params
 from .inbound.optin import OptInScan, opts_in_whole
 from .inbound.request import plan as plan_request_for
-from .inbound.request import read_for_capture, read_request
+from .inbound.request import read_request
 from .inbound.rewrite import SpliceRoot
 from .outbound.nvext_values import Clock
 from .plan import Plan
@@ -108,12 +107,7 @@ class NvextMiddleware:
         # The plugin mount serves /v1/messages with ids itself (agent/messages.py).
         self.serve_messages = serve_messages
         # Where captured turns go (docs/capture.md); None: capture is off and nothing of it runs.
-        self.sink = capture_sink
-        url = getattr(self.settings, "capture", None)
-        if self.sink is None and url:
-            from .capture.store import open_sink
-
-            self.sink = open_sink(url)
+        self.sink = capture_sink if capture_sink is not None else open_sink(self.settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or HANDLED in scope:
@@ -256,18 +250,15 @@ class _Exchange:
     async def _capture_only(self, endpoint: Endpoint, body: bytes, headers: RequestHeaders) -> None:
         """A captured request that opts into nothing: planned with ids on for the tap alone; one the plan
         refuses goes to vLLM untouched (capture never answers a client otherwise than vLLM would)."""
-        mode = self.settings.mode
         try:
             request = read_for_capture(body, endpoint)
-            plan = None
-            if request is not None:
-                plan = plan_request_for(request, mode, hides_reasoning_ids=self.hides_reasoning_ids, capture=True)
+            hides, mode = self.hides_reasoning_ids, self.settings.mode
+            plan = plan_request_for(request, mode, hides_reasoning_ids=hides, capture=True) if request else None
         except RequestError:
             request = plan = None
         if request is None or plan is None:
-            await self._forward(body)
-            return
-        await self._answer(body, replace(plan, dialect=Dialect.NONE), mode, request.data)
+            return await self._forward(body)
+        await self._answer(body, replace(plan, dialect=Dialect.NONE), self.settings.mode, request.data)
 
     async def _answer(self, body: bytes, plan: Plan, mode: Mode, data: dict[str, Any]) -> None:
         """vLLM's answer to the planned request, reshaped as the plan says and told to the capture tap."""
@@ -277,7 +268,7 @@ class _Exchange:
             set_header(self.scope, b"content-length", str(len(body)).encode())
         for name, value in plan.headers:
             set_header(self.scope, name, value, replace=False)
-        tap = self._tap(PATHS[endpoint], data) if plan.capture else None
+        tap = Collector.of(self.sink, PATHS[endpoint], self.scope["headers"], data, self.arrived[0])
         reshaping = self._reshaping(endpoint, plan, mode, data.get("model"), tap)
         # vLLM's app is awaited here, not in a coroutine of its own: every time the app resumes (each
         # token of a stream) it passes through one frame of ours less.
@@ -291,16 +282,6 @@ class _Exchange:
             reshaping.count_stream()  # also for a stream the client cut short
             if tap is not None:
                 tap.finish()
-
-    def _tap(self, route: str, data: Any) -> Collector | None:
-        """The capture tap of this request, keyed by its session (capture/keys.py); `data`: its body, read."""
-        sink = self.sink
-        if sink is None:
-            return None
-        key = header_key(self.scope["headers"])
-        if key.session_id is None:
-            key = session_key((), data)._replace(parent_id=key.parent_id, agent_id=key.agent_id)
-        return Collector(sink, route, key, self.arrived[0])
 
     async def _read_body(self, declared_length: int) -> tuple[bytes, bool] | None:
         """The whole body and whether it opts in; None once it was answered, passed on or abandoned.
@@ -366,7 +347,7 @@ class _Exchange:
         decode_echo = None
         # No echo (the common case): no generator entered.
         if plan.echo_prompts and any(not isinstance(p, str) for p in plan.echo_prompts):
-            decode_echo = partial(self._decode_echo_prompts, model=model)
+            decode_echo = partial(decode_echo_prompts, self.app, self.scope, self.receive, model=model)
         return ReshapingSend(plan, Clock(*self.arrived), self.send, self.stream_send, endpoint, decode_echo, tap)
 
     async def _agent_route(self, route: AgentRoute, body: bytes, found: bool, headers: RequestHeaders) -> None:
@@ -388,9 +369,9 @@ class _Exchange:
         body = self._rewrite(body, plan.body, plan.headers)
         metrics.count_request(route, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY)
         receive = Replay([body], False, self.receive)
-        tap = None
-        if plan.capture and (not messages or self.serve_messages):  # the --middleware mount alone sees no ids
-            tap = self._tap("/v1/messages" if messages else "/v1/responses", _json.object_as_vllm(body))
+        sink = self.sink if plan.capture and (not messages or self.serve_messages) else None  # --middleware: no ids
+        path, data = "/v1/messages" if messages else "/v1/responses", _json.object_as_vllm(body) if sink else None
+        tap = Collector.of(sink, path, self.scope["headers"], data, self.arrived[0])
         try:
             if isinstance(plan, MessagesPlan):
                 if plan.ids or tap is not None:
@@ -427,41 +408,6 @@ class _Exchange:
             names = ", ".join(sorted(m.value for m in chosen))
             raise RequestError(f"header `{MODE_HEADER}` is repeated with different modes ({names})", MODE_HEADER)
         return chosen.pop() if chosen else mode
-
-    async def _decode_echo_prompts(self, plan: Plan, model: Any) -> tuple[str | tuple[int, ...], ...] | None:
-        """Each echoed id prompt as vLLM echoes it: decoded by vLLM's own `/detokenize`.
-
-        Called when vLLM's successful answer starts, so after vLLM checked the key, the model and
-        the ids and did its own work for them (an error of vLLM's reaches the client as stock).
-        One call per distinct id prompt, stopped as soon as the client goes (None then).
-        """
-        decoding = asyncio.ensure_future(self._decode_distinct(plan.echo_prompts, model))
-        watching = asyncio.ensure_future(self.receive())  # the body is read: only a disconnect comes
-        try:
-            await asyncio.wait((decoding, watching), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (decoding, watching):
-                if not task.done():
-                    task.cancel()
-        if watching.done() and not watching.cancelled() or not decoding.done() or decoding.cancelled():
-            return None  # the client went away (the only message that can come after the body)
-        texts = decoding.result()
-        return tuple(texts.get(p, p) if not isinstance(p, str) else p for p in plan.echo_prompts)
-
-    async def _decode_distinct(
-        self, prompts: tuple[str | tuple[int, ...], ...], model: Any
-    ) -> dict[tuple[int, ...], str]:
-        texts: dict[tuple[int, ...], str] = {}
-        for prompt in dict.fromkeys(p for p in prompts if not isinstance(p, str)):
-            status, _, body = await internal_post(self.app, self.scope, "/detokenize", model, prompt)
-            try:
-                decoded = _json.loads(body) if status == 200 else None
-            except ValueError:
-                decoded = None
-            if not isinstance(decoded, dict) or not isinstance(decoded.get("prompt"), str):
-                break  # vLLM, which accepted these ids, answered otherwise: the text stays as vLLM wrote it
-            texts[prompt] = decoded["prompt"]
-        return texts
 
     async def _pass_through(self, parts: list[bytes], scan: OptInScan) -> None:
         receive = PassThrough(parts, scan, self.receive)

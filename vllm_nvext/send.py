@@ -26,7 +26,7 @@ from .outbound.chunks import rename_error
 from .outbound.finish import Scanner
 from .outbound.nvext_values import Clock
 from .outbound.splice import Learner, kept_text
-from .outbound.stream import DecodingStreamReshaper, StreamReshaper
+from .outbound.stream import CapturedStreamReshaper, StreamReshaper
 from .outbound.unary import plain_body, reshape_unary_body
 from .outbound.unary import serves as unary_serves
 from .plan import Plan
@@ -276,8 +276,7 @@ class ReshapingSend:
             if self.tap is None:
                 self._stream = StreamReshaper(self.plan, self.clock, self._scan, self._learn)
             else:
-                self._stream = DecodingStreamReshaper(self.plan, self.clock)
-                self._stream.chunks.tap = self.tap
+                self._stream = CapturedStreamReshaper(self.plan, self.clock, self.tap)
             self._tally = metrics.StreamTally() if metrics.enabled() else None
             if sized:
                 message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]

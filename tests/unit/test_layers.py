@@ -32,6 +32,8 @@ LAYERS: dict[str, frozenset[str]] = {
     # (`asgi`, `send`; `_speedups`, built from _speedups.c, is the compiled twin of the stream send),
     # the counters, the agent routes, the endpoint plugin.
     "asgi": frozenset({"", "middleware", "asgi", "send", "_speedups", "metrics", "agent", "agent.*", "plugin"}),
+    # Operator capture (docs/capture.md): the session keys, the tap, the turn and its store.
+    "capture": frozenset({"capture", "capture.*"}),
     # Out of process: the middleware in front of a server over HTTP (`vllm-nvext proxy`).
     "proxy": frozenset({"proxy"}),
     # For users, beside the server.
@@ -48,7 +50,8 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "inbound": frozenset({"inbound", "base", "vllm"}),
     "outbound": frozenset({"outbound", "base"}),
     "vllm": frozenset({"base"}),
-    "asgi": frozenset({"asgi", "inbound", "outbound", "base", "vllm"}),
+    "asgi": frozenset({"asgi", "inbound", "outbound", "base", "vllm", "capture"}),
+    "capture": frozenset({"capture", "inbound", "base"}),
     "proxy": frozenset({"proxy", "asgi", "base", "vllm"}),
     "beside": frozenset({"beside", "outbound", "base"}),
     "connectors": frozenset({"connectors", "beside"}),

@@ -85,8 +85,7 @@ class ResponsesPlan:
     body: bytes | None
     headers: tuple[tuple[bytes, bytes], ...] = ()
     dialect: Dialect = Dialect.VLLM
-    # The operator captures it (docs/capture.md): the response objects go past the capture tap.
-    capture: bool = False
+    capture: bool = False  # the operator captures it (docs/capture.md): the answer goes past the tap
 
     @property
     def reshapes(self) -> bool:
@@ -181,13 +180,15 @@ def plan_responses(
 ) -> ResponsesPlan | None:
     """The plan for a /v1/responses body; None means pass it through untouched.
 
-    `capture`: the operator captures the request, which then gets `enable_response_messages` upstream
-    whatever it asked (taken back out of the answer unless the client asked for it).
+    `capture`: captured, so `enable_response_messages` upstream (taken back out unless the client asked).
     Raises RequestError for what vLLM reads but cannot be answered with ids.
     """
     opt = _opt_in(body, mode, "/v1/responses")
     if opt is None:
-        return _capture_plan(body) if capture else None
+        data = _json.object_as_vllm(body) if capture else None
+        if data is None:
+            return None
+        opt = _OptIn(data, {}, False, False, False, False)  # captured alone: nothing to answer
     data = opt.data
     if opt.ids and _flag(data, "background"):
         # vLLM answers a background request at once, before anything is generated.
@@ -195,51 +196,20 @@ def plan_responses(
     client_enabled = _flag(data, "enable_response_messages")
     captured = capture and not _flag(data, "background")  # vLLM answers a background request at once
     rewrite, headers = opt.rewrite(body, dp_rank_header)
+    strip = (opt.nvext_trio or opt.nvext_prompt_ids or captured) and not opt.vllm_placement and not client_enabled
     if (opt.ids or captured) and not client_enabled:
         rewrite.set("enable_response_messages", "true")
     return ResponsesPlan(
         vllm_placement=opt.vllm_placement,
         nvext_trio=opt.nvext_trio,
         nvext_prompt_ids=opt.nvext_prompt_ids,
-        strip_messages=(opt.nvext_trio or opt.nvext_prompt_ids or captured)
-        and not opt.vllm_placement
-        and not client_enabled,
+        strip_messages=strip,
         kv_stays_at_root=data.get("kv_transfer_params") is not None,
         stream=_flag(data, "stream"),
         body=rewrite.apply(body),
         headers=headers,
-        dialect=opt.dialect,
+        dialect=opt.dialect if opt.ids or opt.nvext or "nvext" in data else Dialect.NONE,
         capture=captured,
-    )
-
-
-def _capture_plan(body: bytes) -> ResponsesPlan | None:
-    """The plan for a captured body that opts into nothing: `enable_response_messages` on upstream, its
-    messages taken back out for the client; None (untouched, not captured) for one vLLM refuses itself
-    or answers at once (`background`), or whose flags vLLM would refuse."""
-    data = _json.object_as_vllm(body)
-    if data is None:
-        return None
-    try:
-        if _flag(data, "background"):
-            return None
-        client_enabled = _flag(data, "enable_response_messages")
-        stream = _flag(data, "stream")
-    except RequestError:
-        return None  # vLLM's own 400
-    rewrite = BodyRewrite()
-    if not client_enabled:
-        rewrite.set("enable_response_messages", "true")
-    return ResponsesPlan(
-        vllm_placement=False,
-        nvext_trio=False,
-        nvext_prompt_ids=False,
-        strip_messages=not client_enabled,
-        kv_stays_at_root=False,
-        stream=stream,
-        body=rewrite.apply(body),
-        dialect=Dialect.NONE,
-        capture=True,
     )
 
 
@@ -290,14 +260,9 @@ def plan_messages(
     """
     opt = _opt_in(body, mode, "/v1/messages")
     if opt is None:
-        if not capture or _json.object_as_vllm(body) is None:
-            return None
-        try:
-            stream = _flag(_json.object_as_vllm(body) or {}, "stream")
-        except RequestError:
-            return None  # vLLM's own 400
-        return MessagesPlan(IdPlacements(False, False, False), "return_token_ids", stream, None,
-                            dialect=Dialect.NONE, capture=True)  # fmt: skip
+        data = _json.object_as_vllm(body) if capture else None
+        none = IdPlacements(False, False, False)
+        return None if data is None else MessagesPlan(none, "", _flag(data, "stream"), None, (), Dialect.NONE, True)
     asked = set(opt.nvext.get("extra_fields") or []) & ID_SELECTORS
     param = "nvext.extra_fields" if asked else "return_token_ids"
     rewrite, headers = opt.rewrite(body, dp_rank_header)

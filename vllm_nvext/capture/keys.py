@@ -56,10 +56,10 @@ def usable(value: Any) -> str | None:
             return None
     if not isinstance(value, str):
         return None
-    value = value.strip()
-    if not value or len(value) > MAX_KEY or _KEY_CHARS.fullmatch(value) is None:
+    text: str = value.strip()
+    if not text or len(text) > MAX_KEY or _KEY_CHARS.fullmatch(text) is None:
         return None
-    return value
+    return text
 
 
 def _first(headers: dict[bytes, bytes], names: tuple[bytes, ...]) -> tuple[str, str] | None:

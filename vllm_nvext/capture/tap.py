@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any, Protocol
 
-from .keys import SessionKey
+from .keys import SessionKey, header_key, session_key
 
 logger = logging.getLogger("vllm_nvext")
 
@@ -21,6 +21,16 @@ TEXT, REASONING, TOOL_CALL = "text", "reasoning", "tool_call"
 
 class Sink(Protocol):
     def submit(self, turn: Any) -> None: ...
+
+
+def open_sink(settings: Any) -> Sink | None:
+    """The sink the settings name (`VLLM_NVEXT_CAPTURE`, a store URL: capture/store.py); None: capture is off."""
+    url = getattr(settings, "capture", None)
+    if not url:
+        return None
+    from .store import open_sink as open_store
+
+    return open_store(url)  # type: ignore[no-any-return]
 
 
 class _Choice:
@@ -75,10 +85,9 @@ def _token_logprobs(choice: dict[str, Any]) -> list[float] | None:
     if not isinstance(lp, dict):
         return None
     content = lp.get("content")
+    values: Any = lp.get("token_logprobs")
     if isinstance(content, list):
         values = [e.get("logprob") if isinstance(e, dict) else None for e in content]
-    else:
-        values = lp.get("token_logprobs")
     if not isinstance(values, list) or not all(isinstance(v, (int, float)) for v in values):
         return None
     return [float(v) for v in values]
@@ -116,6 +125,17 @@ class Collector:
         self._done = False
         self.reported = False  # an answer was seen (an error is not a turn)
         self.spans_known = True  # False: the route reports no per-item ids (docs/capture.md)
+
+    @classmethod
+    def of(cls, sink: Sink | None, route: str, headers: Any, data: Any, arrived: float) -> Collector | None:
+        """The tap of one request (None: capture is off), keyed by its session (capture/keys.py) from its ASGI
+        headers and its body as read (`data`)."""
+        if sink is None:
+            return None
+        key = header_key(headers)
+        if key.session_id is None:
+            key = session_key((), data)._replace(parent_id=key.parent_id, agent_id=key.agent_id)
+        return cls(sink, route, key, arrived)
 
     def _root(self, obj: dict[str, Any]) -> None:
         self.reported = True
@@ -185,12 +205,14 @@ class Collector:
             tool = 0 if kinds == [TOOL_CALL] else None
             if tool is not None and isinstance(calls, list) and len(calls) == 1 and isinstance(calls[0], dict):
                 function = calls[0].get("function") if isinstance(calls[0].get("function"), dict) else {}
-                state.tools[0] = (calls[0].get("id"), function.get("name"))
+                state.tools[0] = (calls[0].get("id"), (function or {}).get("name"))
             state.add(ids if isinstance(ids, list) else None, _token_logprobs(choice),
                       kinds[0] if len(kinds) == 1 else None, tool)  # fmt: skip
             if isinstance(choice.get("finish_reason"), str):
                 state.finish_reason = choice["finish_reason"]
-        if any(len(_message_kinds(c.get("message"))) > 1 for c in choices or () if isinstance(c, dict)):
+        if isinstance(choices, list) and any(
+            isinstance(c, dict) and len(_message_kinds(c.get("message"))) > 1 for c in choices
+        ):
             self.spans_known = False
 
     def response(self, obj: Any) -> None:

@@ -117,23 +117,6 @@ def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> R
     return Request(endpoint, body, data, fields, nvext, reading)
 
 
-def read_for_capture(body: bytes, endpoint: Endpoint) -> Request | None:
-    """A body that opts into nothing, read as vLLM will so that the operator's capture can plan it; None
-    when vLLM refuses it itself (not an object, no route of /invocations takes it) or it is a chat batch
-    (not captured). Raises RequestError as `read_request` does."""
-    data = _json.object_as_vllm(body)
-    if data is None:
-        return None
-    if endpoint is Endpoint.INVOCATIONS:
-        route = invocation_route(data)
-        if route is None:
-            return None
-        endpoint = route
-    if endpoint is Endpoint.CHAT_BATCH:
-        return None
-    return Request(endpoint, body, data, read_fields(data, endpoint), {})
-
-
 def _read_anew(data: dict[str, Any], endpoint: Endpoint) -> tuple[DecisionFields, dict[str, Any]] | None:
     """The decision fields and `nvext` of `data` as read without a kept reading; None when it opts into
     nothing. Raises RequestError as `read_request` says."""
@@ -204,8 +187,7 @@ def plan(
     """The Plan for a request that opts in. `dp_rank_header` is the client's first `X-data-parallel-rank`;
     `hides_reasoning_ids`: the server withholds the ids of chat requests with `include_reasoning: false`
     (`_vllm_compat.hides_reasoning_ids`); `splice_root`: the compiled splice that may rewrite the body
-    (None: the Python path, as `Settings.pure_python` asks); `capture`: the operator captures the request
-    (ids on upstream, taken back out unless asked: docs/capture.md)."""
+    (None: the Python path, as `Settings.pure_python` asks); `capture`: ids on for the capture tap."""
     reading = request.reading
     if reading is None or capture:
         return _plan(request, mode, dp_rank_header, hides_reasoning_ids, splice_root, capture)[0]

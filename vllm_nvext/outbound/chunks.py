@@ -268,7 +268,7 @@ class ChunkReshaper(PromptIds):
     """
 
     __slots__ = ("plan", "clock", "ids", "logprobs", "ttft_ms", "engine", "_choices", "pending", "_echoed",
-                 "decode_every_chunk", "timed", "tap")  # fmt: skip
+                 "decode_every_chunk", "timed")  # fmt: skip
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
         self._prompt_ids = self._prompt_json = None  # PromptIds: none reported yet (no call: a stream's start)
@@ -285,9 +285,6 @@ class ChunkReshaper(PromptIds):
         self._echoed: set[Any] = set()  # choice indexes whose echoed prompt was put back
         # engine_data with logprobs, or with several choices to keep apart, reads every chunk.
         self.decode_every_chunk = self.engine and (self.logprobs is not None or not plan.single_choice)
-        # The capture tap (`capture.tap.Collector.chunk`), told every chunk as vLLM sent it; set only on a
-        # stream that decodes every chunk (`stream.DecodingStreamReshaper`: send.ReshapingSend).
-        self.tap: Any = None
 
     def delta_ids(self, event: bytes, start: int, end: int) -> None:
         """What `reshape` records from the only choice's listed ids, found by the byte-level path at
@@ -340,8 +337,6 @@ class ChunkReshaper(PromptIds):
         """Reshape one decoded chunk in place; False if it is to be forwarded as it came."""
         if not isinstance(obj, dict):
             return False
-        if self.tap is not None:
-            self.tap.chunk(obj)
         plan = self.plan
         choices = obj.get("choices")
         if not isinstance(choices, list) or not choices:

@@ -1,0 +1,1 @@
+"""Operator capture of token-id trajectories by session (docs/capture.md); internal."""
