@@ -12,8 +12,14 @@ ENV_ALLOW_MODE_HEADER = "VLLM_NVEXT_ALLOW_MODE_HEADER"
 ENV_MAX_BODY_BYTES = "VLLM_NVEXT_MAX_BODY_BYTES"
 ENV_STRIP_KV_REMOTE_ADDRESS = "VLLM_NVEXT_STRIP_KV_REMOTE_ADDRESS"
 ENV_PURE_PYTHON = "VLLM_NVEXT_PURE_PYTHON"
+ENV_CAPTURE = "VLLM_NVEXT_CAPTURE"
+ENV_CAPTURE_MAX_BYTES = "VLLM_NVEXT_CAPTURE_MAX_BYTES"
+ENV_CAPTURE_RETENTION_S = "VLLM_NVEXT_CAPTURE_RETENTION_S"
 MODE_HEADER = "x-nvext-mode"
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_CAPTURE_MAX_BYTES = 1024 * 1024 * 1024  # the capture store's size cap (docs/capture.md)
+DEFAULT_CAPTURE_RETENTION_S = 7 * 24 * 3600  # how long a captured turn is kept
+CAPTURE_SCHEMES = ("sqlite://", "redis://", "rediss://")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -55,6 +61,10 @@ class Settings:
     # Remove `remote_host` / `remote_port` from a client's kv_transfer_params (docs/scaling-out.md).
     strip_kv_remote_address: bool = False
     pure_python: bool = False  # the pure-Python stream path even where the compiled one is built
+    # The capture store's URL (docs/capture.md); None: nothing is recorded.
+    capture: str | None = None
+    capture_max_bytes: int = DEFAULT_CAPTURE_MAX_BYTES
+    capture_retention_s: int = DEFAULT_CAPTURE_RETENTION_S
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _mode(self.mode, "mode"))
@@ -66,6 +76,11 @@ class Settings:
             raise ConfigError(f"strip_kv_remote_address: expected True or False, got {self.strip_kv_remote_address!r}")
         if not isinstance(self.pure_python, bool):
             raise ConfigError(f"pure_python: expected True or False, got {self.pure_python!r}")
+        object.__setattr__(self, "capture", capture_url(self.capture, "capture"))
+        if not _positive_int(self.capture_max_bytes):
+            raise ConfigError(f"capture_max_bytes: expected a positive integer, got {self.capture_max_bytes!r}")
+        if not _positive_int(self.capture_retention_s):
+            raise ConfigError(f"capture_retention_s: expected a positive integer, got {self.capture_retention_s!r}")
 
     @classmethod
     def create(
@@ -76,6 +91,9 @@ class Settings:
         max_body_bytes: int | None = None,
         strip_kv_remote_address: bool | None = None,
         pure_python: bool | None = None,
+        capture: str | None = None,
+        capture_max_bytes: int | None = None,
+        capture_retention_s: int | None = None,
         base: Settings | None = None,
     ) -> Settings:
         """Settings from keyword arguments; each one left at None comes from `base` (default: the environment)."""
@@ -89,6 +107,9 @@ class Settings:
                 base.strip_kv_remote_address if strip_kv_remote_address is None else strip_kv_remote_address
             ),
             pure_python=base.pure_python if pure_python is None else pure_python,
+            capture=base.capture if capture is None else capture,
+            capture_max_bytes=base.capture_max_bytes if capture_max_bytes is None else capture_max_bytes,
+            capture_retention_s=base.capture_retention_s if capture_retention_s is None else capture_retention_s,
         )
 
     @classmethod
@@ -96,20 +117,18 @@ class Settings:
         env = os.environ if environ is None else environ
         mode = _mode(env.get(ENV_MODE, "auto") or "auto", ENV_MODE)
         allow = _parse_bool(env, ENV_ALLOW_MODE_HEADER, True)
-        raw_cap = env.get(ENV_MAX_BODY_BYTES, "").strip()
-        if raw_cap:
-            try:
-                cap = int(raw_cap)
-            except ValueError:
-                cap = 0
-            if cap <= 0:
-                raise ConfigError(f"{ENV_MAX_BODY_BYTES}: expected a positive integer, got {raw_cap!r}")
-        else:
-            cap = DEFAULT_MAX_BODY_BYTES
+        cap = _parse_positive(env, ENV_MAX_BODY_BYTES, DEFAULT_MAX_BODY_BYTES)
         strip = _parse_bool(env, ENV_STRIP_KV_REMOTE_ADDRESS, False)
         pure = _parse_bool(env, ENV_PURE_PYTHON, False)
         return cls(
-            mode=mode, allow_mode_header=allow, max_body_bytes=cap, strip_kv_remote_address=strip, pure_python=pure
+            mode=mode,
+            allow_mode_header=allow,
+            max_body_bytes=cap,
+            strip_kv_remote_address=strip,
+            pure_python=pure,
+            capture=capture_url(env.get(ENV_CAPTURE), ENV_CAPTURE),
+            capture_max_bytes=_parse_positive(env, ENV_CAPTURE_MAX_BYTES, DEFAULT_CAPTURE_MAX_BYTES),
+            capture_retention_s=_parse_positive(env, ENV_CAPTURE_RETENTION_S, DEFAULT_CAPTURE_RETENTION_S),
         )
 
 
@@ -126,6 +145,34 @@ def _mode(value: object, name: str) -> Mode:
 
 def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def capture_url(value: object, name: str) -> str | None:
+    """The capture store's URL, or None when unset or empty (capture off); the store checks the rest."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"{name}: expected a store URL (sqlite:////path or redis://host:port/db), got {value!r}")
+    url = value.strip()
+    if not url:
+        return None
+    if not url.lower().startswith(CAPTURE_SCHEMES):
+        # Never echo the value: a Redis URL may carry a password.
+        raise ConfigError(f"{name}: expected a store URL starting with {', '.join(CAPTURE_SCHEMES)}")
+    return url
+
+
+def _parse_positive(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigError(f"{name}: expected a positive integer, got {raw!r}")
+    return value
 
 
 def _parse_bool(env: Mapping[str, str], name: str, default: bool) -> bool:

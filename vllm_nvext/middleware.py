@@ -51,8 +51,8 @@ from .capture.tap import Collector, Sink, open_sink
 from .config import MODE_HEADER, Mode, Settings
 from .inbound import client_params
 from .inbound.optin import OptInScan, opts_in_whole
+from .inbound.request import Request, read_request
 from .inbound.request import plan as plan_request_for
-from .inbound.request import read_request
 from .inbound.rewrite import SpliceRoot
 from .outbound.nvext_values import Clock
 from .plan import Plan
@@ -84,6 +84,9 @@ class NvextMiddleware:
         max_body_bytes: int | None = None,
         strip_kv_remote_address: bool | None = None,
         pure_python: bool | None = None,
+        capture: str | None = None,
+        capture_max_bytes: int | None = None,
+        capture_retention_s: int | None = None,
         serve_messages: bool = False,
         capture_sink: Sink | None = None,
     ) -> None:
@@ -94,6 +97,9 @@ class NvextMiddleware:
             max_body_bytes=max_body_bytes,
             strip_kv_remote_address=strip_kv_remote_address,
             pure_python=pure_python,
+            capture=capture,
+            capture_max_bytes=capture_max_bytes,
+            capture_retention_s=capture_retention_s,
             base=settings,
         )
         self.stream_path = stream_path(self.settings.pure_python)  # "c" or "python" (send.STREAM_SENDS)
@@ -227,49 +233,29 @@ class _Exchange:
             return
         try:
             request = read_request(body, endpoint, scanned=True) if opts_in else None
+            settings = self.settings
+            if request is None:  # captured alone, or to vLLM as the client sent it
+                request, plan, mode = self._capture_only(endpoint, body) if self.sink else (None, None, settings.mode)
+            else:
+                mode = self._mode(headers.modes) if headers.modes else settings.mode  # no header: the setting
+                splice = None if settings.pure_python else SPLICE_ROOT
+                plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank, capture=self.sink is not None,
+                                        hides_reasoning_ids=self.hides_reasoning_ids, splice_root=splice)  # fmt: skip
         except RequestError as exc:
             await self._refuse(exc)
             return
-        if request is None and self.sink is not None:
-            await self._capture_only(endpoint, body, headers)
-            return
-        if request is None:
+        if request is None or plan is None:
             await self._forward(body)
             return
-        try:
-            settings = self.settings
-            mode = self._mode(headers.modes) if headers.modes else settings.mode  # no header: the setting
-            splice = None if settings.pure_python else SPLICE_ROOT
-            plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank, capture=self.sink is not None,
-                                    hides_reasoning_ids=self.hides_reasoning_ids, splice_root=splice)  # fmt: skip
-        except RequestError as exc:
-            await self._refuse(exc)
-            return
-        await self._answer(body, plan, mode, request.data)
-
-    async def _capture_only(self, endpoint: Endpoint, body: bytes, headers: RequestHeaders) -> None:
-        """A captured request that opts into nothing: planned with ids on for the tap alone; one the plan
-        refuses goes to vLLM untouched (capture never answers a client otherwise than vLLM would)."""
-        try:
-            request = read_for_capture(body, endpoint)
-            hides, mode = self.hides_reasoning_ids, self.settings.mode
-            plan = plan_request_for(request, mode, hides_reasoning_ids=hides, capture=True) if request else None
-        except RequestError:
-            request = plan = None
-        if request is None or plan is None:
-            return await self._forward(body)
-        await self._answer(body, replace(plan, dialect=Dialect.NONE), self.settings.mode, request.data)
-
-    async def _answer(self, body: bytes, plan: Plan, mode: Mode, data: dict[str, Any]) -> None:
-        """vLLM's answer to the planned request, reshaped as the plan says and told to the capture tap."""
-        endpoint = plan.endpoint
         if plan.body is not None:  # `_rewrite`, inline: one function less per request
             body = plan.body
             set_header(self.scope, b"content-length", str(len(body)).encode())
         for name, value in plan.headers:
             set_header(self.scope, name, value, replace=False)
-        tap = Collector.of(self.sink, PATHS[endpoint], self.scope["headers"], data, self.arrived[0])
-        reshaping = self._reshaping(endpoint, plan, mode, data.get("model"), tap)
+        tap = None
+        if plan.capture:
+            tap = Collector.of(self.sink, PATHS[plan.endpoint], self.scope["headers"], request.data, self.arrived[0])
+        reshaping = self._reshaping(plan.endpoint, plan, mode, request.data.get("model"), tap)
         # vLLM's app is awaited here, not in a coroutine of its own: every time the app resumes (each
         # token of a stream) it passes through one frame of ours less.
         receive = replay_body(body, self.receive)
@@ -282,6 +268,19 @@ class _Exchange:
             reshaping.count_stream()  # also for a stream the client cut short
             if tap is not None:
                 tap.finish()
+
+    def _capture_only(self, endpoint: Endpoint, body: bytes) -> tuple[Request | None, Plan | None, Mode]:
+        """A captured request that opts into nothing, planned with ids on for the tap alone; (None, None): one
+        the plan refuses, which goes to vLLM untouched (capture never answers otherwise than vLLM would)."""
+        mode = self.settings.mode
+        try:
+            request = read_for_capture(body, endpoint)
+            if request is None:
+                return None, None, mode
+            plan = plan_request_for(request, mode, hides_reasoning_ids=self.hides_reasoning_ids, capture=True)
+        except RequestError:
+            return None, None, mode
+        return request, replace(plan, dialect=Dialect.NONE), mode
 
     async def _read_body(self, declared_length: int) -> tuple[bytes, bool] | None:
         """The whole body and whether it opts in; None once it was answered, passed on or abandoned.

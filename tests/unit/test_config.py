@@ -97,3 +97,57 @@ def test_keyword_arguments_override_given_settings_and_skip_the_environment(monk
 
 def test_a_mode_given_as_text_is_parsed():
     assert Settings(mode="Both").mode is Mode.BOTH  # type: ignore[arg-type]
+
+
+# --- capture (docs/capture.md) ----------------------------------------------------------------
+
+
+def test_capture_is_off_unless_a_store_url_is_set():
+    assert Settings.from_env({}).capture is None
+    assert Settings.from_env({"VLLM_NVEXT_CAPTURE": "  "}).capture is None
+    env = {
+        "VLLM_NVEXT_CAPTURE": "sqlite:////var/lib/nvext/capture.sqlite3",
+        "VLLM_NVEXT_CAPTURE_MAX_BYTES": "4096",
+        "VLLM_NVEXT_CAPTURE_RETENTION_S": "60",
+    }
+    settings = Settings.from_env(env)
+    assert (settings.capture, settings.capture_max_bytes, settings.capture_retention_s) == (
+        "sqlite:////var/lib/nvext/capture.sqlite3",
+        4096,
+        60,
+    )
+    # A keyword's empty URL turns capture off where the environment had it on.
+    assert Settings.create(capture="", base=settings).capture is None
+
+
+@pytest.mark.parametrize(
+    ("env", "name"),
+    [
+        ({"VLLM_NVEXT_CAPTURE": "postgres://db/capture"}, "VLLM_NVEXT_CAPTURE"),
+        ({"VLLM_NVEXT_CAPTURE_MAX_BYTES": "0"}, "VLLM_NVEXT_CAPTURE_MAX_BYTES"),
+        ({"VLLM_NVEXT_CAPTURE_RETENTION_S": "a week"}, "VLLM_NVEXT_CAPTURE_RETENTION_S"),
+    ],
+)
+def test_invalid_capture_settings_are_refused_naming_the_variable(env, name):
+    with pytest.raises(ConfigError, match=name):
+        Settings.from_env(env)
+
+
+def test_a_refused_capture_url_is_not_echoed():
+    """A Redis URL may carry a password: the error names the variable, never the value."""
+    with pytest.raises(ConfigError) as err:
+        Settings.from_env({"VLLM_NVEXT_CAPTURE": "mysql://root:hunter2@db/x"})
+    assert "hunter2" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"capture": 3}, "capture"),
+        ({"capture_max_bytes": -1}, "capture_max_bytes"),
+        ({"capture_retention_s": 1.5}, "capture_retention_s"),
+    ],
+)
+def test_invalid_capture_keywords_are_refused_naming_the_keyword(kwargs, name):
+    with pytest.raises(ConfigError, match=f"^{name}: "):
+        Settings.create(base=Settings(), **kwargs)

@@ -32,8 +32,6 @@ LAYERS: dict[str, frozenset[str]] = {
     # (`asgi`, `send`; `_speedups`, built from _speedups.c, is the compiled twin of the stream send),
     # the counters, the agent routes, the endpoint plugin.
     "asgi": frozenset({"", "middleware", "asgi", "send", "_speedups", "metrics", "agent", "agent.*", "plugin"}),
-    # Operator capture (docs/capture.md): the session keys, the tap, the turn and its store.
-    "capture": frozenset({"capture", "capture.*"}),
     # Out of process: the middleware in front of a server over HTTP (`vllm-nvext proxy`).
     "proxy": frozenset({"proxy"}),
     # For users, beside the server.
@@ -41,6 +39,9 @@ LAYERS: dict[str, frozenset[str]] = {
     # Engine-side KV connectors (and their first import paths): loaded by vLLM's engine process, never
     # by the server.
     "connectors": frozenset({"connectors", "connectors.*", "hidden_states_connector", "pd_connector"}),
+    # Capture of token-id trajectories by session: the Turn record, the session keys, the store (SQLite,
+    # Redis) and the read API's answers (no ASGI scope: the middleware and the proxy wire them).
+    "capture": frozenset({"capture", "capture.*"}),
     # The tooling (and the old path of vLLM's CLI shim).
     "tools": frozenset({"tools", "tools.*", "_vllm_cli"}),
 }
@@ -51,11 +52,11 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "outbound": frozenset({"outbound", "base"}),
     "vllm": frozenset({"base"}),
     "asgi": frozenset({"asgi", "inbound", "outbound", "base", "vllm", "capture"}),
-    "capture": frozenset({"capture", "inbound", "base"}),
-    "proxy": frozenset({"proxy", "asgi", "base", "vllm"}),
+    "proxy": frozenset({"proxy", "asgi", "base", "vllm", "capture"}),
     "beside": frozenset({"beside", "outbound", "base"}),
     "connectors": frozenset({"connectors", "beside"}),
-    "tools": frozenset({"tools", "inbound", "outbound", "base", "vllm", "beside", "proxy"}),
+    "tools": frozenset({"tools", "inbound", "outbound", "base", "vllm", "beside", "proxy", "capture"}),
+    "capture": frozenset({"capture", "inbound", "base"}),
 }
 # Only these layers see the ASGI scope (a name `scope`: a parameter or a variable).
 READS_SCOPE = frozenset({"asgi", "vllm", "proxy"})
@@ -141,7 +142,7 @@ def test_the_package_keeps_its_layers():
 
 
 def test_the_server_never_imports_the_tools_or_the_connectors():
-    server = ("base", "inbound", "outbound", "vllm", "asgi")
+    server = ("base", "inbound", "outbound", "vllm", "asgi", "capture")
     for layer in server:
         assert not MAY_IMPORT[layer] & {"tools", "connectors"}, layer
     assert not any("connectors" in allowed for layer, allowed in MAY_IMPORT.items() if layer != "connectors")

@@ -1,1 +1,1 @@
-"""Operator capture of token-id trajectories by session (docs/capture.md); internal."""
+"""Server-side capture of token-id trajectories, keyed by session (docs/capture.md). Internal."""

@@ -1,17 +1,16 @@
 """The session a captured request belongs to, from its headers and body (docs/capture.md, Session keys).
 
-Pure. Header values and body values are client input: a value longer than `MAX_KEY` or holding a
-character outside `_KEY_CHARS` is not a key (the next one in the order is tried). Capture never
+Pure. Header values and body values are client input: one that is not a valid session id
+(`record.valid_session_id`: 1 to 256 of letters, digits and `._:~-`) is not a key (the next one in the
+order is tried). Capture never
 changes the client's answer, so an unusable key is skipped, never refused.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, NamedTuple
 
-MAX_KEY = 256
-_KEY_CHARS = re.compile(r"[A-Za-z0-9._:@/+=~-]+")
+from .record import valid_session_id
 
 # In order: the first that carries a usable value names the session. Ours; the session headers a
 # Dynamo 1.6.1 frontend reads; then what Codex and Claude Code send.
@@ -57,9 +56,7 @@ def usable(value: Any) -> str | None:
     if not isinstance(value, str):
         return None
     text: str = value.strip()
-    if not text or len(text) > MAX_KEY or _KEY_CHARS.fullmatch(text) is None:
-        return None
-    return text
+    return text if valid_session_id(text) else None
 
 
 def _first(headers: dict[bytes, bytes], names: tuple[bytes, ...]) -> tuple[str, str] | None:

@@ -13,6 +13,7 @@ import time
 from typing import Any, Protocol
 
 from .keys import SessionKey, header_key, session_key
+from .record import Turn
 
 logger = logging.getLogger("vllm_nvext")
 
@@ -274,10 +275,8 @@ class Collector:
             "choices": others or None,
         }
 
-    def turn(self) -> Any:
-        from .record import Turn
-
-        return Turn.from_json({"index": None, "extends_previous": None, "break": None, **self.fields()})
+    def turn(self) -> Turn:
+        return Turn(**self.fields())
 
 
 def _message_kinds(message: Any) -> list[str]:
