@@ -252,10 +252,7 @@ class _Exchange:
             set_header(self.scope, b"content-length", str(len(body)).encode())
         for name, value in plan.headers:
             set_header(self.scope, name, value, replace=False)
-        tap = None
-        if plan.capture:
-            tap = Collector.of(self.sink, PATHS[plan.endpoint], self.scope["headers"], request.data, self.arrived[0])
-        reshaping = self._reshaping(plan.endpoint, plan, mode, request.data.get("model"), tap)
+        reshaping = self._reshaping(plan.endpoint, plan, mode, request.data)
         # vLLM's app is awaited here, not in a coroutine of its own: every time the app resumes (each
         # token of a stream) it passes through one frame of ours less.
         receive = replay_body(body, self.receive)
@@ -266,8 +263,8 @@ class _Exchange:
             await self.app(self.scope, receive, reshaping.app_send)
         finally:
             reshaping.count_stream()  # also for a stream the client cut short
-            if tap is not None:
-                tap.finish()
+            if reshaping.tap is not None:
+                reshaping.tap.finish()  # the captured turn, to the store (also for a stream cut short)
 
     def _capture_only(self, endpoint: Endpoint, body: bytes) -> tuple[Request | None, Plan | None, Mode]:
         """A captured request that opts into nothing, planned with ids on for the tap alone; (None, None): one
@@ -336,9 +333,7 @@ class _Exchange:
         metrics.REQUESTS[self.endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN].inc()
         return self.app(self.scope, self.receive if body is None else replay_body(body, self.receive), self.send)
 
-    def _reshaping(
-        self, endpoint: Endpoint, plan: Plan, mode: Mode, model: Any, tap: Collector | None = None
-    ) -> ReshapingSend | None:
+    def _reshaping(self, endpoint: Endpoint, plan: Plan, mode: Mode, data: dict[str, Any]) -> ReshapingSend | None:
         """The request counted; the send that reshapes vLLM's answer as the plan says (None: it goes out as is)."""
         metrics.REQUESTS[endpoint, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY].inc()
         if not plan.reshapes_response:
@@ -346,7 +341,10 @@ class _Exchange:
         decode_echo = None
         # No echo (the common case): no generator entered.
         if plan.echo_prompts and any(not isinstance(p, str) for p in plan.echo_prompts):
-            decode_echo = partial(decode_echo_prompts, self.app, self.scope, self.receive, model=model)
+            decode_echo = partial(decode_echo_prompts, self.app, self.scope, self.receive, model=data.get("model"))
+        tap = None
+        if plan.capture:  # told what the answer carries (docs/capture.md)
+            tap = Collector.of(self.sink, PATHS[endpoint], self.scope["headers"], data, self.arrived[0])
         return ReshapingSend(plan, Clock(*self.arrived), self.send, self.stream_send, endpoint, decode_echo, tap)
 
     async def _agent_route(self, route: AgentRoute, body: bytes, found: bool, headers: RequestHeaders) -> None:

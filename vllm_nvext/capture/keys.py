@@ -12,19 +12,20 @@ from typing import Any, NamedTuple
 
 from .record import valid_session_id
 
-# In order: the first that carries a usable value names the session. Ours; the session headers a
-# Dynamo 1.6.1 frontend reads; then what Codex and Claude Code send.
+# In order: the first that carries a usable value names the session (docs/capture.md, Session keys).
 SESSION_HEADERS: tuple[bytes, ...] = (
-    b"x-nvext-session-id",
-    b"x-dynamo-session-id",
+    b"x-nvext-session-id",  # ours
+    b"x-dynamo-session-id",  # the session headers a Dynamo 1.6.1 frontend reads
     b"x-session-id",
-    b"x-claude-code-session-id",
-    b"session_id",  # Codex (codex-rs/codex-api: build_conversation_headers), its conversation id
+    b"x-claude-code-session-id",  # Claude Code, on every request
+    b"session_id",  # Codex: its conversation id (codex-rs/codex-api, build_conversation_headers)
     b"session-id",  # later Codex releases
+    b"thread-id",  # Codex's thread, which Dynamo 1.6.1 reads too
 )
-# Beside them: the parent session / thread and the (sub)agent a request names, in order.
+# Beside them: the parent session (or thread) and the subagent a request names, in order.
 PARENT_HEADERS: tuple[bytes, ...] = (
     b"x-dynamo-parent-session-id",
+    b"x-parent-session-id",
     b"x-claude-code-parent-agent-id",
     b"x-codex-parent-thread-id",
 )
