@@ -1,6 +1,6 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
 # `make help` lists every target with the line after its `##`.
-.PHONY: help build-ext setup setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-rust033 fixtures-agent
+.PHONY: help build-ext setup setup-redis setup-vllm033 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-rust033 fixtures-agent
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -45,8 +45,12 @@ test: test-unit test-e2e test-e2e-scaleout test-e2e-versions test-e2e-proxy ## e
 # The coverage gate is [tool.coverage.report] fail_under in pyproject.toml (plain `pytest --cov` enforces it).
 # The unit tests run both stream paths and fail, rather than skip, the compiled one if it is missing
 # (VLLM_NVEXT_REQUIRE_EXTENSION).
-test-unit: setup build-ext ## the tests that need no server, with the branch-coverage gate on vllm_nvext
+test-unit: setup build-ext setup-redis ## the tests that need no server, with the branch-coverage gate on vllm_nvext
 	VLLM_NVEXT_REQUIRE_EXTENSION=1 $(VENV)/bin/python -m pytest tests/unit --cov=vllm_nvext $(PYTEST_ARGS)
+
+# Debian's redis-server, which the capture store's tests start on a free port (tests/support/redis_server.py).
+setup-redis: ## install redis-server (Debian's package) for the capture store's tests
+	bash scripts/setup_redis.sh
 
 # The compiled stream path (vllm_nvext/_speedups.c), built in place.
 build-ext: setup ## build the compiled stream path (vllm_nvext/_speedups.c) in place

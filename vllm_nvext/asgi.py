@@ -16,7 +16,9 @@ from typing import Any
 
 from . import _json, _vllm_compat, metrics
 from ._bounded import keep
-from .config import MODE_HEADER
+from .capture import api as capture_api
+from .capture.store import Sink, open_sink
+from .config import MODE_HEADER, Settings
 from .inbound.optin import OptInScan
 from .protocol import RequestError, error_body
 
@@ -319,3 +321,44 @@ async def _decode_distinct(
             break  # vLLM, which accepted these ids, answered otherwise: the text stays as vLLM wrote it
         texts[prompt] = decoded["prompt"]
     return texts
+
+
+def open_capture(settings: Settings) -> Sink | None:
+    """The capture sink the settings name (docs/capture.md), opened at start-up; None when capture is off.
+    Closed (its queue written out) when the process exits."""
+    if settings.capture is None:
+        return None
+    import atexit
+
+    sink = open_sink(
+        settings.capture,
+        max_bytes=settings.capture_max_bytes,
+        retention_s=settings.capture_retention_s,
+        counts=metrics.CAPTURE,
+    )
+    atexit.register(sink.close)
+    return sink
+
+
+async def serve_sessions(app: ASGIApp, sink: Sink, scope: Scope, receive: Receive, send: Send) -> bool:
+    """`GET`/`DELETE /v1/nvext/sessions/{id}` under vLLM's key check exactly as `/v1` is: a request the
+    check refuses goes on to vLLM (or the proxy's upstream), which refuses it as it refuses `/v1`.
+    False (nothing done) for any other request."""
+    if scope["type"] != "http":
+        return False
+    path: str = scope.get("path", "")
+    root = scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    if not capture_api.is_sessions_path(path):
+        return False
+    if _vllm_compat.auth_refuses(scope):
+        await app(scope, receive, send)
+        return True
+    answer = await capture_api.answer(sink, scope.get("method", ""), path, scope.get("query_string", b""))
+    if answer.status == 400:
+        metrics.count_refusal(answer.param, answer.status)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(answer.body)).encode())]
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer.body, "more_body": False})
+    return True

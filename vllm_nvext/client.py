@@ -334,3 +334,40 @@ class _Accumulator:
         if self.vllm_logprobs:
             return [self.vllm_logprobs.get(i, []) for i in range(width)]
         return None
+
+
+def read_session(
+    base_url: str, session_id: str, *, api_key: str | None = None, format: str = "json", timeout: float = 60.0
+) -> dict[str, Any]:
+    """A captured session from a vllm-nvext server (`GET /v1/nvext/sessions/{id}`, docs/capture.md).
+
+    `format="json"`: `{"session_id", "turns": [...]}` with every turn (the pages the server sends
+    are followed); `format="atif"`: the ATIF trajectory (its first page; `extra.next_index` names
+    the next). Raises `urllib.error.HTTPError` for an error answer (404: no such session). Standard
+    library only::
+
+        from vllm_nvext.client import read_session
+
+        turns = read_session("http://127.0.0.1:8000", "my-agent-run", api_key="KEY")["turns"]
+    """
+    from urllib.parse import quote, urlencode
+    from urllib.request import Request, urlopen
+
+    headers = {"Accept": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    base = f"{base_url.rstrip('/')}/v1/nvext/sessions/{quote(session_id, safe='')}"
+    session: dict[str, Any] | None = None
+    start: int | None = 0
+    while start is not None:
+        query = urlencode({"format": format, **({"start": start} if start else {})})
+        with urlopen(Request(f"{base}?{query}", headers=headers), timeout=timeout) as answer:  # noqa: S310
+            page = json.loads(answer.read())
+        if format != "json":
+            return dict(page)
+        if session is None:
+            session = {"session_id": page["session_id"], "turns": []}
+        session["turns"].extend(page["turns"])
+        start = page.get("next_index")
+    assert session is not None
+    return session

@@ -147,6 +147,17 @@ def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def capture_environ(settings: Settings) -> dict[str, str]:
+    """The VLLM_NVEXT_CAPTURE* variables that give another process (vLLM's, a proxy worker) these capture settings."""
+    if settings.capture is None:
+        return {}
+    return {
+        ENV_CAPTURE: settings.capture,
+        ENV_CAPTURE_MAX_BYTES: str(settings.capture_max_bytes),
+        ENV_CAPTURE_RETENTION_S: str(settings.capture_retention_s),
+    }
+
+
 def capture_url(value: object, name: str) -> str | None:
     """The capture store's URL, or None when unset or empty (capture off); the store checks the rest."""
     if value is None:

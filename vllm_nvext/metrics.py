@@ -277,3 +277,53 @@ class StreamTally:
     def seconds(self, left: int) -> float:
         """The estimated time, with `left` the countdown when the stream ended."""
         return (self._ns + self._last_ns * (1 + STRIDE - left)) / 1e9
+
+
+class CaptureCounts:
+    """What the capture sink reports (`capture.store.Counts`): turns recorded, turns dropped by reason
+    (`queue_full`, `store_full`, `store_error`), and the bytes the store holds (docs/capture.md)."""
+
+    __slots__ = ("_families",)
+
+    def __init__(self) -> None:
+        self._families: tuple[Any, Any, Any] | None = None
+
+    def _get(self) -> tuple[Any, Any, Any] | None:
+        if self._families is None and _counters() is not None:
+            with _lock:
+                if self._families is None:
+                    from prometheus_client import Counter, Gauge
+
+                    self._families = (
+                        Counter(PREFIX + "capture_turns_recorded", "Turns the capture store recorded."),
+                        Counter(
+                            PREFIX + "capture_turns_dropped",
+                            "Turns the capture dropped, by reason: queue_full (the writer fell behind), "
+                            "store_full (the size cap), store_error (the store failed).",
+                            ["reason"],
+                        ),
+                        Gauge(
+                            PREFIX + "capture_store_bytes",
+                            "Bytes the capture store holds (SQLite: its used pages; Redis: the server's used_memory).",
+                            multiprocess_mode="max",  # every process sees the same store
+                        ),
+                    )
+        return self._families
+
+    def recorded(self, n: int) -> None:
+        families = self._get()
+        if families is not None:
+            families[0].inc(n)
+
+    def dropped(self, reason: str, n: int) -> None:
+        families = self._get()
+        if families is not None:
+            families[1].labels(reason).inc(n)
+
+    def store_bytes(self, n: int) -> None:
+        families = self._get()
+        if families is not None:
+            families[2].set(n)
+
+
+CAPTURE = CaptureCounts()

@@ -41,13 +41,16 @@ from .asgi import (
     Send,
     decode_echo_prompts,
     first_header,
+    open_capture,
     replay_body,
     send_error,
+    serve_sessions,
     set_header,
     too_large,
 )
 from .capture.requests import read_for_capture
-from .capture.tap import Collector, Sink, open_sink
+from .capture.store import Sink
+from .capture.tap import Collector
 from .config import MODE_HEADER, Mode, Settings
 from .inbound import client_params
 from .inbound.optin import OptInScan, opts_in_whole
@@ -88,7 +91,6 @@ class NvextMiddleware:
         capture_max_bytes: int | None = None,
         capture_retention_s: int | None = None,
         serve_messages: bool = False,
-        capture_sink: Sink | None = None,
     ) -> None:
         self.app = app
         self.settings = Settings.create(
@@ -112,10 +114,11 @@ class NvextMiddleware:
             logging.getLogger("vllm.nvext").info(announce, self.stream_path)
         # The plugin mount serves /v1/messages with ids itself (agent/messages.py).
         self.serve_messages = serve_messages
-        # Where captured turns go (docs/capture.md); None: capture is off and nothing of it runs.
-        self.sink = capture_sink if capture_sink is not None else open_sink(self.settings)
+        self.sink = open_capture(self.settings)  # docs/capture.md; None: capture off, nothing of it runs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.sink is not None and await serve_sessions(self.app, self.sink, scope, receive, send):
+            return  # the capture's read API (docs/capture.md), after vLLM's key check
         if scope["type"] != "http" or scope.get("method") != "POST" or HANDLED in scope:
             await self.app(scope, receive, send)
             return

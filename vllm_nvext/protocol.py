@@ -84,8 +84,11 @@ class RequestError(Exception):
 # The envelope's `type` by status: vLLM's names, and the proxy's own for an unreachable or late upstream.
 _ERROR_TYPES = {
     400: "BadRequestError",
+    404: "NotFoundError",
+    405: "Method Not Allowed",
     413: "RequestEntityTooLarge",
     502: "BadGatewayError",
+    503: "Service Unavailable",
     504: "GatewayTimeoutError",
 }
 

@@ -34,7 +34,7 @@ from yarl import URL
 
 from . import _vllm_compat, metrics
 from .asgi import Message, Receive, Scope, Send
-from .config import ENV_ALLOW_MODE_HEADER, ENV_MAX_BODY_BYTES, ENV_MODE, Settings
+from .config import ENV_ALLOW_MODE_HEADER, ENV_MAX_BODY_BYTES, ENV_MODE, Settings, capture_environ
 from .middleware import NvextMiddleware
 from .protocol import error_body
 
@@ -367,6 +367,7 @@ def serve(config: ProxyConfig, settings: Settings, *, host: str, port: int, work
     os.environ[ENV_MODE] = settings.mode.value
     os.environ[ENV_ALLOW_MODE_HEADER] = "1" if settings.allow_mode_header else "0"
     os.environ[ENV_MAX_BODY_BYTES] = str(settings.max_body_bytes)
+    os.environ.update(capture_environ(settings))  # `--capture`: every worker records (docs/capture.md)
     if workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Each worker counts into its own files; any worker's /metrics sums them (as vLLM does).
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vllm-nvext-proxy-metrics-")

@@ -59,3 +59,24 @@ def json_decodes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
 
     monkeypatch.setattr(_json, "loads", recording)
     return decoded
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A real redis-server on a free port of 127.0.0.1 for the session (tests/support/redis_server.py)."""
+    from tests.support.redis_server import redis_server
+
+    with redis_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh capture store of each kind: a SQLite file in the test's folder, or the Redis server emptied."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'capture.sqlite3'}"
+    url: str = request.getfixturevalue("redis_url")
+    import redis
+
+    redis.Redis.from_url(url).flushdb()
+    return url

@@ -8,6 +8,7 @@ them on); the client must get it with vLLM's copies back to null, exactly what v
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,14 +27,19 @@ ID_CASES = ["chat_stream_ids", "chat_stream_ids_logprobs", "chat_stream_ids_long
             "chat_unary_ids_logprobs"]  # fmt: skip
 
 
-class MemorySink:
-    """Keeps what the tap submits (the store is capture/store.py's business)."""
+def _turns(app: NvextMiddleware) -> list[Turn]:
+    """Every turn the middleware's store holds, read back through the store (SQLite)."""
+    sink = app.sink
+    assert sink is not None and sink.flush()
+    sessions = sorted(sink.backend.sessions(None))
+    turns = [Turn.from_json(t) for s in sessions for t in sink.read(s) or []]
+    sink.close()
+    return turns
 
-    def __init__(self) -> None:
-        self.turns: list[Turn] = []
 
-    def submit(self, turn: Turn) -> None:
-        self.turns.append(turn)
+def _app(upstream: Upstream, tmp_path: Path, **kw: Any) -> NvextMiddleware:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return NvextMiddleware(upstream, capture=f"sqlite:///{tmp_path}/capture.sqlite3", **kw)
 
 
 def _without_ids(obj: Any) -> Any:
@@ -45,22 +51,23 @@ def _without_ids(obj: Any) -> Any:
     return obj
 
 
-async def _captured(name: str, pure: bool, headers: tuple[tuple[bytes, bytes], ...] = ()) -> tuple[Any, Any, Turn]:
+async def _captured(
+    name: str, pure: bool, tmp_path: Path, headers: tuple[tuple[bytes, bytes], ...] = ()
+) -> tuple[Any, Any, Turn]:
     rec = recording(name)
     request = {k: v for k, v in rec.request.items() if k != "return_token_ids"}  # the client asks for nothing
     upstream = Upstream(content_type=rec.content_type, body=rec.body, cuts=(7, 200))
-    sink = MemorySink()
-    app = NvextMiddleware(upstream, capture_sink=sink, pure_python=pure)
+    app = _app(upstream, tmp_path / ("py" if pure else "c"), pure_python=pure)
     result = await call(app, rec.path, json.dumps(request).encode(), headers=(JSON, *headers))
     assert json.loads(upstream.received or b"")["return_token_ids"] is True, "capture turns ids on upstream"
-    assert len(sink.turns) == 1
-    return rec, result, sink.turns[0]
+    (turn,) = _turns(app)
+    return rec, result, turn
 
 
 @pytest.mark.parametrize("pure", [False, True], ids=["c", "python"])
 @pytest.mark.parametrize("name", ID_CASES)
-async def test_a_captured_client_gets_stock_vllms_answer_and_the_turn_has_vllms_ids(name, pure):
-    rec, result, turn = await _captured(name, pure, ((b"x-nvext-session-id", b"sess-1"),))
+async def test_a_captured_client_gets_stock_vllms_answer_and_the_turn_has_vllms_ids(name, pure, tmp_path):
+    rec, result, turn = await _captured(name, pure, tmp_path, ((b"x-nvext-session-id", b"sess-1"),))
     assert result.status == 200
     if rec.stream:
         sent = rec.events()
@@ -89,17 +96,17 @@ async def test_a_captured_client_gets_stock_vllms_answer_and_the_turn_has_vllms_
 
 
 @pytest.mark.parametrize("name", ["chat_stream_ids", "completions_stream_ids_n2", "chat_unary_ids"])
-async def test_both_stream_paths_give_the_same_bytes_and_turn_with_capture_on(name):
-    _, c_result, c_turn = await _captured(name, False)
-    _, py_result, py_turn = await _captured(name, True)
+async def test_both_stream_paths_give_the_same_bytes_and_turn_with_capture_on(name, tmp_path):
+    _, c_result, c_turn = await _captured(name, False, tmp_path)
+    _, py_result, py_turn = await _captured(name, True, tmp_path)
     assert c_result.body == py_result.body
     c_json, py_json = c_turn.to_json(), py_turn.to_json()
     c_json.pop("time"), py_json.pop("time")
     assert c_json == py_json
 
 
-async def test_without_a_session_key_the_turn_is_its_own_session_named_by_the_response_id():
-    rec, _, turn = await _captured("chat_stream_ids", False)
+async def test_without_a_session_key_the_turn_is_its_own_session_named_by_the_response_id(tmp_path):
+    rec, _, turn = await _captured("chat_stream_ids", False, tmp_path)
     assert turn.session_id == rec.events()[0]["id"] and turn.session_source == "request_id"
 
 
@@ -112,13 +119,12 @@ async def test_capture_off_forwards_a_request_that_asks_for_nothing_untouched():
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_a_captured_responses_client_gets_stock_objects_and_the_turn_has_the_response_ids(stream):
+async def test_a_captured_responses_client_gets_stock_objects_and_the_turn_has_the_response_ids(stream, tmp_path):
     name = "responses_stream_messages" if stream else "responses_unary_messages"
     request, body, content_type = _rec(name)
     plain = {k: v for k, v in request.items() if k != "enable_response_messages"}
     upstream = Upstream(content_type=content_type, body=body, cuts=(5, 300))
-    sink = MemorySink()
-    app = NvextMiddleware(upstream, capture_sink=sink)
+    app = _app(upstream, tmp_path)
     headers = (JSON, (b"session_id", b"codex-conv-1"))
     result = await call(app, "/v1/responses", json.dumps(plain).encode(), headers=headers)
     assert json.loads(upstream.received or b"")["enable_response_messages"] is True
@@ -127,7 +133,7 @@ async def test_a_captured_responses_client_gets_stock_objects_and_the_turn_has_t
     assert got == {**final, "input_messages": None, "output_messages": None}
     if stream:
         assert _events(result.body)[:-1] == _events(body)[:-1], "every other event as vLLM sent it"
-    (turn,) = sink.turns
+    (turn,) = _turns(app)
     record = turn.to_json()
     assert (record["session_id"], record["session_source"]) == ("codex-conv-1", "session_id")
     assert record["prompt_token_ids"] == final["input_messages"][0]["tokens"]

@@ -24,16 +24,6 @@ class Sink(Protocol):
     def submit(self, turn: Any) -> None: ...
 
 
-def open_sink(settings: Any) -> Sink | None:
-    """The sink the settings name (`VLLM_NVEXT_CAPTURE`, a store URL: capture/store.py); None: capture is off."""
-    url = getattr(settings, "capture", None)
-    if not url:
-        return None
-    from .store import open_sink as open_store
-
-    return open_store(url)  # type: ignore[no-any-return]
-
-
 class _Choice:
     """One choice's record: its ids, logprobs and spans so far."""
 

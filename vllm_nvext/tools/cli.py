@@ -1,4 +1,4 @@
-"""The `vllm-nvext` command: `serve`, `proxy`, `tiny-model`, `parity`."""
+"""The `vllm-nvext` command: `serve`, `proxy`, `tiny-model`, `parity`, `sessions`."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import sys
 from collections.abc import Sequence
 
 from .. import _vllm_compat
-from ..config import ENV_MODE, ConfigError, Mode, Settings
+from ..capture.store import open_backend
+from ..config import ENV_MODE, ConfigError, Mode, Settings, capture_environ
 from ..protocol import COMPLETION_TOKEN_IDS, PATHS, Endpoint
-from . import parity
+from . import parity, sessions
 from .server import MIDDLEWARE, TINY_ARGS, VllmServer
 
 DEFAULT_PORT = 8000
@@ -27,6 +28,10 @@ VLLM_HOWTO = (
 TINY_MODEL_HOWTO = "pip install 'vllm-nvext[tiny-model]' (vLLM brings both)"
 PROXY_HOWTO = "pip install 'vllm-nvext[proxy]' (vLLM brings both)"
 DEFAULT_PROXY_PORT = 8080
+CAPTURE_HELP = (
+    "record each request's token ids by session in this store: sqlite:////abs/path.sqlite3 or "
+    "redis://[:password@]host:port/db (default $VLLM_NVEXT_CAPTURE; docs/capture.md)"
+)
 
 
 def missing_modules(*modules: str) -> list[str]:
@@ -98,10 +103,13 @@ def cmd_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
     else:
         model = args.model
     mode = Mode.parse(args.mode).value
+    capture = _capture_settings("serve", args.capture)
+    if capture is None:
+        return EXIT_MISSING
     server = VllmServer(
         model=model,
         args=(*((*TINY_ARGS, "--served-model-name", "tiny") if tiny else ()), "--middleware", MIDDLEWARE, *extra),
-        env={ENV_MODE: mode},
+        env={ENV_MODE: mode, **capture_environ(capture)},
         host=args.host,
         port=args.port,
         log_to_terminal=True,
@@ -137,7 +145,9 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from .. import proxy
 
     try:
-        settings = Settings.create(mode=args.mode)
+        settings = Settings.create(mode=args.mode, capture=args.capture)
+        if settings.capture is not None:
+            open_backend(settings.capture).close()  # a store it cannot open stops it here, not in each worker
         config = proxy.ProxyConfig(
             upstream=args.upstream,
             api_keys=tuple(args.api_key or [os.environ.get("VLLM_API_KEY", "")]),
@@ -157,6 +167,18 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     )
     proxy.serve(config, settings, host=args.host, port=args.port, workers=args.workers)
     return 0
+
+
+def _capture_settings(command: str, url: str | None) -> Settings | None:
+    """The capture settings of `--capture URL` (else the environment's), the store opened once to check it."""
+    try:
+        settings = Settings.create(capture=url)
+        if settings.capture is not None:
+            open_backend(settings.capture).close()
+    except ConfigError as exc:
+        print(f"vllm-nvext {command}: error: {exc}", file=sys.stderr)
+        return None
+    return settings
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -190,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=DEFAULT_PORT)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--startup-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
+    serve.add_argument("--capture", default=None, metavar="URL", help=CAPTURE_HELP)
 
     prox = sub.add_parser(
         "proxy",
@@ -202,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     prox.add_argument("--port", type=int, default=DEFAULT_PROXY_PORT)
     prox.add_argument("--mode", default=None, choices=[m.value for m in Mode], help="default: $VLLM_NVEXT_MODE or auto")
     prox.add_argument("--workers", type=_positive, default=1, help="proxy processes (default 1)")
+    prox.add_argument("--capture", default=None, metavar="URL", help=CAPTURE_HELP)
     prox.add_argument(
         "--api-key",
         action="append",
@@ -228,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir")
 
     parity.add_arguments(sub.add_parser("parity", help="A/B-check both dialects against a running server"))
+    sessions.add_arguments(sub.add_parser("sessions", help="read the capture store (docs/capture.md)"))
     return parser
 
 
@@ -244,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_proxy(args)
     if args.command == "tiny-model":
         return cmd_tiny_model(args)
+    if args.command == "sessions":
+        return sessions.run(args)
     return parity.run(args)
 
 

@@ -1,0 +1,64 @@
+"""`vllm-nvext sessions export`: every session of a real store, one JSON document a line, for a trainer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+
+from tests.support.capture import make_turn
+from vllm_nvext.capture.store import open_sink
+from vllm_nvext.tools import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = json.loads((ROOT / "tests" / "fixtures" / "atif" / "trajectory.schema.json").read_text())
+
+
+def _fill(url: str) -> None:
+    sink = open_sink(url)
+    sink.submit(make_turn("early", [1], [2], time=1_000.0))
+    sink.submit(make_turn("late", [1, 2], [3], time=5_000.0))
+    sink.submit(make_turn("late", [1, 2, 3, 4], [5], time=5_001.0))
+    assert sink.flush()
+    sink.close()
+
+
+def test_export_writes_every_session_as_the_read_api_shows_it(store_url, tmp_path, capsys):
+    _fill(store_url)
+    out = tmp_path / "sessions.jsonl"
+    assert cli.main(["sessions", "export", "--store", store_url, "--output", str(out)]) == 0
+    docs = {d["session_id"]: d for d in map(json.loads, out.read_text().splitlines())}
+    assert set(docs) == {"early", "late"}
+    assert [t["extends_previous"] for t in docs["late"]["turns"]] == [None, True]
+    assert "2 sessions exported" in capsys.readouterr().err
+
+
+def test_export_since_keeps_the_later_turns_and_atif_validates(store_url, tmp_path):
+    _fill(store_url)
+    out = tmp_path / "atif.jsonl"
+    args = ["sessions", "export", "--store", store_url, "--format", "atif", "--since", "1970-01-01T00:50:00+00:00"]
+    assert cli.main([*args, "--output", str(out)]) == 0
+    docs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [d["session_id"] for d in docs] == ["late"]
+    for doc in docs:
+        jsonschema.validate(doc, SCHEMA)
+    assert [s["metrics"]["prompt_token_ids"] for s in docs[0]["steps"]] == [[1, 2], [1, 2, 3, 4]]
+
+
+def test_the_progress_bar_shows_only_when_asked_off_a_terminal(tmp_path):
+    url = f"sqlite:///{tmp_path / 'c.sqlite3'}"
+    _fill(url)
+    base = [sys.executable, "-m", "vllm_nvext.tools.cli", "sessions", "export", "--store", url]
+    quiet = subprocess.run(base, capture_output=True, text=True, cwd=ROOT, check=True, timeout=120)
+    assert "sessions [" not in quiet.stderr and len(quiet.stdout.splitlines()) == 2
+    loud = subprocess.run([*base, "--progress"], capture_output=True, text=True, cwd=ROOT, check=True, timeout=120)
+    assert "sessions [" in loud.stderr and "2/2" in loud.stderr
+
+
+def test_a_bad_store_url_is_an_error_without_the_url(capsys):
+    assert cli.main(["sessions", "export", "--store", "redis://:hunter2@127.0.0.1:notaport/0"]) == 2
+    err = capsys.readouterr().err
+    assert "error: capture:" in err and "hunter2" not in err

@@ -1,0 +1,113 @@
+"""The fleet's capture store: Redis, shared by replicas behind a router and by proxy workers.
+
+A session is a list of its turns' JSON (`nvext:capture:turns:<session id>`), its index the list's
+position; a sorted set (`nvext:capture:sessions`, scored by the last turn's time) lists the
+sessions for export and retention. A turn is appended in a WATCH/MULTI transaction, so two
+replicas writing one session never give two turns one index. Retention is the list's TTL, renewed
+by each turn; the size cap is checked against the server's `used_memory`. docs/capture.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..config import ConfigError
+from .record import Turn
+from .store import Page, StoreFull
+
+PREFIX = "nvext:capture:"
+SESSIONS = PREFIX + "sessions"
+READ_CHUNK = 16  # turns fetched per round trip by a read
+_RETRIES = 16  # WATCH conflicts tolerated for one turn before it is given up (and counted dropped)
+
+
+def _key(session_id: str) -> str:
+    return PREFIX + "turns:" + session_id
+
+
+class RedisBackend:
+    def __init__(self, url: str, *, max_bytes: int, retention_s: int) -> None:
+        try:
+            import redis
+        except ImportError:
+            raise ConfigError(
+                "capture: a redis:// store needs the Redis client: pip install 'vllm-nvext[capture-redis]'"
+            ) from None
+        try:
+            self.client: Any = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=2.0)
+        except ValueError:
+            raise ConfigError("capture: the Redis store URL is not valid (redis://[:password@]host:port/db)") from None
+        self._watch_error: type[Exception] = redis.WatchError
+        self.max_bytes = max_bytes
+        self.retention_s = retention_s
+
+    def write(self, turns: Sequence[Turn], now: float) -> None:
+        if self.used_bytes() >= self.max_bytes:
+            raise StoreFull
+        for turn in turns:
+            self._append(turn, now)
+
+    def _append(self, turn: Turn, now: float) -> None:
+        key = _key(turn.session_id)
+        with self.client.pipeline() as pipe:
+            for _ in range(_RETRIES):
+                try:
+                    pipe.watch(key)
+                    index = int(pipe.llen(key))
+                    last = pipe.lindex(key, -1) if index else None
+                    previous = None if last is None else Turn.from_json(json.loads(last))
+                    placed = turn.placed(index, previous)
+                    pipe.multi()
+                    pipe.rpush(key, json.dumps(placed.to_json(), separators=(",", ":"), allow_nan=False))
+                    pipe.expire(key, self.retention_s)
+                    pipe.zadd(SESSIONS, {turn.session_id: now})
+                    pipe.execute()
+                    return
+                except self._watch_error:
+                    continue
+        raise RuntimeError("the session's list kept changing under the writer")
+
+    def read(self, session_id: str, start: int, max_bytes: int) -> Page | None:
+        key = _key(session_id)
+        length = int(self.client.llen(key))
+        if length == 0:
+            return None
+        turns: list[str] = []
+        size = 0
+        index = start
+        while index < length:
+            chunk = self.client.lrange(key, index, index + READ_CHUNK - 1)
+            if not chunk:
+                break  # the list was cut under the read (a delete): the end
+            for raw in chunk:
+                body = raw.decode("utf-8")
+                if turns and size + len(body) > max_bytes:
+                    return Page(turns, index)
+                turns.append(body)
+                size += len(body)
+                index += 1
+        return Page(turns, None)
+
+    def delete(self, session_id: str) -> bool:
+        with self.client.pipeline() as pipe:
+            pipe.delete(_key(session_id))
+            pipe.zrem(SESSIONS, session_id)
+            removed, _ = pipe.execute()
+        return bool(removed)
+
+    def sessions(self, since: float | None) -> Iterator[str]:
+        low: float | str = "-inf" if since is None else since
+        for raw in self.client.zrangebyscore(SESSIONS, low, "+inf"):
+            yield raw.decode("utf-8")
+
+    def prune(self, now: float) -> int:
+        """Sessions past the retention leave the sessions set (their lists expire by their TTL)."""
+        return int(self.client.zremrangebyscore(SESSIONS, "-inf", now - self.retention_s))
+
+    def used_bytes(self) -> int:
+        return int(self.client.info("memory")["used_memory"])
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,230 @@
+"""The embedded capture store: one SQLite file in WAL mode, written by the sink's writer thread.
+
+Each batch of turns is one transaction (`BEGIN IMMEDIATE`), so a killed server loses at most the
+turns still queued; several processes (vLLM's API servers, proxy workers) may share the file. The
+file is created 0600 (it holds prompts); the session id is a key in it, never a file name.
+docs/capture.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+from ..config import ConfigError
+from .record import Turn
+from .store import Page, StoreFull
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, turns INTEGER NOT NULL, last REAL NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS sessions_last ON sessions (last)",
+    "CREATE TABLE IF NOT EXISTS turns (session_id TEXT NOT NULL, idx INTEGER NOT NULL, body TEXT NOT NULL,"
+    " PRIMARY KEY (session_id, idx)) WITHOUT ROWID",
+)
+BUSY_TIMEOUT_MS = 5000
+PRUNE_CHUNK = 500  # sessions removed per transaction
+_LAST_TURNS = 256  # sessions whose last turn the writer keeps decoded (extends_previous without a re-read)
+
+
+def sqlite_path(url: str) -> str:
+    """The file of `sqlite:////abs/path.sqlite3` (an absolute path: four slashes)."""
+    path = url[len("sqlite:///") :] if url.lower().startswith("sqlite:///") else ""
+    if not path.startswith("/") or path.startswith("//") or "?" in path or "\x00" in path:
+        raise ConfigError("capture: a SQLite store is sqlite:////absolute/path/to/file.sqlite3")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise ConfigError("capture: the SQLite store's directory does not exist")
+    return path
+
+
+class SQLiteBackend:
+    """Turns as JSON text keyed by (session_id, index); a sessions table for indexes, retention and export."""
+
+    def __init__(self, path: str, *, max_bytes: int, retention_s: int) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.retention_s = retention_s
+        self._conn: sqlite3.Connection | None = None  # the writer thread's
+        self._inode: int | None = None
+        self._last: OrderedDict[str, Turn] = OrderedDict()
+        self._lock = threading.Lock()
+        try:
+            self._writer_conn().close()  # create the file and schema now: a bad path stops start-up
+        except (OSError, sqlite3.Error):
+            raise ConfigError("capture: the SQLite store cannot be opened for writing") from None
+        self._conn = None
+
+    def _connect(self) -> sqlite3.Connection:
+        # Create the file 0600 before SQLite does (its WAL and shm files take the database file's mode).
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.close(fd)
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1e3)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        return conn
+
+    def _writer_conn(self) -> sqlite3.Connection:
+        """The writer's connection, reopened when the file was removed or replaced since it was opened."""
+        try:
+            inode: int | None = os.stat(self.path).st_ino
+        except OSError:
+            inode = None
+        if self._conn is not None and inode == self._inode:
+            return self._conn
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+            self._last.clear()
+        conn = self._connect()
+        for statement in _SCHEMA:
+            conn.execute(statement)
+        self._conn, self._inode = conn, os.stat(self.path).st_ino
+        return conn
+
+    def write(self, turns: Sequence[Turn], now: float) -> None:
+        with self._lock:
+            try:
+                self._write(turns, now)
+            except BaseException:
+                if self._conn is not None:  # reopen on the next batch: the file may have been replaced
+                    self._conn.close()
+                    self._conn = None
+                    self._last.clear()
+                raise
+
+    def _write(self, turns: Sequence[Turn], now: float) -> None:
+        conn = self._writer_conn()
+        if self._used(conn) >= self.max_bytes:
+            raise StoreFull
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for turn in turns:
+                sid = turn.session_id
+                row = conn.execute("SELECT turns FROM sessions WHERE session_id = ?", (sid,)).fetchone()
+                index = 0 if row is None else int(row[0])
+                placed = turn.placed(index, self._previous(conn, sid, index))
+                body = json.dumps(placed.to_json(), separators=(",", ":"), allow_nan=False)
+                conn.execute("INSERT INTO turns (session_id, idx, body) VALUES (?, ?, ?)", (sid, index, body))
+                conn.execute(
+                    "INSERT INTO sessions (session_id, turns, last) VALUES (?, 1, ?) ON CONFLICT (session_id)"
+                    " DO UPDATE SET turns = turns + 1, last = excluded.last",
+                    (sid, now),
+                )
+                self._remember(placed)
+            conn.execute("COMMIT")
+        except BaseException:
+            self._last.clear()
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def _previous(self, conn: sqlite3.Connection, sid: str, index: int) -> Turn | None:
+        if index == 0:
+            return None
+        cached = self._last.get(sid)
+        if cached is not None and cached.index == index - 1:
+            return cached
+        row = conn.execute("SELECT body FROM turns WHERE session_id = ? AND idx = ?", (sid, index - 1)).fetchone()
+        return None if row is None else Turn.from_json(json.loads(row[0]))
+
+    def _remember(self, turn: Turn) -> None:
+        self._last[turn.session_id] = turn
+        self._last.move_to_end(turn.session_id)
+        while len(self._last) > _LAST_TURNS:
+            self._last.popitem(last=False)
+
+    @staticmethod
+    def _used(conn: sqlite3.Connection) -> int:
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        free = conn.execute("PRAGMA freelist_count").fetchone()[0]
+        size = conn.execute("PRAGMA page_size").fetchone()[0]
+        return int((pages - free) * size)
+
+    def _reader(self) -> sqlite3.Connection:
+        if not os.path.exists(self.path):
+            raise FileNotFoundError("the capture store is gone")
+        conn = sqlite3.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1e3)
+        conn.execute("PRAGMA query_only=1")
+        return conn
+
+    def read(self, session_id: str, start: int, max_bytes: int) -> Page | None:
+        conn = self._reader()
+        try:
+            conn.execute("BEGIN")  # one snapshot for the session's row and its turns
+            row = conn.execute("SELECT turns FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+            if row is None:
+                return None
+            rows = conn.execute(
+                "SELECT idx, body FROM turns WHERE session_id = ? AND idx >= ? ORDER BY idx", (session_id, start)
+            )
+            turns: list[str] = []
+            size = 0
+            for idx, body in rows:
+                if turns and size + len(body) > max_bytes:
+                    return Page(turns, int(idx))
+                turns.append(body)
+                size += len(body)
+            return Page(turns, None)
+        finally:
+            conn.close()
+
+    def delete(self, session_id: str) -> bool:
+        conn = self._connect()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("DELETE FROM turns WHERE session_id = ?", (session_id,))
+            found = conn.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,)).rowcount > 0
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
+        with self._lock:
+            self._last.pop(session_id, None)
+        return found
+
+    def sessions(self, since: float | None) -> Iterator[str]:
+        conn = self._reader()
+        try:
+            rows = conn.execute(
+                "SELECT session_id FROM sessions WHERE last >= ? ORDER BY last, session_id",
+                (float("-inf") if since is None else since,),
+            ).fetchall()
+        finally:
+            conn.close()
+        return iter([r[0] for r in rows])
+
+    def prune(self, now: float) -> int:
+        """Remove the sessions whose last turn is older than the retention; how many were removed."""
+        with self._lock:
+            conn = self._writer_conn()
+            removed = 0
+            while True:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    old = conn.execute(
+                        "SELECT session_id FROM sessions WHERE last < ? LIMIT ?", (now - self.retention_s, PRUNE_CHUNK)
+                    ).fetchall()
+                    for (sid,) in old:
+                        conn.execute("DELETE FROM turns WHERE session_id = ?", (sid,))
+                        conn.execute("DELETE FROM sessions WHERE session_id = ?", (sid,))
+                        self._last.pop(sid, None)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+                removed += len(old)
+                if len(old) < PRUNE_CHUNK:
+                    return removed
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used(self._writer_conn())
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None

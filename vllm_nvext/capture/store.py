@@ -1,0 +1,250 @@
+"""The capture sink: the request path hands it turns, a writer thread puts them in the store.
+
+`submit` never blocks and never raises: the turn goes into a bounded queue, or is dropped and
+counted when the queue is full. The writer thread takes what is queued in small batches and
+writes each batch in one transaction (SQLite) or one round of transactions (Redis); a full or
+broken store drops the batch and counts it. Reads and deletes run in the caller's thread (the
+read API calls them from a worker thread, never on the event loop). docs/capture.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..config import DEFAULT_CAPTURE_MAX_BYTES, DEFAULT_CAPTURE_RETENTION_S, ConfigError
+from .record import Turn
+
+logger = logging.getLogger("vllm_nvext.capture")
+
+QUEUE_SIZE = 4096  # turns waiting for the writer; past this a submit drops its turn
+BATCH = 64  # turns written in one transaction at most
+PRUNE_EVERY_S = 60.0  # how often the writer removes sessions past their retention
+READ_MAX_BYTES = 64 * 1024 * 1024  # one page of the read API (at least one turn, however large)
+CLOSE_WAIT_S = 10.0  # how long `close` waits for the writer to flush
+
+# Why a turn was dropped (the `reason` label of vllm_nvext:capture_turns_dropped_total).
+QUEUE_FULL, STORE_FULL, STORE_ERROR = "queue_full", "store_full", "store_error"
+
+
+class StoreFull(Exception):
+    """The store is at its size cap; the batch is dropped."""
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """Some turns of a session, from `start`; `next_index` is where the next page starts (None: the end)."""
+
+    turns: list[str]  # each a turn's JSON text, as stored
+    next_index: int | None
+
+
+class Backend(Protocol):
+    """One kind of store. Every method may raise; the Sink counts and logs, the request path never sees it."""
+
+    def write(self, turns: Sequence[Turn], now: float) -> None: ...
+
+    def read(self, session_id: str, start: int, max_bytes: int) -> Page | None: ...
+
+    def delete(self, session_id: str) -> bool: ...
+
+    def sessions(self, since: float | None) -> Iterator[str]: ...
+
+    def prune(self, now: float) -> int: ...
+
+    def used_bytes(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class Counts(Protocol):
+    """Where the sink reports (metrics.CAPTURE on the server)."""
+
+    def recorded(self, n: int) -> None: ...
+
+    def dropped(self, reason: str, n: int) -> None: ...
+
+    def store_bytes(self, n: int) -> None: ...
+
+
+class Tally:
+    """The sink's own counts, kept whatever else it reports to (tests and `vllm-nvext sessions` read them)."""
+
+    __slots__ = ("recorded_turns", "dropped_turns", "bytes", "_lock")
+
+    def __init__(self) -> None:
+        self.recorded_turns = 0
+        self.dropped_turns: dict[str, int] = {}
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def recorded(self, n: int) -> None:
+        with self._lock:
+            self.recorded_turns += n
+
+    def dropped(self, reason: str, n: int) -> None:
+        with self._lock:
+            self.dropped_turns[reason] = self.dropped_turns.get(reason, 0) + n
+
+    def store_bytes(self, n: int) -> None:
+        self.bytes = n
+
+
+class Sink:
+    """The request path's door to the store (`submit`), and the read API's (`read`, `delete`)."""
+
+    def __init__(self, backend: Backend, counts: Counts | None = None, queue_size: int = QUEUE_SIZE) -> None:
+        self.backend = backend
+        self.tally = Tally()
+        self._reports: tuple[Counts, ...] = (self.tally,) if counts is None else (self.tally, counts)
+        self._queue: queue.Queue[Turn | None] = queue.Queue(maxsize=queue_size)
+        self._closed = False
+        self._writer = threading.Thread(target=self._run, name="vllm-nvext-capture", daemon=True)
+        self._writer.start()
+
+    def submit(self, turn: Turn) -> None:
+        """Queue `turn` for the writer; never blocks, never raises (a full queue drops and counts it)."""
+        try:
+            if self._closed:
+                raise queue.Full
+            self._queue.put_nowait(turn)
+        except queue.Full:
+            self._count_drop(QUEUE_FULL, 1)
+
+    def read(self, session_id: str) -> list[dict[str, Any]] | None:
+        """Every turn of the session (None: no such session). Blocking: call it off the event loop."""
+        turns: list[dict[str, Any]] = []
+        start: int | None = 0
+        while start is not None:
+            page = self.backend.read(session_id, start, READ_MAX_BYTES)
+            if page is None:
+                return turns or None
+            turns.extend(json.loads(t) for t in page.turns)
+            start = page.next_index
+        return turns
+
+    def read_page(self, session_id: str, start: int = 0, max_bytes: int = READ_MAX_BYTES) -> Page | None:
+        """Turns of the session from `start`, about `max_bytes` of them. Blocking: call it off the event loop."""
+        return self.backend.read(session_id, start, max_bytes)
+
+    def delete(self, session_id: str) -> bool:
+        """Remove the session; False when there was none. Blocking: call it off the event loop."""
+        return self.backend.delete(session_id)
+
+    def flush(self, timeout: float = CLOSE_WAIT_S) -> bool:
+        """Wait until every turn queued so far is written (or dropped); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not self._queue.unfinished_tasks
+
+    def close(self) -> None:
+        """Write what is queued (waiting up to CLOSE_WAIT_S), then close the store."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=CLOSE_WAIT_S)
+        self._writer.join(CLOSE_WAIT_S)
+        try:
+            self.backend.close()
+        except Exception:
+            logger.warning("vllm-nvext capture: the store did not close cleanly")
+
+    # --- the writer thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_prune = 0.0
+        while True:
+            first = self._queue.get()
+            batch: list[Turn] = [] if first is None else [first]
+            stop = first is None
+            while not stop and len(batch) < BATCH:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                else:
+                    batch.append(more)
+            now = time.time()
+            if batch and now >= next_prune:
+                next_prune = now + PRUNE_EVERY_S
+                self._prune(now)
+            if batch:
+                self._write(batch, now)
+            for _ in range(len(batch) + (1 if stop else 0)):
+                self._queue.task_done()
+            if stop:
+                return
+
+    def _write(self, batch: list[Turn], now: float) -> None:
+        try:
+            self.backend.write(batch, now)
+        except StoreFull:
+            self._count_drop(STORE_FULL, len(batch))
+        except Exception as exc:  # a broken store never reaches a request: drop, count, log the kind
+            logger.warning(
+                "vllm-nvext capture: %d turns dropped, the store failed (%s)", len(batch), type(exc).__name__
+            )
+            self._count_drop(STORE_ERROR, len(batch))
+        else:
+            for report in self._reports:
+                report.recorded(len(batch))
+        self._report_bytes()
+
+    def _prune(self, now: float) -> None:
+        try:
+            self.backend.prune(now)
+        except Exception as exc:
+            logger.warning("vllm-nvext capture: pruning old sessions failed (%s)", type(exc).__name__)
+
+    def _report_bytes(self) -> None:
+        try:
+            used = self.backend.used_bytes()
+        except Exception:
+            return
+        for report in self._reports:
+            report.store_bytes(used)
+
+    def _count_drop(self, reason: str, n: int) -> None:
+        for report in self._reports:
+            with contextlib.suppress(Exception):  # a counter never fails the request that submitted
+                report.dropped(reason, n)
+
+
+def open_backend(
+    url: str, *, max_bytes: int = DEFAULT_CAPTURE_MAX_BYTES, retention_s: int = DEFAULT_CAPTURE_RETENTION_S
+) -> Backend:
+    """The store a URL names: `sqlite:////abs/path.sqlite3` or `redis://[:password@]host:port/db`.
+
+    ConfigError (never echoing the URL, which may carry a password) for anything else."""
+    lowered = url.lower()
+    if lowered.startswith("sqlite://"):
+        from .sqlite_store import SQLiteBackend, sqlite_path
+
+        return SQLiteBackend(sqlite_path(url), max_bytes=max_bytes, retention_s=retention_s)
+    if lowered.startswith(("redis://", "rediss://")):
+        from .redis_store import RedisBackend
+
+        return RedisBackend(url, max_bytes=max_bytes, retention_s=retention_s)
+    raise ConfigError("capture: expected a store URL starting with sqlite:// or redis://")
+
+
+def open_sink(
+    url: str,
+    *,
+    max_bytes: int = DEFAULT_CAPTURE_MAX_BYTES,
+    retention_s: int = DEFAULT_CAPTURE_RETENTION_S,
+    counts: Counts | None = None,
+) -> Sink:
+    """A Sink on the store `url` names (see `open_backend`); run at start-up, never on a request."""
+    return Sink(open_backend(url, max_bytes=max_bytes, retention_s=retention_s), counts)
