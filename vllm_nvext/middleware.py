@@ -174,8 +174,7 @@ class NvextMiddleware:
         exchange = _Exchange(self.app, self.settings, endpoint, scope, receive, send, self._stream_send, arrived)
         exchange.serve_messages = self.serve_messages
         exchange.body_request_id = body_request_id
-        exchange.hides_reasoning_ids = facts.hides_reasoning_ids
-        exchange.sink = self.sink
+        exchange.hides_reasoning_ids, exchange.sink = facts.hides_reasoning_ids, self.sink
         await exchange.run(whole, headers)
 
 
