@@ -100,9 +100,8 @@ def test_a_codex_loop_is_captured_with_chats_ids_and_the_client_gets_stock_answe
             {"type": "function_call", "call_id": call["id"], "name": "get_weather", "arguments": json.dumps(ARGUMENTS)},
             {"type": "function_call_output", "call_id": call["id"], "output": f"sunny, {20 + turn} C"},
         ]
-        messages += [
-            {"role": "assistant", "content": text},
-            {"role": "assistant", "content": "", "tool_calls": [call]},
+        messages += [  # vLLM folds a function_call into the assistant message before it
+            {"role": "assistant", "content": text, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": call["id"], "content": f"sunny, {20 + turn} C"},
         ]
     turns = _session(captured, session_id, 3)

@@ -30,11 +30,13 @@ A kind is anything with `start()`, `wait_ready(timeout)`, `terminate()`, `stop()
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
 import os
 import random
+import shutil
 import socket
 import tempfile
 import threading
@@ -559,14 +561,17 @@ proxy_pd_server = _proxy("proxy_pd", upstream="pd_stock_router", reference="setu
 
 # --- capture (tests/e2e/test_capture.py, marker e2e_parser: the parser group's run) -------------------
 # A stock server and the two mounts with capture on, each into a SQLite store of its own; all three take
-# tools (`--enable-auto-tool-choice` with the hermes parser), as agent harnesses send them. ~1.5 GB each.
-TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+# tools (`--enable-auto-tool-choice` with the hermes parser), as agent harnesses send them. No prefix
+# caching: a turn's ids are compared across servers whose caches saw different requests, and a cached
+# prefill may round differently (a flipped argmax on the tiny model). ~1.5 GB each.
+TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--no-enable-prefix-caching")
 
 
 def capture_url(kind: str) -> str:
     """The store the capture server of this kind records into (a directory of this test session's own)."""
     folder = Path(tempfile.gettempdir()) / f"nvext-capture-{os.getpid()}-{kind}"
     folder.mkdir(exist_ok=True)
+    atexit.register(shutil.rmtree, folder, True)  # after the server: the servers stop before exit
     return f"sqlite:///{folder}/capture.sqlite3"
 
 
