@@ -831,3 +831,39 @@ def test_a_kv_transfer_config_that_is_not_json_is_refused(served, capsys):
 
     assert cli.main(["proxy", "--upstream", "http://h:1", "--kv-transfer-config", "{oops"]) == 2
     assert capsys.readouterr().err.startswith("vllm-nvext proxy: error: ")
+
+
+# --- capture (docs/capture.md) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("authorization", [None, b"Bearer wrong"])
+async def test_the_capture_read_api_is_under_the_proxys_key(tmp_path, authorization):
+    from tests.support.capture import make_turn
+
+    settings = Settings(capture=f"sqlite:///{tmp_path / 'c.sqlite3'}")
+    app = await proxy_over(_keyed_upstream, keys=("k",), settings=settings)
+    sink = app.middleware.sink
+    assert sink is not None
+    sink.submit(make_turn("run-1", [1, 2], [3]))
+    assert sink.flush()
+    path = "/v1/nvext/sessions/run-1"
+    refused = await call(
+        app, path, b"", method="GET", headers=[(b"authorization", authorization)] if authorization else []
+    )
+    assert refused.status == 401 and refused.body == b'{"error":"Unauthorized"}'  # the upstream's, never a turn
+    read = await call(app, path, b"", method="GET", headers=[(b"authorization", b"Bearer k")])
+    assert read.status == 200 and [t["prompt_token_ids"] for t in json.loads(read.body)["turns"]] == [[1, 2]]
+    sink.close()
+
+
+def test_the_capture_settings_travel_to_the_workers_through_the_environment(tmp_path, monkeypatch):
+    from vllm_nvext.config import capture_environ
+
+    url = f"sqlite:///{tmp_path / 'c.sqlite3'}"
+    monkeypatch.setenv(ENV_CONFIG, ProxyConfig("http://h:1/").to_json())
+    for name, value in capture_environ(Settings(capture=url, capture_retention_s=60)).items():
+        monkeypatch.setenv(name, value)
+    app = app_from_env()
+    assert app.middleware.settings.capture == url and app.middleware.settings.capture_retention_s == 60
+    assert app.middleware.sink is not None
+    app.middleware.sink.close()
