@@ -337,6 +337,45 @@ def forwarded(
     return out
 
 
+async def decode_echo_prompts(
+    app: ASGIApp, scope: Scope, receive: Receive, plan: Any, model: Any
+) -> tuple[str | tuple[int, ...], ...] | None:
+    """Each echoed id prompt as vLLM echoes it: decoded by vLLM's own `/detokenize`.
+
+    Called when vLLM's successful answer starts, so after vLLM checked the key, the model and
+    the ids and did its own work for them (an error of vLLM's reaches the client as stock).
+    One call per distinct id prompt, stopped as soon as the client goes (None then).
+    """
+    decoding = asyncio.ensure_future(_decode_distinct(app, scope, plan.echo_prompts, model))
+    watching = asyncio.ensure_future(receive())  # the body is read: only a disconnect comes
+    try:
+        await asyncio.wait((decoding, watching), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (decoding, watching):
+            if not task.done():
+                task.cancel()
+    if watching.done() and not watching.cancelled() or not decoding.done() or decoding.cancelled():
+        return None  # the client went away (the only message that can come after the body)
+    texts = decoding.result()
+    return tuple(texts.get(p, p) if not isinstance(p, str) else p for p in plan.echo_prompts)
+
+
+async def _decode_distinct(
+    app: ASGIApp, scope: Scope, prompts: tuple[str | tuple[int, ...], ...], model: Any
+) -> dict[tuple[int, ...], str]:
+    texts: dict[tuple[int, ...], str] = {}
+    for prompt in dict.fromkeys(p for p in prompts if not isinstance(p, str)):
+        status, _, body = await internal_post(app, scope, "/detokenize", model, prompt)
+        try:
+            decoded = _json.loads(body) if status == 200 else None
+        except ValueError:
+            decoded = None
+        if not isinstance(decoded, dict) or not isinstance(decoded.get("prompt"), str):
+            break  # vLLM, which accepted these ids, answered otherwise: the text stays as vLLM wrote it
+        texts[prompt] = decoded["prompt"]
+    return texts
+
+
 def open_capture(settings: Settings) -> Sink | None:
     """The capture sink the settings name (docs/capture.md), opened at start-up; None when capture is off.
     Closed (its queue written out) when the process exits."""

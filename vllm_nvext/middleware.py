@@ -10,11 +10,11 @@ into nothing, reaches vLLM and the client byte for byte (docs/protocol.md §10).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 import time
 from collections.abc import Awaitable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -43,8 +43,8 @@ from .asgi import (
     RequestHeaders,
     Scope,
     Send,
+    decode_echo_prompts,
     first_header,
-    internal_post,
     open_capture,
     replay_body,
     send_error,
@@ -52,15 +52,18 @@ from .asgi import (
     set_header,
     too_large,
 )
+from .capture.requests import read_for_capture
+from .capture.store import Sink
+from .capture.tap import Collector
 from .config import MODE_HEADER, Mode, Settings
 from .inbound import client_params, fields
 from .inbound.optin import OptInScan, opts_in_whole
+from .inbound.request import Request, read_request
 from .inbound.request import plan as plan_request_for
-from .inbound.request import read_request
 from .kernels import Kernels, pick
 from .outbound.nvext_values import Clock
 from .plan import Plan
-from .protocol import ENDPOINT_PATHS, Dialect, Endpoint, RequestError
+from .protocol import ENDPOINT_PATHS, PATHS, Dialect, Endpoint, RequestError
 from .send import ReshapingSend
 
 logger = logging.getLogger("vllm_nvext")
@@ -118,7 +121,7 @@ class NvextMiddleware:
             logging.getLogger("vllm.nvext").info(announce, self.stream_path)
         # The plugin mount serves /v1/messages with ids itself (agent/messages.py).
         self.serve_messages = serve_messages
-        self.sink = open_capture(self.settings)  # docs/capture.md; None: capture off
+        self.sink = open_capture(self.settings)  # docs/capture.md; None: capture off, nothing of it runs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.sink is not None and await serve_sessions(self.app, self.sink, scope, receive, send):
@@ -163,7 +166,7 @@ class NvextMiddleware:
         arrived = (time.time(), time.perf_counter())  # when the request came, before its body (nvext `timing`)
         whole = None  # the body, when it came in one message, opts in and is read as JSON
         headers = None  # its headers, once read (`_Exchange.run` reads them otherwise)
-        if not body_request_id and not strip:
+        if not body_request_id and not strip and self.sink is None:
             # Only the opt-in keys make this body one to read: one that comes whole is scanned here
             # (`optin.opts_in_whole`, the verdict of `_Exchange._read_body`'s scan), and goes on to
             # vLLM at once when it names none or vLLM does not read it as JSON.
@@ -181,7 +184,7 @@ class NvextMiddleware:
         exchange.serve_messages = self.serve_messages
         exchange.body_request_id = body_request_id
         exchange.strip = strip
-        exchange.hides_reasoning_ids = facts.hides_reasoning_ids
+        exchange.hides_reasoning_ids, exchange.sink = facts.hides_reasoning_ids, self.sink
         await exchange.run(whole, headers)
 
 
@@ -189,7 +192,7 @@ class _Exchange:
     """One request/response cycle through the middleware."""
 
     __slots__ = ("app", "settings", "endpoint", "scope", "receive", "send", "arrived", "kernels", "body_request_id",
-                 "strip", "serve_messages", "hides_reasoning_ids")  # fmt: skip
+                 "strip", "serve_messages", "hides_reasoning_ids", "sink")  # fmt: skip
 
     def __init__(
         self,
@@ -214,6 +217,7 @@ class _Exchange:
         self.body_request_id = False  # the body's `request_id` must be a plain name
         self.strip = False  # the address keys of the body's kv_transfer_params go (docs/scaling-out.md)
         self.hides_reasoning_ids = False  # the server withholds ids (`_vllm_compat.hides_reasoning_ids`)
+        self.sink: Sink | None = None  # capture is on: every request is recorded (docs/capture.md)
 
     async def run(self, whole: bytes | None = None, headers: RequestHeaders | None = None) -> None:
         """One request, top-down: its headers and body, the plan, then vLLM, whose answer is reshaped.
@@ -246,23 +250,26 @@ class _Exchange:
             return
         try:
             request = read_request(body, endpoint, scanned=True) if opts_in else None
-            if request is None:
-                await self._forward(body)
-                return
             settings = self.settings
-            mode = self._mode(headers.modes) if headers.modes else settings.mode  # no header: the setting
-            splice = self.kernels.splice_root
-            plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank,
-                                    hides_reasoning_ids=self.hides_reasoning_ids, splice_root=splice)  # fmt: skip
+            if request is None:  # captured alone, or to vLLM as the client sent it
+                request, plan, mode = self._capture_only(endpoint, body) if self.sink else (None, None, settings.mode)
+            else:
+                mode = self._mode(headers.modes) if headers.modes else settings.mode  # no header: the setting
+                splice = self.kernels.splice_root
+                plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank, capture=self.sink is not None,
+                                        hides_reasoning_ids=self.hides_reasoning_ids, splice_root=splice)  # fmt: skip
         except RequestError as exc:
             await self._send_error(exc)
+            return
+        if request is None or plan is None:
+            await self._forward(body)
             return
         if plan.body is not None:  # `_rewrite`, inline: one function less per request
             body = plan.body
             set_header(self.scope, b"content-length", str(len(body)).encode())
         for name, value in plan.headers:
             set_header(self.scope, name, value, replace=False)
-        reshaping = self._reshaping(endpoint, plan, mode, request.data.get("model"))
+        reshaping = self._reshaping(plan.endpoint, plan, mode, request.data)
         del request  # the decoded body and the client's bytes are not held while vLLM answers
         # vLLM's app is awaited here, not in a coroutine of its own: every time the app resumes (each
         # token of a stream) it passes through one frame of ours less.
@@ -274,6 +281,21 @@ class _Exchange:
             await self.app(self.scope, receive, reshaping.app_send)
         finally:
             reshaping.count_stream()  # also for a stream the client cut short
+            if reshaping.tap is not None:
+                reshaping.tap.finish()  # the captured turn, to the store (also for a stream cut short)
+
+    def _capture_only(self, endpoint: Endpoint, body: bytes) -> tuple[Request | None, Plan | None, Mode]:
+        """A captured request that opts into nothing, planned with ids on for the tap alone; (None, None): one
+        the plan refuses, which goes to vLLM untouched (capture never answers otherwise than vLLM would)."""
+        mode = self.settings.mode
+        try:
+            request = read_for_capture(body, endpoint)
+            if request is None:
+                return None, None, mode
+            plan = plan_request_for(request, mode, hides_reasoning_ids=self.hides_reasoning_ids, capture=True)
+        except RequestError:
+            return None, None, mode
+        return request, replace(plan, dialect=Dialect.NONE), mode
 
     async def _read_body(self, declared_length: int) -> tuple[bytes, bool] | None:
         """The whole body and whether it opts in; None once it was answered, passed on or abandoned.
@@ -329,7 +351,7 @@ class _Exchange:
             metrics.REQUESTS[self.endpoint, Dialect.NONE, self.settings.mode, metrics.UNKNOWN].inc()
         return self.app(self.scope, self.receive if body is None else replay_body(body, self.receive), self.send)
 
-    def _reshaping(self, endpoint: Endpoint, plan: Plan, mode: Mode, model: Any) -> ReshapingSend | None:
+    def _reshaping(self, endpoint: Endpoint, plan: Plan, mode: Mode, data: dict[str, Any]) -> ReshapingSend | None:
         """The request counted; the send that reshapes vLLM's answer as the plan says (None: it goes out as is)."""
         metrics.REQUESTS[endpoint, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY].inc()
         if not plan.reshapes_response:
@@ -337,16 +359,20 @@ class _Exchange:
         decode_echo = None
         # No echo (the common case): no generator entered.
         if plan.echo_prompts and any(not isinstance(p, str) for p in plan.echo_prompts):
-            decode_echo = partial(self._decode_echo_prompts, model=model)
-        return ReshapingSend(plan, Clock(*self.arrived), self.send, self.kernels, endpoint, decode_echo)
+            decode_echo = partial(decode_echo_prompts, self.app, self.scope, self.receive, model=data.get("model"))
+        tap = None
+        if plan.capture:  # told what the answer carries (docs/capture.md)
+            tap = Collector.of(self.sink, PATHS[endpoint], self.scope["headers"], data, self.arrived[0])
+        return ReshapingSend(plan, Clock(*self.arrived), self.send, self.kernels, endpoint, decode_echo, tap)
 
     async def _agent_route(self, route: AgentRoute, body: bytes, found: bool, headers: RequestHeaders) -> None:
         """/v1/responses and /v1/messages (docs/protocol.md §11)."""
         messages = route is AgentRoute.MESSAGES
+        captured = self.sink is not None
         try:
             mode = self._mode(headers.modes) if found else self.settings.mode
             planner = plan_messages if messages else plan_responses
-            plan = planner(body, mode, dp_rank_header=headers.dp_rank) if found else None
+            plan = planner(body, mode, dp_rank_header=headers.dp_rank, capture=captured) if found or captured else None
             if isinstance(plan, MessagesPlan) and plan.ids and not self.serve_messages:
                 raise plan.refusal()
             if (
@@ -364,16 +390,26 @@ class _Exchange:
         body = self._rewrite(body, plan.body, plan.headers)
         metrics.count_request(route, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY)
         receive = Replay([body], False, self.receive)
-        if isinstance(plan, MessagesPlan):
-            if plan.ids:
-                data = _json.loads_as_vllm(body)
-                data.update(plan.dropped)  # as sent: vLLM's model ignores them, its errors count them
-                if not await serve_messages(self.app, self.scope, receive, self.send, data, plan.placements):
-                    await self._send_error(plan.refusal(), anthropic_error_body(plan.refusal()))
+        sink = self.sink if plan.capture and (not messages or self.serve_messages) else None  # --middleware: no ids
+        path, data = "/v1/messages" if messages else "/v1/responses", _json.object_as_vllm(body) if sink else None
+        tap = Collector.of(sink, path, self.scope["headers"], data, self.arrived[0])
+        try:
+            if isinstance(plan, MessagesPlan):
+                if plan.ids or tap is not None:
+                    data = _json.loads_as_vllm(body)
+                    data.update(plan.dropped)  # as sent: vLLM's model ignores them, its errors count them
+                    if await serve_messages(self.app, self.scope, receive, self.send, data, plan.placements, tap):
+                        return
+                    if plan.ids:
+                        await self._send_error(plan.refusal(), anthropic_error_body(plan.refusal()))
+                        return
+                await self.app(self.scope, receive, self.send)
                 return
-            await self.app(self.scope, receive, self.send)
-            return
-        await self.app(self.scope, receive, ResponsesSend(plan, self.send) if plan.reshapes else self.send)
+            send = ResponsesSend(plan, self.send, tap) if plan.reshapes else self.send
+            await self.app(self.scope, receive, send)
+        finally:
+            if tap is not None:
+                tap.finish()
 
     def _mode(self, values: list[bytes]) -> Mode:
         """The mode for a request that opts in; an empty header counts as absent."""
@@ -394,41 +430,6 @@ class _Exchange:
             names = ", ".join(sorted(m.value for m in chosen))
             raise RequestError(f"header `{MODE_HEADER}` is repeated with different modes ({names})", MODE_HEADER)
         return chosen.pop() if chosen else mode
-
-    async def _decode_echo_prompts(self, plan: Plan, model: Any) -> tuple[str | tuple[int, ...], ...] | None:
-        """Each echoed id prompt as vLLM echoes it: decoded by vLLM's own `/detokenize`.
-
-        Called when vLLM's successful answer starts, so after vLLM checked the key, the model and
-        the ids and did its own work for them (an error of vLLM's reaches the client as stock).
-        One call per distinct id prompt, stopped as soon as the client goes (None then).
-        """
-        decoding = asyncio.ensure_future(self._decode_distinct(plan.echo_prompts, model))
-        watching = asyncio.ensure_future(self.receive())  # the body is read: only a disconnect comes
-        try:
-            await asyncio.wait((decoding, watching), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (decoding, watching):
-                if not task.done():
-                    task.cancel()
-        if watching.done() and not watching.cancelled() or not decoding.done() or decoding.cancelled():
-            return None  # the client went away (the only message that can come after the body)
-        texts = decoding.result()
-        return tuple(texts.get(p, p) if not isinstance(p, str) else p for p in plan.echo_prompts)
-
-    async def _decode_distinct(
-        self, prompts: tuple[str | tuple[int, ...], ...], model: Any
-    ) -> dict[tuple[int, ...], str]:
-        texts: dict[tuple[int, ...], str] = {}
-        for prompt in dict.fromkeys(p for p in prompts if not isinstance(p, str)):
-            status, _, body = await internal_post(self.app, self.scope, "/detokenize", model, prompt)
-            try:
-                decoded = _json.loads(body) if status == 200 else None
-            except ValueError:
-                decoded = None
-            if not isinstance(decoded, dict) or not isinstance(decoded.get("prompt"), str):
-                break  # vLLM, which accepted these ids, answered otherwise: the text stays as vLLM wrote it
-            texts[prompt] = decoded["prompt"]
-        return texts
 
     async def _pass_through(self, parts: list[bytes], scan: OptInScan) -> None:
         receive = PassThrough(parts, scan, self.receive)

@@ -59,6 +59,9 @@ class Plan:
     # A chat stream whose ids vLLM withholds (`include_reasoning: false` on a server with a parser):
     # every chunk says "not reported", the role chunk before any id too (docs/protocol.md §3.4).
     ids_withheld: bool = False
+    # The operator captures this request (docs/capture.md): ids are on upstream whatever the client
+    # asked, and the response side reports what it saw to the request's capture tap.
+    capture: bool = False
 
     # A successful answer changes (error bodies and events are `error_params`' business); set from the
     # members above when the plan is made, so reading it enters no function.
@@ -76,4 +79,4 @@ class Plan:
         )
         members = self.__dict__
         members["reshapes_answer"] = answer
-        members["reshapes_response"] = answer or bool(self.error_params)
+        members["reshapes_response"] = answer or bool(self.error_params) or self.capture

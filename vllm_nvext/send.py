@@ -17,13 +17,14 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from time import perf_counter_ns
+from typing import Any
 
 from . import _json, metrics
 from .asgi import Message, Send, is_event_stream, is_json
 from .kernels import Kernels, pick
 from .outbound.chunks import rename_error
 from .outbound.nvext_values import Clock
-from .outbound.stream import StreamReshaper
+from .outbound.stream import CapturedStreamReshaper, StreamReshaper
 from .outbound.unary import plain_body, reshape_unary_body
 from .outbound.unary import serves as unary_serves
 from .plan import Plan
@@ -42,7 +43,7 @@ class ReshapingSend:
     """The `send` handed to vLLM when the response has to be reshaped."""
 
     __slots__ = ("plan", "clock", "send", "route", "decode_echo", "_kind", "_start", "_parts", "_stream", "_tally",
-                 "_left", "app_send", "_arm", "_disarm", "_countdown", "_armed", "kernels")  # fmt: skip
+                 "_left", "app_send", "_arm", "_disarm", "_countdown", "_armed", "kernels", "tap")  # fmt: skip
 
     _PASS, _UNARY, _STREAM, _ERROR, _DROP = 0, 1, 2, 3, 4
 
@@ -54,8 +55,12 @@ class ReshapingSend:
         kernels: Kernels | None = None,
         route: Endpoint | None = None,
         decode_echo: DecodeEcho | None = None,
+        tap: Any = None,
     ) -> None:
         self.plan = plan
+        # The capture tap (`capture.tap.Collector`): told each decoded chunk or body as vLLM sent it; a
+        # captured stream stays on the general path, which decodes every chunk (docs/capture.md).
+        self.tap = tap
         self.clock = clock
         self.send = send
         # The metrics' `endpoint` label: the route the client called (docs/metrics.md), /invocations
@@ -152,7 +157,10 @@ class ReshapingSend:
             self._kind = self._PASS  # only vLLM's errors could change (error events come in streams)
         elif event_stream:
             self._kind = self._STREAM
-            self._stream = StreamReshaper(self.plan, self.clock, self.kernels)
+            if self.tap is None:
+                self._stream = StreamReshaper(self.plan, self.clock, self.kernels)
+            else:
+                self._stream = CapturedStreamReshaper(self.plan, self.clock, self.tap)
             self._tally = metrics.StreamTally() if metrics.enabled() else None
             if sized:
                 message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]
@@ -176,6 +184,9 @@ class ReshapingSend:
         try:
             if self._kind == self._ERROR:
                 new = _renamed_error(body, plan)
+            elif self.tap is not None:
+                self.tap.body(_json.loads(body))  # as vLLM sent it
+                new = reshape_unary_body(body, plan, self.clock)
             elif (scan := self.kernels.plain_chunk) is not None and unary_serves(plan):  # reshape_unary_body, inlined
                 new = plain_body(body, plan, scan)
                 if new is None:

@@ -30,11 +30,13 @@ A kind is anything with `start()`, `wait_ready(timeout)`, `terminate()`, `stop()
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
 import os
 import random
+import shutil
 import socket
 import tempfile
 import threading
@@ -601,3 +603,31 @@ pd_stock_decode_server = register(
 )
 pd_stock_router_server = _pd_router("pd_stock_router", "router-pd-stock", "pd_stock_prefill", "pd_stock_decode")
 proxy_pd_server = _proxy("proxy_pd", upstream="pd_stock_router", reference="setup-router")
+
+
+# --- capture (tests/e2e/test_capture.py, marker e2e_parser: the parser group's run) -------------------
+# A stock server and the two mounts with capture on, each into a SQLite store of its own; all three take
+# tools (`--enable-auto-tool-choice` with the hermes parser), as agent harnesses send them. No prefix
+# caching: a turn's ids are compared across servers whose caches saw different requests, and a cached
+# prefill may round differently (a flipped argmax on the tiny model). ~1.5 GB each.
+TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--no-enable-prefix-caching")
+
+
+def capture_url(kind: str) -> str:
+    """The store the capture server of this kind records into (a directory of this test session's own)."""
+    folder = Path(tempfile.gettempdir()) / f"nvext-capture-{os.getpid()}-{kind}"
+    folder.mkdir(exist_ok=True)
+    atexit.register(shutil.rmtree, folder, True)  # after the server: the servers stop before exit
+    return f"sqlite:///{folder}/capture.sqlite3"
+
+
+def _capture_vllm(kind: str, *args: str, env: dict[str, str] | None = None) -> Server:
+    return tiny_vllm(kind, "--api-key", API_KEY, *TOOL_ARGS, *args,
+                     env={"VLLM_NVEXT_CAPTURE": capture_url(kind), **(env or {})})()  # fmt: skip
+
+
+capture_stock_server = register("capture_stock", tiny_vllm("capture_stock", "--api-key", API_KEY, *TOOL_ARGS))
+capture_mw_server = register("capture_mw", lambda: _capture_vllm("capture_mw", "--middleware", MIDDLEWARE))
+capture_plugin_server = register(
+    "capture_plugin", lambda: _capture_vllm("capture_plugin", env={"VLLM_PLUGINS": "nvext"})
+)

@@ -58,7 +58,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "beside": frozenset({"beside", "outbound", "base"}),
     "connectors": frozenset({"connectors", "beside"}),
     "tools": frozenset({"tools", "inbound", "outbound", "base", "vllm", "beside", "proxy", "capture"}),
-    "capture": frozenset({"capture", "base"}),
+    "capture": frozenset({"capture", "inbound", "base"}),
 }
 # Only these layers see the ASGI scope (a name `scope`: a parameter or a variable).
 READS_SCOPE = frozenset({"asgi", "vllm", "proxy"})

@@ -41,6 +41,8 @@ class CapturedIds:
 
     completion: list[int] | None = field(default_factory=list)
     prompt: list[int] | None = None
+    # The capture tap (`capture.tap.Collector`): told each chat chunk or answer as vLLM made it.
+    tap: Any = None
 
     def add_chunk(self, item: str) -> None:
         """One chat stream event (`data: {...}\\n\\n`)."""
@@ -63,6 +65,8 @@ class CapturedIds:
             self._add(dump(exclude_unset=True, include=fields))
 
     def _add(self, chunk: dict[str, Any]) -> None:
+        if self.tap is not None:
+            self.tap.chunk(chunk)
         prompt = chunk.get("prompt_token_ids")
         if isinstance(prompt, list) and self.prompt is None:
             self.prompt = prompt
@@ -77,6 +81,8 @@ class CapturedIds:
 
     def add_answer(self, answer: Any) -> None:
         """A unary chat answer (vLLM's ChatCompletionResponse)."""
+        if self.tap is not None and hasattr(answer, "model_dump"):
+            self.tap.body(answer.model_dump(mode="json"))
         self.prompt = getattr(answer, "prompt_token_ids", None)
         choices = getattr(answer, "choices", None) or []
         self.completion = getattr(choices[0], "token_ids", None) if choices else None
@@ -184,6 +190,7 @@ async def serve(
     send: Send,
     data: dict[str, Any],
     placements: IdPlacements,
+    tap: Any = None,
 ) -> bool:
     """Answer one /v1/messages request with ids through vLLM's own Anthropic handler.
 
@@ -209,7 +216,7 @@ async def serve(
     except ValidationError as exc:
         await _refuse_invalid(exc, data, app, scope, receive, send)
         return True
-    ids = CapturedIds()
+    ids = CapturedIds(tap=tap)
     # As vLLM's route (`with_cancellation`): a client that goes away cancels the work, nothing outlives it.
     work = asyncio.ensure_future(_handler_copy(handler, ids).create_messages(request, Request(scope, receive)))
     gone = asyncio.ensure_future(_until_disconnect(receive))
@@ -263,6 +270,7 @@ def _response(result: Any, ids: CapturedIds, placements: IdPlacements) -> Any:
 
     async def events() -> AsyncIterator[str]:
         async for event in result:
-            yield place_ids_in_event(event, ids, *placements)
+            # No ids asked (a captured request): each event as vLLM's handler wrote it.
+            yield place_ids_in_event(event, ids, *placements) if any(placements) else event
 
     return StreamingResponse(content=events(), media_type="text/event-stream")

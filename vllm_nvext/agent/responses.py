@@ -85,10 +85,11 @@ class ResponsesPlan:
     body: bytes | None
     headers: tuple[tuple[bytes, bytes], ...] = ()
     dialect: Dialect = Dialect.VLLM
+    capture: bool = False  # the operator captures it (docs/capture.md): the answer goes past the tap
 
     @property
     def reshapes(self) -> bool:
-        return self.nvext_trio or self.nvext_prompt_ids or self.strip_messages
+        return self.nvext_trio or self.nvext_prompt_ids or self.strip_messages or self.capture
 
     @property
     def asks_ids(self) -> bool:
@@ -184,32 +185,41 @@ def _opt_in(body: bytes, mode: Mode, route: str) -> _OptIn | None:
     )
 
 
-def plan_responses(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None) -> ResponsesPlan | None:
+def plan_responses(
+    body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None, capture: bool = False
+) -> ResponsesPlan | None:
     """The plan for a /v1/responses body; None means pass it through untouched.
 
+    `capture`: captured, so `enable_response_messages` upstream (taken back out unless the client asked).
     Raises RequestError for what vLLM reads but cannot be answered with ids.
     """
     opt = _opt_in(body, mode, "/v1/responses")
     if opt is None:
-        return None
+        data = _json.object_as_vllm(body) if capture else None
+        if data is None:
+            return None
+        opt = _OptIn(data, {}, False, False, False, False)  # captured alone: nothing to answer
     data = opt.data
     if opt.ids and _flag(data, "background"):
         # vLLM answers a background request at once, before anything is generated.
         raise RequestError("token ids on /v1/responses cannot be combined with `background`", "background")
     client_enabled = _flag(data, "enable_response_messages")
+    captured = capture and not _flag(data, "background")  # vLLM answers a background request at once
     rewrite, headers = opt.rewrite(body, dp_rank_header)
-    if opt.ids and not client_enabled:
+    strip = (opt.nvext_trio or opt.nvext_prompt_ids or captured) and not opt.vllm_placement and not client_enabled
+    if (opt.ids or captured) and not client_enabled:
         rewrite.set("enable_response_messages", "true")
     return ResponsesPlan(
         vllm_placement=opt.vllm_placement,
         nvext_trio=opt.nvext_trio,
         nvext_prompt_ids=opt.nvext_prompt_ids,
-        strip_messages=(opt.nvext_trio or opt.nvext_prompt_ids) and not opt.vllm_placement and not client_enabled,
+        strip_messages=strip,
         kv_stays_at_root=data.get("kv_transfer_params") is not None,
         stream=_flag(data, "stream"),
         body=rewrite.apply(body),
         headers=headers,
-        dialect=opt.dialect,
+        dialect=opt.dialect if opt.ids or opt.nvext or "nvext" in data else Dialect.NONE,
+        capture=captured,
     )
 
 
@@ -247,6 +257,8 @@ class MessagesPlan:
     dialect: Dialect = Dialect.VLLM
     # The client's `nvext` / `return_token_ids`, which vLLM's model ignores but its errors count.
     dropped: tuple[tuple[str, Any], ...] = ()
+    # The operator captures it (docs/capture.md): served with ids (by the plugin mount) for the tap.
+    capture: bool = False
 
     @property
     def ids(self) -> bool:
@@ -262,11 +274,23 @@ class MessagesPlan:
         )
 
 
-def plan_messages(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None) -> MessagesPlan | None:
-    """The plan for a /v1/messages body; None means pass it through untouched. Raises RequestError."""
+def plan_messages(
+    body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None, capture: bool = False
+) -> MessagesPlan | None:
+    """The plan for a /v1/messages body; None means pass it through untouched. Raises RequestError.
+
+    `capture`: the operator captures the request (a body that opts into nothing is then planned too,
+    with no ids to answer; vLLM gets the client's bytes).
+    """
     opt = _opt_in(body, mode, "/v1/messages")
     if opt is None:
-        return None
+        data = _json.object_as_vllm(body) if capture else None
+        none = IdPlacements(False, False, False)
+        return (
+            None
+            if data is None
+            else MessagesPlan(none, "", _flag(data, "stream"), None, (), Dialect.NONE, capture=True)
+        )
     asked = set(opt.nvext.get("extra_fields") or []) & ID_SELECTORS
     param = "nvext.extra_fields" if asked else "return_token_ids"
     rewrite, headers = opt.rewrite(body, dp_rank_header)
@@ -278,6 +302,7 @@ def plan_messages(body: bytes, mode: Mode, *, dp_rank_header: bytes | None = Non
         headers=headers,
         dialect=opt.dialect,
         dropped=tuple((key, opt.data[key]) for key in ("nvext", "return_token_ids") if key in opt.data),
+        capture=capture,
     )
 
 
@@ -336,22 +361,25 @@ def reshape_response(response: dict[str, Any], plan: ResponsesPlan) -> bool:
     return True
 
 
-def reshape_unary(body: bytes, plan: ResponsesPlan) -> bytes | None:
+def reshape_unary(body: bytes, plan: ResponsesPlan, tap: Any = None) -> bytes | None:
     """The client's bytes for a unary answer, or None to forward vLLM's. Raises ValueError on non-JSON."""
     obj = _json.loads(body)
     if not isinstance(obj, dict) or obj.get("object") != "response":
         return None
+    if tap is not None:
+        tap.response(obj)
     return _json.dumps(obj) if reshape_response(obj, plan) else None
 
 
 class ResponsesStream:
     """A Responses stream: only the event that ends it is decoded and reshaped; the rest pass as sent."""
 
-    __slots__ = ("plan", "_framer")
+    __slots__ = ("plan", "_framer", "tap")
 
-    def __init__(self, plan: ResponsesPlan) -> None:
+    def __init__(self, plan: ResponsesPlan, tap: Any = None) -> None:
         self.plan = plan
         self._framer = EventFramer()
+        self.tap = tap  # the capture tap (`capture.tap.Collector.response`): told the final response object
 
     def feed(self, body: bytes) -> bytes:
         events = self._framer.feed(body)
@@ -375,6 +403,8 @@ class ResponsesStream:
         response = obj.get("response") if isinstance(obj, dict) else None
         if obj.get("type") not in TERMINAL_EVENTS or not isinstance(response, dict):
             return event
+        if self.tap is not None:
+            self.tap.response(response)
         if not reshape_response(response, self.plan):
             return event
         return event[:start] + _json.dumps(obj) + event[end:]
@@ -383,11 +413,12 @@ class ResponsesStream:
 class ResponsesSend:
     """The `send` handed to vLLM for a /v1/responses request that opts in."""
 
-    __slots__ = ("plan", "send", "_start", "_parts", "_stream", "_unary")
+    __slots__ = ("plan", "send", "_start", "_parts", "_stream", "_unary", "tap")
 
-    def __init__(self, plan: ResponsesPlan, send: Send) -> None:
+    def __init__(self, plan: ResponsesPlan, send: Send, tap: Any = None) -> None:
         self.plan = plan
         self.send = send
+        self.tap = tap
         self._start: Message | None = None
         self._parts: list[bytes] = []
         self._stream: ResponsesStream | None = None
@@ -406,7 +437,7 @@ class ResponsesSend:
                     encoded = True
             if message["status"] == 200 and not encoded:
                 if content_type.startswith(b"text/event-stream"):
-                    self._stream = ResponsesStream(self.plan)
+                    self._stream = ResponsesStream(self.plan, self.tap)
                     message["headers"] = [(n, v) for n, v in headers if n.lower() != b"content-length"]
                 elif content_type.startswith(b"application/json"):
                     self._unary = True
@@ -432,7 +463,7 @@ class ResponsesSend:
             return
         whole = b"".join(self._parts)
         try:
-            new = reshape_unary(whole, self.plan)
+            new = reshape_unary(whole, self.plan, self.tap)
         except ValueError:
             new = None  # not JSON after all: forwarded unchanged
         except Exception:  # never turn a good vLLM answer into a 500

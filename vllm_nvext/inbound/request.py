@@ -182,14 +182,15 @@ def plan(
     dp_rank_header: bytes | None = None,
     hides_reasoning_ids: bool = False,
     splice_root: SpliceRoot | None = None,
+    capture: bool = False,
 ) -> Plan:
     """The Plan for a request that opts in. `dp_rank_header` is the client's first `X-data-parallel-rank`;
     `hides_reasoning_ids`: the server withholds the ids of chat requests with `include_reasoning: false`
     (`_vllm_compat.hides_reasoning_ids`); `splice_root`: the compiled splice that may rewrite the body
-    (None: the Python path, as `Settings.pure_python` asks)."""
+    (None: the Python path, as `Settings.pure_python` asks); `capture`: ids on for the capture tap."""
     reading = request.reading
-    if reading is None:
-        return _plan(request, mode, dp_rank_header, hides_reasoning_ids, splice_root)[0]
+    if reading is None or capture:
+        return _plan(request, mode, dp_rank_header, hides_reasoning_ids, splice_root, capture)[0]
     # Past the body's own bytes (spliced anew each time), the plan follows from the reading (of the
     # fields and of `nvext`, on one endpoint), the mode and the server: one per reading, mode and server
     # (tests/unit/test_request_fidelity.py::test_a_kept_plan_is_the_plan_made_anew and
@@ -226,6 +227,7 @@ def _plan(
     dp_rank_header: bytes | None,
     hides_reasoning_ids: bool,
     splice_root: SpliceRoot | None,
+    capture: bool = False,
 ) -> tuple[Plan, BodyRewrite]:
     """The plan made anew, with the rewrite that made its body."""
     endpoint, data, fields = request.endpoint, request.data, request.fields
@@ -243,7 +245,7 @@ def _plan(
     prompts, n = _choices(request, nvext_trio, selectors | ({PROMPT_TOKEN_IDS} if nvext_prompt_ids else set()))
 
     # timing's ttft_ms is the first chunk carrying a token id: ask for ids to see them.
-    needs_ids = vllm_ids or nvext_trio or nvext_prompt_ids or bool(selectors & _TIMED)
+    needs_ids = vllm_ids or nvext_trio or nvext_prompt_ids or bool(selectors & _TIMED) or capture
     rewrite = BodyRewrite()
     if "nvext" in data:
         rewrite.drop("nvext")
@@ -273,6 +275,7 @@ def _plan(
         kv_stays_at_root=fields.kv_transfer_params is not None,
         error_params=tuple(rewrite.sources.items()),
         ids_withheld=hides_reasoning_ids and endpoint is Endpoint.CHAT and fields.include_reasoning is False,
+        capture=capture,
     )
     return made, rewrite
 

@@ -1,0 +1,106 @@
+"""The session a captured request belongs to, from its headers and body (docs/capture.md, Session keys).
+
+Pure. Header values and body values are client input: one that is not a valid session id
+(`record.valid_session_id`: 1 to 256 of letters, digits and `._:~-`) is not a key (the next one in the
+order is tried). Capture never
+changes the client's answer, so an unusable key is skipped, never refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from .record import valid_session_id
+
+# In order: the first that carries a usable value names the session (docs/capture.md, Session keys).
+SESSION_HEADERS: tuple[bytes, ...] = (
+    b"x-nvext-session-id",  # ours
+    b"x-dynamo-session-id",  # the session headers a Dynamo 1.6.1 frontend reads
+    b"x-session-id",
+    b"x-claude-code-session-id",  # Claude Code, on every request
+    b"session_id",  # Codex: its conversation id (codex-rs/codex-api, build_conversation_headers)
+    b"session-id",  # later Codex releases
+    b"thread-id",  # Codex's thread, which Dynamo 1.6.1 reads too
+)
+# Beside them: the parent session (or thread) and the subagent a request names, in order.
+PARENT_HEADERS: tuple[bytes, ...] = (
+    b"x-dynamo-parent-session-id",
+    b"x-parent-session-id",
+    b"x-claude-code-parent-agent-id",
+    b"x-codex-parent-thread-id",
+)
+AGENT_HEADERS: tuple[bytes, ...] = (b"x-claude-code-agent-id", b"x-openai-subagent")
+# Body keys, by route: Responses' `prompt_cache_key` (Codex sets it to its conversation id),
+# Messages' `metadata.user_id` (Claude Code's carries its session).
+PROMPT_CACHE_KEY = "prompt_cache_key"
+METADATA_USER_ID = "metadata.user_id"
+REQUEST_ID = "request_id"
+
+
+class SessionKey(NamedTuple):
+    """Where a request's session comes from; `session_id` None: its own one-turn session, named by
+    the id vLLM gives the response (`source` is then "request_id")."""
+
+    session_id: str | None
+    source: str
+    parent_id: str | None
+    agent_id: str | None
+
+
+def usable(value: Any) -> str | None:
+    """`value` as a key, or None when it is not one (not a string, empty, too long, odd characters)."""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    if not isinstance(value, str):
+        return None
+    text: str = value.strip()
+    return text if valid_session_id(text) else None
+
+
+def _first(headers: dict[bytes, bytes], names: tuple[bytes, ...]) -> tuple[str, str] | None:
+    for name in names:
+        value = usable(headers.get(name))
+        if value is not None:
+            return value, name.decode()
+    return None
+
+
+def header_key(raw: Any) -> SessionKey:
+    """The key the request's headers give (ASGI `(name, value)` pairs, names lower-case; the first of a
+    repeated header counts, as starlette reads it); `session_id` None when none does."""
+    headers: dict[bytes, bytes] = {}
+    for name, value in raw:
+        headers.setdefault(bytes(name), bytes(value))
+    session = _first(headers, SESSION_HEADERS)
+    parent = _first(headers, PARENT_HEADERS)
+    agent = _first(headers, AGENT_HEADERS)
+    return SessionKey(
+        session[0] if session else None,
+        session[1] if session else REQUEST_ID,
+        parent[0] if parent else None,
+        agent[0] if agent else None,
+    )
+
+
+def body_key(data: Any) -> tuple[str, str] | None:
+    """(session id, source) from a body's `prompt_cache_key` or `metadata.user_id`; None: neither is usable."""
+    if not isinstance(data, dict):
+        return None
+    value = usable(data.get(PROMPT_CACHE_KEY))
+    if value is not None:
+        return value, PROMPT_CACHE_KEY
+    metadata = data.get("metadata")
+    value = usable(metadata.get("user_id")) if isinstance(metadata, dict) else None
+    return (value, METADATA_USER_ID) if value is not None else None
+
+
+def session_key(raw_headers: Any, data: Any) -> SessionKey:
+    """The key in the documented order: headers first, then the body's keys."""
+    key = header_key(raw_headers)
+    if key.session_id is not None:
+        return key
+    found = body_key(data)
+    return key if found is None else key._replace(session_id=found[0], source=found[1])

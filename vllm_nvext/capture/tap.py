@@ -1,0 +1,283 @@
+"""The capture tap: one per captured request, told what the answer carried on its way past, and at its
+end the recorded turn handed to the sink (docs/capture.md).
+
+Pure but for the sink's `submit` (which never blocks and never raises: capture/store.py). Fed the
+decoded objects the response side already reads (a chat or completions chunk or body, a Responses
+object, the chat answer behind /v1/messages) before anything is taken out of them for the client.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+from .keys import SessionKey, header_key, session_key
+from .record import Turn
+
+logger = logging.getLogger("vllm_nvext")
+
+TEXT, REASONING, TOOL_CALL = "text", "reasoning", "tool_call"
+
+
+class Sink(Protocol):
+    def submit(self, turn: Any) -> None: ...
+
+
+class _Choice:
+    """One choice's record: its ids, logprobs and spans so far."""
+
+    __slots__ = ("ids", "logprobs", "finish_reason", "spans", "withheld", "tools")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.logprobs: list[float] | None = []
+        self.finish_reason: str | None = None
+        self.spans: list[dict[str, Any]] = []
+        self.withheld = False  # some chunk said `token_ids: null`: the ids are not reported
+        self.tools: dict[int, tuple[str | None, str | None]] = {}  # tool call index -> (id, name)
+
+    def add(self, ids: list[int] | None, logprobs: list[float] | None, kind: str | None, tool: int | None) -> None:
+        if ids is None:
+            self.withheld = True
+            return
+        start = len(self.ids)
+        self.ids += ids
+        if self.logprobs is not None:
+            if logprobs is None or len(logprobs) != len(ids):
+                self.logprobs = None if ids else self.logprobs  # counts can no longer align
+            else:
+                self.logprobs += logprobs
+        if ids and kind is not None:
+            call_id, name = self.tools.get(tool, (None, None)) if tool is not None else (None, None)
+            last = self.spans[-1] if self.spans else None
+            if last is not None and last["kind"] == kind and last["end"] == start and last["_tool"] == tool:
+                last["end"] = len(self.ids)
+            else:
+                self.spans.append({"kind": kind, "start": start, "end": len(self.ids), "tool_call_id": call_id,
+                                   "name": name, "_tool": tool})  # fmt: skip
+
+    def fields(self) -> dict[str, Any]:
+        spans = [{k: v for k, v in span.items() if k != "_tool"} for span in self.spans]
+        for span, raw in zip(spans, self.spans, strict=True):
+            if raw["_tool"] is not None:  # an id or name that came after the span began
+                span["tool_call_id"], span["name"] = self.tools.get(raw["_tool"], (None, None))
+        return {
+            "completion_token_ids": None if self.withheld else self.ids,
+            "logprobs": None if self.withheld or not self.ids else self.logprobs,
+            "finish_reason": self.finish_reason,
+            "spans": None if self.withheld else spans,
+        }
+
+
+def _token_logprobs(choice: dict[str, Any]) -> list[float] | None:
+    """The sampled tokens' logprobs of a chat (`content` entries) or completions (`token_logprobs`) choice."""
+    lp = choice.get("logprobs")
+    if not isinstance(lp, dict):
+        return None
+    content = lp.get("content")
+    values: Any = lp.get("token_logprobs")
+    if isinstance(content, list):
+        values = [e.get("logprob") if isinstance(e, dict) else None for e in content]
+    if not isinstance(values, list) or not all(isinstance(v, (int, float)) for v in values):
+        return None
+    return [float(v) for v in values]
+
+
+def _delta_kind(delta: Any, choice: dict[str, Any]) -> tuple[str | None, int | None, Any]:
+    """What a chunk's ids became: (kind, tool call index, the tool call) by the delta that carried them."""
+    if not isinstance(delta, dict):
+        return (TEXT, None, None) if isinstance(choice.get("text"), str) else (None, None, None)
+    calls = delta.get("tool_calls")
+    if isinstance(calls, list) and calls and isinstance(calls[-1], dict):
+        index = calls[-1].get("index")
+        return TOOL_CALL, index if isinstance(index, int) else 0, calls[-1]
+    if delta.get("reasoning") or delta.get("reasoning_content"):
+        return REASONING, None, None
+    return TEXT, None, None
+
+
+class Collector:
+    """What one captured request reports; `finish` hands its turn to the sink, once."""
+
+    __slots__ = ("sink", "route", "key", "time", "request_id", "model", "prompt", "usage", "_choices", "_done",
+                 "reported", "spans_known")  # fmt: skip
+
+    def __init__(self, sink: Sink, route: str, key: SessionKey, arrived: float | None = None) -> None:
+        self.sink = sink
+        self.route = route
+        self.key = key
+        self.time = time.time() if arrived is None else arrived
+        self.request_id: str | None = None
+        self.model: str | None = None
+        self.prompt: list[int] | None = None
+        self.usage: Any = None
+        self._choices: dict[int, _Choice] = {}
+        self._done = False
+        self.reported = False  # an answer was seen (an error is not a turn)
+        self.spans_known = True  # False: the route reports no per-item ids (docs/capture.md)
+
+    @classmethod
+    def of(cls, sink: Sink | None, route: str, headers: Any, data: Any, arrived: float) -> Collector | None:
+        """The tap of one request (None: capture is off), keyed by its session (capture/keys.py) from its ASGI
+        headers and its body as read (`data`)."""
+        if sink is None:
+            return None
+        key = header_key(headers)
+        if key.session_id is None:
+            key = session_key((), data)._replace(parent_id=key.parent_id, agent_id=key.agent_id)
+        return cls(sink, route, key, arrived)
+
+    def _root(self, obj: dict[str, Any]) -> None:
+        self.reported = True
+        if self.request_id is None and isinstance(obj.get("id"), str):
+            self.request_id = obj["id"]
+        if self.model is None and isinstance(obj.get("model"), str):
+            self.model = obj["model"]
+        if obj.get("usage") is not None:
+            self.usage = obj["usage"]
+
+    def _choice(self, index: Any) -> _Choice:
+        index = index if isinstance(index, int) and not isinstance(index, bool) else 0
+        state = self._choices.get(index)
+        if state is None:
+            state = self._choices[index] = _Choice()
+        return state
+
+    def chunk(self, obj: Any) -> None:
+        """One decoded chat or completions stream chunk, as vLLM sent it."""
+        if not isinstance(obj, dict) or "error" in obj:
+            return
+        self._root(obj)
+        choices = obj.get("choices")
+        if self.prompt is None and isinstance(obj.get("prompt_token_ids"), list):
+            self.prompt = obj["prompt_token_ids"]
+        for choice in choices if isinstance(choices, list) else ():
+            if not isinstance(choice, dict):
+                continue
+            if self.prompt is None and isinstance(choice.get("prompt_token_ids"), list):
+                self.prompt = choice["prompt_token_ids"]  # completions: per choice
+            state = self._choice(choice.get("index"))
+            delta = choice.get("delta")
+            kind, tool, call = _delta_kind(delta, choice)
+            if call is not None:
+                known = state.tools.get(tool, (None, None))  # type: ignore[arg-type]
+                function = call.get("function") if isinstance(call.get("function"), dict) else {}
+                state.tools[tool] = (  # type: ignore[index]
+                    call.get("id") if isinstance(call.get("id"), str) else known[0],
+                    function.get("name") if isinstance(function.get("name"), str) else known[1],
+                )
+            if "token_ids" in choice:
+                ids = choice["token_ids"]
+                state.add(ids if isinstance(ids, list) else None, _token_logprobs(choice), kind, tool)
+            if isinstance(choice.get("finish_reason"), str):
+                state.finish_reason = choice["finish_reason"]
+
+    def body(self, obj: Any) -> None:
+        """A decoded unary chat or completions body, as vLLM sent it: one span per item it holds."""
+        if not isinstance(obj, dict) or "error" in obj:
+            return
+        self._root(obj)
+        if isinstance(obj.get("prompt_token_ids"), list):
+            self.prompt = obj["prompt_token_ids"]
+        choices = obj.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
+            if not isinstance(choice, dict):
+                continue
+            if self.prompt is None and isinstance(choice.get("prompt_token_ids"), list):
+                self.prompt = choice["prompt_token_ids"]
+            state = self._choice(choice.get("index"))
+            ids = choice.get("token_ids")
+            message = choice.get("message")
+            calls = message.get("tool_calls") if isinstance(message, dict) else None
+            # A unary body says which items came out, not which ids made each: one span, of the one kind
+            # when there is one kind of item (docs/capture.md, what is exact).
+            kinds = _message_kinds(message) if isinstance(message, dict) else ([TEXT] if "text" in choice else [])
+            tool = 0 if kinds == [TOOL_CALL] else None
+            if tool is not None and isinstance(calls, list) and len(calls) == 1 and isinstance(calls[0], dict):
+                function = calls[0].get("function") if isinstance(calls[0].get("function"), dict) else {}
+                state.tools[0] = (calls[0].get("id"), (function or {}).get("name"))
+            state.add(ids if isinstance(ids, list) else None, _token_logprobs(choice),
+                      kinds[0] if len(kinds) == 1 else None, tool)  # fmt: skip
+            if isinstance(choice.get("finish_reason"), str):
+                state.finish_reason = choice["finish_reason"]
+        if isinstance(choices, list) and any(
+            isinstance(c, dict) and len(_message_kinds(c.get("message"))) > 1 for c in choices
+        ):
+            self.spans_known = False
+
+    def response(self, obj: Any) -> None:
+        """A Responses object with vLLM's `input_messages` / `output_messages` (the ids of each round)."""
+        if not isinstance(obj, dict):
+            return
+        self._root(obj)
+        self.spans_known = False  # the ids come per round, not per item
+        inputs, outputs = obj.get("input_messages"), obj.get("output_messages")
+        if isinstance(inputs, list) and inputs and isinstance(inputs[0], dict):
+            tokens = inputs[0].get("tokens")
+            self.prompt = tokens if isinstance(tokens, list) else None
+        state = self._choice(0)
+        if isinstance(outputs, list):
+            state.logprobs = None
+            for entry in outputs[::2]:  # completions at even positions (agent.responses.response_ids)
+                tokens = entry.get("tokens") if isinstance(entry, dict) else None
+                state.add(tokens if isinstance(tokens, list) else None, None, None, None)
+        else:
+            state.withheld = True
+        details = obj.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        state.finish_reason = reason if isinstance(reason, str) else obj.get("status")
+
+    def finish(self) -> None:
+        """The turn, to the sink: once, and only for an answer that was seen."""
+        if self._done or not self.reported:
+            return
+        self._done = True
+        try:
+            self.sink.submit(self.turn())
+        except Exception:  # the sink never raises; a turn that cannot be made is dropped, never the answer
+            logger.exception("vllm-nvext could not record a captured turn")
+
+    def fields(self) -> dict[str, Any]:
+        """The turn's fields as the read API writes them (capture/record.py's Turn), less what the store adds."""
+        first = self._choices.get(0) or _Choice()
+        choice = first.fields()
+        if not self.spans_known:
+            choice["spans"] = None
+        others = [{"index": i, **c.fields()} for i, c in sorted(self._choices.items()) if i != 0]
+        if not self.spans_known:
+            for other in others:
+                other["spans"] = None
+        key = self.key
+        request_id = self.request_id
+        return {
+            "session_id": key.session_id if key.session_id is not None else request_id,
+            "route": self.route,
+            "request_id": request_id,
+            "time": self.time,
+            "model": self.model,
+            "parent_id": key.parent_id,
+            "agent_id": key.agent_id,
+            "session_source": key.source,
+            "prompt_token_ids": self.prompt,
+            **choice,
+            "usage": self.usage,
+            "choices": others or None,
+        }
+
+    def turn(self) -> Turn:
+        return Turn(**self.fields())
+
+
+def _message_kinds(message: Any) -> list[str]:
+    """The kinds of item a unary chat message holds, in the order vLLM generates them."""
+    if not isinstance(message, dict):
+        return []
+    kinds = []
+    if message.get("reasoning") or message.get("reasoning_content"):
+        kinds.append(REASONING)
+    if message.get("content"):
+        kinds.append(TEXT)
+    if message.get("tool_calls"):
+        kinds.append(TOOL_CALL)
+    return kinds
