@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import email.message
-import ipaddress
 import itertools
 import sys
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -283,58 +282,6 @@ async def send_error(send: Send, error: RequestError, payload: bytes | None = No
 
 def too_large(cap: int) -> RequestError:
     return RequestError(f"Request body exceeds the {cap}-byte limit of vllm-nvext", None, 413)
-
-
-# --- X-Forwarded-* (`vllm-nvext proxy`) -------------------------------------------------------------
-# What a client says about the hops before the proxy: kept only from a trusted peer (`--forwarded-allow-ips`).
-FORWARDED = frozenset({b"forwarded", b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"x-forwarded-port",
-                       b"x-forwarded-prefix", b"x-real-ip"})  # fmt: skip
-Networks = tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
-
-
-def trusted_networks(allowed: Sequence[str]) -> Networks | None:
-    """`--forwarded-allow-ips` as networks (uvicorn's syntax: addresses, networks, `*`); None: `*`, every peer."""
-    if "*" in allowed:
-        return None
-    try:
-        return tuple(ipaddress.ip_network(a, strict=False) for a in allowed)
-    except ValueError:
-        raise ValueError(
-            f"forwarded-allow-ips: expected IP addresses or networks, or *, got {','.join(allowed)!r}"
-        ) from None
-
-
-def is_trusted(peer: str | None, networks: Networks | None) -> bool:
-    """Whether the peer's X-Forwarded-* headers are kept; a peer that is no IP address (a unix socket) is not."""
-    if peer is None:
-        return False
-    if networks is None:
-        return True
-    try:
-        address = ipaddress.ip_address(peer)
-    except ValueError:
-        return False
-    return any(address in network for network in networks)
-
-
-def forwarded(
-    headers: list[tuple[bytes, bytes]], peer: str | None, scheme: str, *, trusted: bool
-) -> list[tuple[bytes, bytes]]:
-    """The headers with the proxy's X-Forwarded-For / -Proto, as a reverse proxy writes them (nginx's
-    `$proxy_add_x_forwarded_for`): a trusted peer's chain gets the peer appended; an untrusted peer's
-    X-Forwarded-* and Forwarded headers are dropped and the peer alone is written."""
-    if not trusted:
-        headers = [(n, v) for n, v in headers if n not in FORWARDED]
-    chain = b", ".join(v for n, v in headers if n == b"x-forwarded-for")
-    out = [(n, v) for n, v in headers if n != b"x-forwarded-for"]
-    if peer is not None:
-        address = peer.encode("latin-1")
-        out.append((b"x-forwarded-for", chain + b", " + address if chain else address))
-    elif chain:
-        out.append((b"x-forwarded-for", chain))
-    if not any(n == b"x-forwarded-proto" for n, _ in out):
-        out.append((b"x-forwarded-proto", scheme.encode("latin-1")))
-    return out
 
 
 async def decode_echo_prompts(

@@ -35,7 +35,7 @@ LAYERS: dict[str, frozenset[str]] = {
         {"", "middleware", "asgi", "send", "kernels", "_speedups", "metrics", "agent", "agent.*", "plugin"}
     ),
     # Out of process: the middleware in front of a server over HTTP (`vllm-nvext proxy`).
-    "proxy": frozenset({"proxy"}),
+    "proxy": frozenset({"proxy", "proxy.*"}),
     # For users, beside the server.
     "beside": frozenset({"client", "hidden_states"}),
     # Engine-side KV connectors (and their first import paths): loaded by vLLM's engine process, never
