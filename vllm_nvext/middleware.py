@@ -269,7 +269,7 @@ class _Exchange:
             set_header(self.scope, b"content-length", str(len(body)).encode())
         for name, value in plan.headers:
             set_header(self.scope, name, value, replace=False)
-        reshaping = self._reshaping(plan.endpoint, plan, mode, request.data)
+        reshaping = self._reshaping(endpoint, plan, mode, request.data)
         del request  # the decoded body and the client's bytes are not held while vLLM answers
         # vLLM's app is awaited here, not in a coroutine of its own: every time the app resumes (each
         # token of a stream) it passes through one frame of ours less.
@@ -362,7 +362,7 @@ class _Exchange:
             decode_echo = partial(decode_echo_prompts, self.app, self.scope, self.receive, model=data.get("model"))
         tap = None
         if plan.capture:  # told what the answer carries (docs/capture.md)
-            tap = Collector.of(self.sink, PATHS[endpoint], self.scope["headers"], data, self.arrived[0])
+            tap = Collector.of(self.sink, PATHS[plan.endpoint], self.scope["headers"], data, self.arrived[0])
         return ReshapingSend(plan, Clock(*self.arrived), self.send, self.kernels, endpoint, decode_echo, tap)
 
     async def _agent_route(self, route: AgentRoute, body: bytes, found: bool, headers: RequestHeaders) -> None:
