@@ -14,25 +14,14 @@ import logging
 import sys
 import time
 from collections.abc import Awaitable
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
 from . import _json, _vllm_compat, metrics
+from .agent import route as agent_route
 from .agent import websocket
 from .agent.messages import plugin_serves_messages
-from .agent.messages import serve as serve_messages
-from .agent.responses import (
-    AGENT_PATHS,
-    AgentRoute,
-    MessagesPlan,
-    ResponsesPlan,
-    ResponsesSend,
-    anthropic_error_body,
-    plan_messages,
-    plan_responses,
-    rust_frontend_refusal,
-)
+from .agent.responses import AGENT_PATHS, AgentRoute
 from .asgi import (
     HANDLED,
     ASGIApp,
@@ -52,14 +41,14 @@ from .asgi import (
     set_header,
     too_large,
 )
-from .capture.requests import read_for_capture
+from .capture.requests import plan_for_capture
 from .capture.store import Sink
 from .capture.tap import Collector
 from .config import MODE_HEADER, Mode, Settings
 from .inbound import client_params, fields
 from .inbound.optin import OptInScan, opts_in_whole
-from .inbound.request import Request, read_request
 from .inbound.request import plan as plan_request_for
+from .inbound.request import read_request
 from .kernels import Kernels, pick
 from .outbound.nvext_values import Clock
 from .plan import Plan
@@ -157,9 +146,8 @@ class NvextMiddleware:
             or (facts.key_digests and _vllm_compat.auth_refuses(scope, facts))  # without a key vLLM refuses nothing
             or (endpoint is AgentRoute.MESSAGES and not self.serve_messages and plugin_serves_messages(scope))
         ):
-            # Mounted outside vLLM's key check, a request it refuses reaches it untouched: nothing
-            # of the middleware runs before the check (docs/protocol.md §10). /v1/messages: the
-            # plugin mount inside serves it.
+            # Mounted outside vLLM's key check, a request it refuses reaches it untouched: nothing of the
+            # middleware runs before the check (docs/protocol.md §10). /v1/messages: the plugin mount serves it.
             await self.app(scope, receive, send)
             return
         scope[HANDLED] = True
@@ -181,9 +169,7 @@ class NvextMiddleware:
             else:
                 receive = Replay.again(message, receive)  # `_Exchange` reads it as the first of many
         exchange = _Exchange(self.app, self.settings, endpoint, scope, receive, send, self.kernels, arrived)
-        exchange.serve_messages = self.serve_messages
-        exchange.body_request_id = body_request_id
-        exchange.strip = strip
+        exchange.serve_messages, exchange.body_request_id, exchange.strip = self.serve_messages, body_request_id, strip
         exchange.hides_reasoning_ids, exchange.sink = facts.hides_reasoning_ids, self.sink
         await exchange.run(whole, headers)
 
@@ -220,20 +206,16 @@ class _Exchange:
         self.sink: Sink | None = None  # capture is on: every request is recorded (docs/capture.md)
 
     async def run(self, whole: bytes | None = None, headers: RequestHeaders | None = None) -> None:
-        """One request, top-down: its headers and body, the plan, then vLLM, whose answer is reshaped.
-
-        `whole`: the body, already received in one message and found to opt in (JSON by its type);
-        `headers`: the request's headers, when they were read for it (read here otherwise).
-        """
+        """One request, top-down: its headers and body, the plan, then vLLM, whose answer is reshaped. `whole`: the
+        body, received in one message and found to opt in (JSON by its type); `headers`: once read for it."""
         if headers is None:
             headers = RequestHeaders.read(self.scope)
-        read: tuple[bytes, bool] | None
         if whole is not None:
             read = (whole, True) if len(whole) <= self.settings.max_body_bytes else None
             if read is None:
-                await self._send_error(too_large(self.settings.max_body_bytes))  # as `_read_body` refuses it
+                await self.send_error(too_large(self.settings.max_body_bytes))  # as `_read_body` refuses it
         elif not headers.json_body:
-            await self._forward(None)  # vLLM does not read this body as JSON
+            await self.forward(None)  # vLLM does not read this body as JSON
             return
         else:
             read = await self._read_body(headers.content_length)
@@ -246,25 +228,25 @@ class _Exchange:
             await self.app(self.scope, replay_body(body, self.receive), self.send)
             return
         if isinstance(endpoint, AgentRoute):
-            await self._agent_route(endpoint, body, opts_in, headers)
+            await agent_route.serve(self, endpoint, body, opts_in, headers)  # agent/route.py
             return
         try:
             request = read_request(body, endpoint, scanned=True) if opts_in else None
-            settings = self.settings
             if request is None:  # captured alone, or to vLLM as the client sent it
-                request, plan, mode = self._capture_only(endpoint, body) if self.sink else (None, None, settings.mode)
+                mode, hides = self.settings.mode, self.hides_reasoning_ids
+                request, plan = plan_for_capture(body, endpoint, mode, hides) if self.sink else (None, None)
             else:
-                mode = self._mode(headers.modes) if headers.modes else settings.mode  # no header: the setting
+                mode = self.mode(headers.modes) if headers.modes else self.settings.mode  # no header: the setting
                 splice = self.kernels.splice_root
                 plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank, capture=self.sink is not None,
                                         hides_reasoning_ids=self.hides_reasoning_ids, splice_root=splice)  # fmt: skip
         except RequestError as exc:
-            await self._send_error(exc)
+            await self.send_error(exc)
             return
         if request is None or plan is None:
-            await self._forward(body)
+            await self.forward(body)
             return
-        if plan.body is not None:  # `_rewrite`, inline: one function less per request
+        if plan.body is not None:  # the body vLLM gets, set here: one function less per request
             body = plan.body
             set_header(self.scope, b"content-length", str(len(body)).encode())
         for name, value in plan.headers:
@@ -283,19 +265,6 @@ class _Exchange:
             reshaping.count_stream()  # also for a stream the client cut short
             if reshaping.tap is not None:
                 reshaping.tap.finish()  # the captured turn, to the store (also for a stream cut short)
-
-    def _capture_only(self, endpoint: Endpoint, body: bytes) -> tuple[Request | None, Plan | None, Mode]:
-        """A captured request that opts into nothing, planned with ids on for the tap alone; (None, None): one
-        the plan refuses, which goes to vLLM untouched (capture never answers otherwise than vLLM would)."""
-        mode = self.settings.mode
-        try:
-            request = read_for_capture(body, endpoint)
-            if request is None:
-                return None, None, mode
-            plan = plan_request_for(request, mode, hides_reasoning_ids=self.hides_reasoning_ids, capture=True)
-        except RequestError:
-            return None, None, mode
-        return request, replace(plan, dialect=Dialect.NONE), mode
 
     async def _read_body(self, declared_length: int) -> tuple[bytes, bool] | None:
         """The whole body and whether it opts in; None once it was answered, passed on or abandoned.
@@ -320,7 +289,7 @@ class _Exchange:
             size += len(chunk)
             parts.append(chunk)
             if scan.feed(chunk) and size > cap:
-                await self._send_error(too_large(cap))
+                await self.send_error(too_large(cap))
                 return None
             if more and not scan.found and max(size, declared_length) > cap:
                 if self.endpoint is not None:
@@ -335,16 +304,7 @@ class _Exchange:
             body = checked
         return body, scan.found
 
-    def _rewrite(self, body: bytes, planned: bytes | None, headers: tuple[tuple[bytes, bytes], ...]) -> bytes:
-        """The body vLLM gets (the plan's, when it rewrote it), with the plan's extra headers set."""
-        if planned is not None:
-            body = planned
-            set_header(self.scope, b"content-length", str(len(body)).encode())
-        for name, value in headers:
-            set_header(self.scope, name, value, replace=False)
-        return body
-
-    def _forward(self, body: bytes | None) -> Awaitable[None]:
+    def forward(self, body: bytes | None) -> Awaitable[None]:
         """To vLLM as the client sent it (`body` once read, else the client's own stream), answer untouched:
         vLLM's app, for the caller to await (no coroutine of ours between the two)."""
         if self.endpoint is not None:
@@ -365,53 +325,7 @@ class _Exchange:
             tap = Collector.of(self.sink, PATHS[plan.endpoint], self.scope["headers"], data, self.arrived[0])
         return ReshapingSend(plan, Clock(*self.arrived), self.send, self.kernels, endpoint, decode_echo, tap)
 
-    async def _agent_route(self, route: AgentRoute, body: bytes, found: bool, headers: RequestHeaders) -> None:
-        """/v1/responses and /v1/messages (docs/protocol.md §11)."""
-        messages = route is AgentRoute.MESSAGES
-        captured = self.sink is not None
-        try:
-            mode = self._mode(headers.modes) if found else self.settings.mode
-            planner = plan_messages if messages else plan_responses
-            plan = planner(body, mode, dp_rank_header=headers.dp_rank, capture=captured) if found or captured else None
-            if isinstance(plan, MessagesPlan) and plan.ids and not self.serve_messages:
-                raise plan.refusal()
-            if (
-                isinstance(plan, ResponsesPlan)
-                and plan.asks_ids
-                and (rs := _vllm_compat.rust_frontend_version(self.scope))
-            ):
-                raise rust_frontend_refusal(plan, rs)  # through the proxy (docs/scaling-out.md)
-        except RequestError as exc:
-            await self._send_error(exc, anthropic_error_body(exc) if messages else None)
-            return
-        if plan is None:
-            await self._forward(body)
-            return
-        body = self._rewrite(body, plan.body, plan.headers)
-        metrics.count_request(route, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY)
-        receive = Replay([body], False, self.receive)
-        sink = self.sink if plan.capture and (not messages or self.serve_messages) else None  # --middleware: no ids
-        path, data = "/v1/messages" if messages else "/v1/responses", _json.object_as_vllm(body) if sink else None
-        tap = Collector.of(sink, path, self.scope["headers"], data, self.arrived[0])
-        try:
-            if isinstance(plan, MessagesPlan):
-                if plan.ids or tap is not None:
-                    data = _json.loads_as_vllm(body)
-                    data.update(plan.dropped)  # as sent: vLLM's model ignores them, its errors count them
-                    if await serve_messages(self.app, self.scope, receive, self.send, data, plan.placements, tap):
-                        return
-                    if plan.ids:
-                        await self._send_error(plan.refusal(), anthropic_error_body(plan.refusal()))
-                        return
-                await self.app(self.scope, receive, self.send)
-                return
-            send = ResponsesSend(plan, self.send, tap) if plan.reshapes else self.send
-            await self.app(self.scope, receive, send)
-        finally:
-            if tap is not None:
-                tap.finish()
-
-    def _mode(self, values: list[bytes]) -> Mode:
+    def mode(self, values: list[bytes]) -> Mode:
         """The mode for a request that opts in; an empty header counts as absent."""
         mode = self.settings.mode
         if not self.settings.allow_mode_header:
@@ -444,7 +358,7 @@ class _Exchange:
 
         await self.app(self.scope, receive, send)
         if receive.aborted and not started:
-            await self._send_error(too_large(self.settings.max_body_bytes))
+            await self.send_error(too_large(self.settings.max_body_bytes))
 
     async def _check_client_params(self, body: bytes) -> bytes | None:
         """The body with the client's remote address stripped (when set); None once a refusal went out.
@@ -456,7 +370,7 @@ class _Exchange:
             return body  # vLLM refuses it with its own error
         request_id = data.get("request_id") if self.body_request_id else None
         if isinstance(request_id, str) and not client_params.is_plain_name(request_id):
-            await self._send_error(RequestError(client_params.not_plain_message("request_id"), "request_id"))
+            await self.send_error(RequestError(client_params.not_plain_message("request_id"), "request_id"))
             return None
         if self.strip:
             stripped = client_params.strip_remote_address(body, data)
@@ -465,5 +379,5 @@ class _Exchange:
                 return stripped
         return body
 
-    async def _send_error(self, error: RequestError, payload: bytes | None = None) -> None:
+    async def send_error(self, error: RequestError, payload: bytes | None = None) -> None:
         await send_error(self.send, error, payload)

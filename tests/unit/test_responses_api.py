@@ -18,11 +18,11 @@ from tests.helpers import without_agent_volatile
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, Settings
 from vllm_nvext import _json as nvjson
+from vllm_nvext.agent.messages import plan_messages
 from vllm_nvext.agent.responses import (
     ResponsesPlan,
     ResponsesSend,
     ResponsesStream,
-    plan_messages,
     plan_responses,
     reshape_response,
     reshape_unary,

@@ -5,8 +5,9 @@ builds the Anthropic answer from the chat answer, so the ids never reach an ASGI
 plugin mount (inside vLLM's app, after vLLM's key check) therefore serves a request that opts in
 itself, with vLLM's own code: vLLM's Anthropic handler does the conversion and the answer, on a
 per-request copy whose chat request has `return_token_ids` on and whose chat answer is read for
-the ids on the way. The `--middleware` mount refuses such a request (400) unless the plugin is
-mounted too, in which case it leaves the route to the plugin.
+the ids on the way. The `--middleware` mount refuses such a request (400, Anthropic's envelope)
+unless the plugin is mounted too, in which case it leaves the route to the plugin. The plan of a
+body (`plan_messages`) is read here too, from what it opts into (`responses.opt_in`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import copy
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import _json
 from ..asgi import ASGIApp, Receive, Scope, Send
-from ..protocol import COMPLETION_TOKEN_IDS, PROMPT_TOKEN_IDS
-from .responses import IdPlacements
+from ..config import Mode
+from ..protocol import COMPLETION_TOKEN_IDS, ID_SELECTORS, PROMPT_TOKEN_IDS, Dialect, RequestError
+from .responses import opt_in, root_flag
 
 logger = logging.getLogger("vllm_nvext")
 
@@ -33,6 +35,82 @@ def plugin_serves_messages(scope: Scope) -> bool:
     """Is the plugin mounted in the app this request goes to (so that it serves /v1/messages)?"""
     state = getattr(scope.get("app"), "state", None)
     return getattr(state, PLUGIN_STATE, False) is True
+
+
+class IdPlacements(NamedTuple):
+    """What a /v1/messages answer carries (docs/protocol.md §11.2)."""
+
+    vllm: bool  # vLLM's placement: root `prompt_token_ids`, `token_ids`
+    nvext_trio: bool  # under `nvext`: completion_token_ids, prompt_token_ids, kv_transfer_params
+    nvext_prompt_ids: bool  # `nvext.prompt_token_ids` alone
+
+
+@dataclass(frozen=True, slots=True)
+class MessagesPlan:
+    """One /v1/messages request that opts in (docs/protocol.md §11.2)."""
+
+    # None of them set means no ids were asked.
+    placements: IdPlacements
+    # The param the client asked for ids with (named by a refusal).
+    param: str
+    stream: bool
+    body: bytes | None
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    dialect: Dialect = Dialect.VLLM
+    # The client's `nvext` / `return_token_ids`, which vLLM's model ignores but its errors count.
+    dropped: tuple[tuple[str, Any], ...] = ()
+    # The operator captures it (docs/capture.md): served with ids (by the plugin mount) for the tap.
+    capture: bool = False
+
+    @property
+    def ids(self) -> bool:
+        return any(self.placements)
+
+    def refusal(self) -> RequestError:
+        """Where the ids cannot be served: a 400 naming the field, never a 200 without them."""
+        return RequestError(
+            f"`{self.param}` cannot be answered on /v1/messages by the --middleware mount alone: vLLM's "
+            "Messages API converts the request to chat without token ids, so they need the vllm-nvext "
+            "endpoint plugin (VLLM_PLUGINS=nvext) serving that route (docs/protocol.md §11)",
+            self.param,
+        )
+
+
+def plan_messages(
+    body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None, capture: bool = False
+) -> MessagesPlan | None:
+    """The plan for a /v1/messages body; None means pass it through untouched. Raises RequestError.
+
+    `capture`: the operator captures the request (a body that opts into nothing is then planned too,
+    with no ids to answer; vLLM gets the client's bytes).
+    """
+    opt = opt_in(body, mode, "/v1/messages")
+    if opt is None:
+        data = _json.object_as_vllm(body) if capture else None
+        none = IdPlacements(False, False, False)
+        return (
+            None
+            if data is None
+            else MessagesPlan(none, "", root_flag(data, "stream"), None, (), Dialect.NONE, capture=True)
+        )
+    asked = set(opt.nvext.get("extra_fields") or []) & ID_SELECTORS
+    param = "nvext.extra_fields" if asked else "return_token_ids"
+    rewrite, headers = opt.rewrite(body, dp_rank_header)
+    return MessagesPlan(
+        placements=IdPlacements(opt.vllm_placement, opt.nvext_trio, opt.nvext_prompt_ids),
+        param=param,
+        stream=root_flag(opt.data, "stream"),
+        body=rewrite.apply(body),
+        headers=headers,
+        dialect=opt.dialect,
+        dropped=tuple((key, opt.data[key]) for key in ("nvext", "return_token_ids") if key in opt.data),
+        capture=capture,
+    )
+
+
+def anthropic_error_body(error: RequestError) -> bytes:
+    """vLLM's Anthropic error envelope (what its /v1/messages answers errors in)."""
+    return _json.dumps({"type": "error", "error": {"type": "BadRequestError", "message": error.message}})
 
 
 @dataclass

@@ -4,9 +4,8 @@ docs/protocol.md §11. On /v1/responses vLLM's own placement is `enable_response
 (`input_messages` / `output_messages`, each entry with its `tokens`): the middleware turns it on
 for a request that opts in, answers the nvext placement from it (a root `nvext` on the response
 object, in a stream on the `response` of the event that ends it), and takes back out whatever
-only it caused. /v1/messages has no ids in vLLM and an ASGI layer cannot see them: a request
-that opts in there is refused (400, Anthropic's envelope) rather than answered without them.
-Pure except `ResponsesSend`, the ASGI `send` that reshapes vLLM's answer.
+only it caused. What a body on either route opts into is read here (`opt_in`); /v1/messages' plan
+and answer are in messages.py. Pure except `ResponsesSend`, the ASGI `send` that reshapes vLLM's answer.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import enum
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from .. import _json, _vllm_compat
 from ..asgi import Message, Send
@@ -96,7 +95,7 @@ class ResponsesPlan:
         return self.vllm_placement or self.nvext_trio or self.nvext_prompt_ids
 
 
-def _flag(data: dict[str, Any], name: str) -> bool:
+def root_flag(data: dict[str, Any], name: str) -> bool:
     """A root bool as vLLM reads it (pydantic's lax bool: "true", 1 and "yes" are true)."""
     if name not in data or data[name] is None:
         return False
@@ -113,13 +112,13 @@ def _read(body: bytes) -> dict[str, Any] | None:
     data = _json.object_as_vllm(body)
     if data is None:
         return None  # vLLM answers with its own 400
-    if "nvext" not in data and not _flag(data, "return_token_ids"):
+    if "nvext" not in data and not root_flag(data, "return_token_ids"):
         return None
     return data
 
 
 @dataclass(frozen=True, slots=True)
-class _OptIn:
+class OptIn:
     """What a body on an agent route asks for, read in the server's or the header's mode."""
 
     data: dict[str, Any]
@@ -153,11 +152,11 @@ def _takes_thinking_budget(route: str) -> bool:
     return route == "/v1/responses" and _vllm_compat.responses_has_thinking_token_budget()
 
 
-def _opt_in(body: bytes, mode: Mode, route: str) -> _OptIn | None:
+def opt_in(body: bytes, mode: Mode, route: str) -> OptIn | None:
     data = _read(body)
     if data is None:
         return None
-    return_token_ids = _flag(data, "return_token_ids")
+    return_token_ids = root_flag(data, "return_token_ids")
     nvext = data.get("nvext")
     if nvext is None:
         nvext = {}
@@ -180,9 +179,7 @@ def _opt_in(body: bytes, mode: Mode, route: str) -> _OptIn | None:
     where = placements(mode, return_token_ids, bool(requested & ID_SELECTORS), ids_requested)
     nvext_placement = Placement.NVEXT in where
     nvext_trio = nvext_placement and COMPLETION_TOKEN_IDS in normalized
-    return _OptIn(
-        data, nvext, return_token_ids, Placement.VLLM in where, nvext_trio, nvext_placement and not nvext_trio
-    )
+    return OptIn(data, nvext, return_token_ids, Placement.VLLM in where, nvext_trio, nvext_placement and not nvext_trio)
 
 
 def plan_responses(
@@ -193,18 +190,18 @@ def plan_responses(
     `capture`: captured, so `enable_response_messages` upstream (taken back out unless the client asked).
     Raises RequestError for what vLLM reads but cannot be answered with ids.
     """
-    opt = _opt_in(body, mode, "/v1/responses")
+    opt = opt_in(body, mode, "/v1/responses")
     if opt is None:
         data = _json.object_as_vllm(body) if capture else None
         if data is None:
             return None
-        opt = _OptIn(data, {}, False, False, False, False)  # captured alone: nothing to answer
+        opt = OptIn(data, {}, False, False, False, False)  # captured alone: nothing to answer
     data = opt.data
-    if opt.ids and _flag(data, "background"):
+    if opt.ids and root_flag(data, "background"):
         # vLLM answers a background request at once, before anything is generated.
         raise RequestError("token ids on /v1/responses cannot be combined with `background`", "background")
-    client_enabled = _flag(data, "enable_response_messages")
-    captured = capture and not _flag(data, "background")  # vLLM answers a background request at once
+    client_enabled = root_flag(data, "enable_response_messages")
+    captured = capture and not root_flag(data, "background")  # vLLM answers a background request at once
     rewrite, headers = opt.rewrite(body, dp_rank_header)
     strip = (opt.nvext_trio or opt.nvext_prompt_ids or captured) and not opt.vllm_placement and not client_enabled
     if (opt.ids or captured) and not client_enabled:
@@ -215,7 +212,7 @@ def plan_responses(
         nvext_prompt_ids=opt.nvext_prompt_ids,
         strip_messages=strip,
         kv_stays_at_root=data.get("kv_transfer_params") is not None,
-        stream=_flag(data, "stream"),
+        stream=root_flag(data, "stream"),
         body=rewrite.apply(body),
         headers=headers,
         dialect=opt.dialect if opt.ids or opt.nvext or "nvext" in data else Dialect.NONE,
@@ -233,82 +230,6 @@ def rust_frontend_refusal(plan: ResponsesPlan, version: str) -> RequestError:
         "ask /v1/chat/completions for them",
         field,
     )
-
-
-class IdPlacements(NamedTuple):
-    """What a /v1/messages answer carries (docs/protocol.md §11.2)."""
-
-    vllm: bool  # vLLM's placement: root `prompt_token_ids`, `token_ids`
-    nvext_trio: bool  # under `nvext`: completion_token_ids, prompt_token_ids, kv_transfer_params
-    nvext_prompt_ids: bool  # `nvext.prompt_token_ids` alone
-
-
-@dataclass(frozen=True, slots=True)
-class MessagesPlan:
-    """One /v1/messages request that opts in (docs/protocol.md §11.2)."""
-
-    # None of them set means no ids were asked.
-    placements: IdPlacements
-    # The param the client asked for ids with (named by a refusal).
-    param: str
-    stream: bool
-    body: bytes | None
-    headers: tuple[tuple[bytes, bytes], ...] = ()
-    dialect: Dialect = Dialect.VLLM
-    # The client's `nvext` / `return_token_ids`, which vLLM's model ignores but its errors count.
-    dropped: tuple[tuple[str, Any], ...] = ()
-    # The operator captures it (docs/capture.md): served with ids (by the plugin mount) for the tap.
-    capture: bool = False
-
-    @property
-    def ids(self) -> bool:
-        return any(self.placements)
-
-    def refusal(self) -> RequestError:
-        """Where the ids cannot be served: a 400 naming the field, never a 200 without them."""
-        return RequestError(
-            f"`{self.param}` cannot be answered on /v1/messages by the --middleware mount alone: vLLM's "
-            "Messages API converts the request to chat without token ids, so they need the vllm-nvext "
-            "endpoint plugin (VLLM_PLUGINS=nvext) serving that route (docs/protocol.md §11)",
-            self.param,
-        )
-
-
-def plan_messages(
-    body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None, capture: bool = False
-) -> MessagesPlan | None:
-    """The plan for a /v1/messages body; None means pass it through untouched. Raises RequestError.
-
-    `capture`: the operator captures the request (a body that opts into nothing is then planned too,
-    with no ids to answer; vLLM gets the client's bytes).
-    """
-    opt = _opt_in(body, mode, "/v1/messages")
-    if opt is None:
-        data = _json.object_as_vllm(body) if capture else None
-        none = IdPlacements(False, False, False)
-        return (
-            None
-            if data is None
-            else MessagesPlan(none, "", _flag(data, "stream"), None, (), Dialect.NONE, capture=True)
-        )
-    asked = set(opt.nvext.get("extra_fields") or []) & ID_SELECTORS
-    param = "nvext.extra_fields" if asked else "return_token_ids"
-    rewrite, headers = opt.rewrite(body, dp_rank_header)
-    return MessagesPlan(
-        placements=IdPlacements(opt.vllm_placement, opt.nvext_trio, opt.nvext_prompt_ids),
-        param=param,
-        stream=_flag(opt.data, "stream"),
-        body=rewrite.apply(body),
-        headers=headers,
-        dialect=opt.dialect,
-        dropped=tuple((key, opt.data[key]) for key in ("nvext", "return_token_ids") if key in opt.data),
-        capture=capture,
-    )
-
-
-def anthropic_error_body(error: RequestError) -> bytes:
-    """vLLM's Anthropic error envelope (what its /v1/messages answers errors in)."""
-    return _json.dumps({"type": "error", "error": {"type": "BadRequestError", "message": error.message}})
 
 
 # --- the answer ----------------------------------------------------------------------------------

@@ -1,11 +1,15 @@
-"""Reading a captured request that opts into nothing, as vLLM reads it (docs/capture.md)."""
+"""Reading and planning a captured request that opts into nothing, as vLLM reads it (docs/capture.md)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .. import _json
+from ..config import Mode
 from ..inbound.fields import invocation_route, read_fields
-from ..inbound.request import Request
-from ..protocol import Endpoint
+from ..inbound.request import Request, plan
+from ..plan import Plan
+from ..protocol import Dialect, Endpoint, RequestError
 
 
 def read_for_capture(body: bytes, endpoint: Endpoint) -> Request | None:
@@ -23,3 +27,18 @@ def read_for_capture(body: bytes, endpoint: Endpoint) -> Request | None:
     if endpoint is Endpoint.CHAT_BATCH:
         return None
     return Request(endpoint, body, data, read_fields(data, endpoint), {})
+
+
+def plan_for_capture(
+    body: bytes, endpoint: Endpoint, mode: Mode, hides_reasoning_ids: bool
+) -> tuple[Request | None, Plan | None]:
+    """A captured request that opts into nothing, planned with ids on for the tap alone; (None, None): one
+    the plan refuses, which goes to vLLM untouched (capture never answers otherwise than vLLM would)."""
+    try:
+        request = read_for_capture(body, endpoint)
+        if request is None:
+            return None, None
+        planned = plan(request, mode, hides_reasoning_ids=hides_reasoning_ids, capture=True)
+    except RequestError:
+        return None, None
+    return request, replace(planned, dialect=Dialect.NONE)
