@@ -62,7 +62,7 @@ build-ext: setup ## build the compiled twins (csrc/, the extension vllm_nvext._s
 
 # The main group (vLLM 0.32 servers, the 0.33 serving layer, the real Dynamo), then the parser server.
 test-e2e: setup setup-vllm033 setup-dynamo ## the main e2e group on real servers, then the parser and connector group
-	$(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector and not e2e_proxy" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector and not e2e_proxy and not e2e_readme" $(PYTEST_ARGS)
 	$(VENV)/bin/python -m pytest tests/e2e -m "e2e_parser or e2e_connector" $(PYTEST_ARGS)
 
 # vLLM 0.30 and 0.31 on their real engines, in a pytest run of their own (their servers never run
@@ -84,7 +84,7 @@ test-e2e-vllm034: setup setup-vllm034 ## the e2e tests on vLLM 0.34's serving la
 # while its tests run), in a pytest run of its own. The proxy in front of 0.30/0.31 runs in
 # test-e2e-versions, in front of vllm-router in test-e2e-scaleout.
 test-e2e-proxy: setup setup-vllm033 ## the e2e tests through vllm-nvext proxy in front of stock vLLM 0.32, 0.33 and 0.33's Rust frontend
-	$(VENV)/bin/python -m pytest tests/e2e -m "e2e_proxy and not e2e_versions and not e2e_scaleout" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/e2e -m "(e2e_proxy and not e2e_versions and not e2e_scaleout) or e2e_readme" $(PYTEST_ARGS)
 
 # vllm-router's reference venv, outside the repo (~130 MB; ~1 min on a new machine, reused after).
 setup-router: ## the vllm-router 0.1.17 reference venv, outside the repository (~130 MB, reused)

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+# `make serve`'s server is one more vLLM: it runs in the proxy group's pytest run, never beside the main
+# group's servers (which leave about 1 GB of the machine's 24 free).
+pytestmark = [pytest.mark.e2e, pytest.mark.e2e_readme]
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 ID_FIELDS = ("token_ids", "prompt_token_ids", "completion_token_ids")
