@@ -91,7 +91,7 @@ def test_the_sanitizer_is_vllms_own_rule(leak):
 
 def test_the_middlewares_own_messages_pass_the_sanitizer_unchanged():
     """Routes the messages name (/v1/completions, /v1/chat/completions/batch) are no paths to hide."""
-    from vllm_nvext.inbound.request import ECHO_EMBEDS
+    from vllm_nvext.inbound.choices import ECHO_EMBEDS
 
     for message in (
         ECHO_EMBEDS,

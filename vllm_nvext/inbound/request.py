@@ -7,12 +7,10 @@ then receives `return_token_ids: true` and no `nvext`. See docs/protocol.md §1 
 from __future__ import annotations
 
 import dataclasses
-import logging
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
-from .. import _json, _vllm_compat
+from .. import _json
 from .._bounded import keep
 from ..config import Mode
 from ..plan import Plan
@@ -23,27 +21,19 @@ from ..protocol import (
     NVEXT_ONLY_SELECTORS,
     PROMPT_LOGPROBS,
     PROMPT_TOKEN_IDS,
-    SINGLE_PROMPT_SELECTORS,
     TIMING,
     Dialect,
     Endpoint,
     Placement,
     RequestError,
 )
+from .choices import choices, conversations, echo_prompts, logprobs_requested
 from .fields import DecisionFields, invocation_route, read_fields, reading_key
+from .nvext_map import apply_nvext_fields as apply_nvext_fields  # re-exported: the agent routes map it too
 from .nvext_schema import json_type, read_nvext
 from .optin import might_opt_in
 from .rewrite import BodyRewrite as BodyRewrite  # re-exported: the agent routes rewrite bodies too
 from .rewrite import SpliceRoot
-
-logger = logging.getLogger("vllm_nvext")
-
-
-ECHO_EMBEDS = (
-    "`echo` of `prompt_embeds` cannot be combined with token ids vllm-nvext turns on (nvext selectors, or an "
-    "nvext-placing mode): vLLM then leaves the echoed prompt out of `text`, and embeddings have no text to put "
-    "back. Send `return_token_ids: true` in vLLM placement (the answer stock vLLM gives), or leave out `echo`"
-)
 
 
 @dataclass(slots=True, eq=False)
@@ -95,7 +85,7 @@ def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> R
         endpoint = route
     key = None
     if endpoint is Endpoint.CHAT_BATCH:
-        if not _conversations(data.get("messages")):
+        if not conversations(data.get("messages")):
             return None  # vLLM's own validation error: `messages` is not a list of conversations
     else:
         # One reading per body: plain decision fields and `nvext` read before are not read again.
@@ -242,16 +232,11 @@ def _plan(
     selectors = frozenset(normalized & NVEXT_ONLY_SELECTORS)
     if PROMPT_LOGPROBS in selectors and fields.prompt_logprobs is None:
         selectors = selectors - {PROMPT_LOGPROBS}  # only answered when vLLM's prompt_logprobs is set
-    prompts, n = _choices(request, nvext_trio, selectors | ({PROMPT_TOKEN_IDS} if nvext_prompt_ids else set()))
+    prompts, n = choices(request, nvext_trio, selectors | ({PROMPT_TOKEN_IDS} if nvext_prompt_ids else set()))
 
     # timing's ttft_ms is the first chunk carrying a token id: ask for ids to see them.
     needs_ids = vllm_ids or nvext_trio or nvext_prompt_ids or bool(selectors & _TIMED) or capture
-    rewrite = BodyRewrite()
-    if "nvext" in data:
-        rewrite.drop("nvext")
-    if needs_ids and not return_token_ids:
-        rewrite.set("return_token_ids", "true")
-    headers = apply_nvext_fields(rewrite, request, dp_rank_header)
+    rewrite, headers = _rewrite(request, needs_ids and not return_token_ids, dp_rank_header)
     echo = endpoint is Endpoint.COMPLETIONS and fields.echo is True
     made = Plan(
         endpoint=endpoint,
@@ -263,8 +248,8 @@ def _plan(
         # vLLM sends prompt ids by itself only on completions streams with echo.
         vllm_sends_prompt_ids=echo and fields.stream is True,
         # vLLM leaves the echoed prompt out of `text` whenever `return_token_ids` is on.
-        echo_prompts=_echo_prompts(request) if echo and needs_ids and not return_token_ids else (),
-        logprobs_requested=_logprobs_requested(fields, endpoint),
+        echo_prompts=echo_prompts(request) if echo and needs_ids and not return_token_ids else (),
+        logprobs_requested=logprobs_requested(fields, endpoint),
         body=rewrite.apply(request.body, splice_root),
         headers=headers,
         dialect=(Dialect.BOTH if "nvext" in data else Dialect.VLLM) if return_token_ids else Dialect.NVEXT,
@@ -280,170 +265,14 @@ def _plan(
     return made, rewrite
 
 
-def _choices(request: Request, nvext_trio: bool, asked: AbstractSet[str]) -> tuple[int, int]:
-    """(prompts, n): vLLM generates prompts * n choices. Refuses the trio on more than one choice and
-    the single-prompt selectors (`asked`) on a batch."""
-    endpoint, fields = request.endpoint, request.fields
-    batch = endpoint is Endpoint.CHAT_BATCH
-    if batch:
-        _check_chat_batch(request)
-        messages = request.data.get("messages")
-        prompts = len(messages) if isinstance(messages, list) and messages else 1
-    else:
-        prompts = _num_prompts(fields) if endpoint is Endpoint.COMPLETIONS else 1
-    n = fields.n if fields.n is not None and fields.n > 0 else 1
-    prompt_param = "messages" if batch else "prompt"
-    if nvext_trio and n * prompts > 1:
-        raise RequestError(
-            f'`nvext.extra_fields=["{COMPLETION_TOKEN_IDS}"]` requires exactly one generated choice',
-            prompt_param if prompts > 1 else "n",
-        )
-    if prompts > 1:
-        single_prompt = [s for s in SINGLE_PROMPT_SELECTORS if s in asked]
-        if single_prompt:
-            name = single_prompt[0]
-            raise RequestError(f'`nvext.extra_fields=["{name}"]` requires a single prompt, got a batch', prompt_param)
-    return prompts, n
-
-
-def apply_nvext_fields(
-    rewrite: BodyRewrite, request: Request, dp_rank_header: bytes | None
-) -> tuple[tuple[bytes, bytes], ...]:
-    """Map the nvext request fields vLLM has an equivalent for; routing-only ones are dropped."""
-    nvext, data = request.nvext, request.data
-    if nvext.get("greed_sampling") is True:
-        rewrite.set("temperature", "0.0", "nvext.greed_sampling")
-    salt = nvext.get("cache_salt")
-    if salt:  # an empty salt counts as absent, as in Dynamo; nvext wins over a root cache_salt, as in Dynamo
-        rewrite.set("cache_salt", _json.dumps_text(salt), "nvext.cache_salt")
-    budget = nvext.get("max_thinking_tokens")
-    if budget is not None and data.get("thinking_token_budget") is None:
-        # A root thinking_token_budget wins, as in Dynamo.
-        if _vllm_compat.has_thinking_token_budget():
-            rewrite.set("thinking_token_budget", str(budget), "nvext.max_thinking_tokens")
-        else:
-            logger.debug("nvext.max_thinking_tokens ignored: this vLLM has no thinking_token_budget")
-    token_data = nvext.get("token_data")
-    if token_data is not None:
-        if not token_data:
-            raise RequestError("`nvext.token_data` must not be empty", "nvext.token_data")
-        if request.endpoint is Endpoint.COMPLETIONS:
-            rewrite.set("prompt", _json.dumps_text(token_data), "nvext.token_data")
-        else:
-            _chat_from_token_ids(rewrite, request, token_data)
-    dp_rank = nvext.get("dp_rank")
-    if dp_rank is None:
-        return ()
-    if dp_rank_header is not None:
-        client_rank = _vllm_rank(dp_rank_header)
-        if client_rank != dp_rank:
-            raise RequestError(
-                f"`nvext.dp_rank` ({dp_rank}) conflicts with the X-data-parallel-rank header "
-                f"({dp_rank_header.decode('latin-1')!r}); send one of them, or the same rank in both",
-                "nvext.dp_rank",
-            )
-        return ()  # the client's header already says the same rank
-    return ((b"x-data-parallel-rank", str(dp_rank).encode()),)
-
-
-def _vllm_rank(value: bytes) -> int | None:
-    """The rank vLLM reads from an `X-data-parallel-rank` value (`int(...)`, else none)."""
-    try:
-        return int(value.decode("latin-1"))
-    except ValueError:
-        return None
-
-
-def _chat_from_token_ids(rewrite: BodyRewrite, request: Request, token_data: list[int]) -> None:
-    """Serve a chat request from pre-tokenized ids; the messages are the client's placeholder.
-
-    vLLM's chat endpoint takes `kv_transfer_params.prompt_token_ids` as the prompt (the ids a
-    disaggregated prefill stage hands to decode), so the answer stays a real chat completion.
-    """
-    if not _vllm_compat.chat_accepts_prompt_token_ids():
-        raise RequestError(
-            "`nvext.token_data` on /v1/chat/completions needs a vLLM whose chat endpoint accepts "
-            "`kv_transfer_params.prompt_token_ids`; send it to /v1/completions instead",
-            "nvext.token_data",
-        )
-    if request.fields.echo or _has_non_text_content(request.data.get("messages")):
-        # vLLM would then render the messages and silently ignore the ids.
-        raise RequestError(
-            "`nvext.token_data` cannot be combined with `echo` or non-text message content", "nvext.token_data"
-        )
-    rewrite.kv_prompt_ids = token_data
-    rewrite.sources["kv_transfer_params.prompt_token_ids"] = "nvext.token_data"
-
-
-def _has_non_text_content(messages: Any) -> bool:
-    if not isinstance(messages, list):
-        return False
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list) and any(
-            not (isinstance(part, dict) and part.get("type") == "text") for part in content
-        ):
-            return True
-    return False
-
-
-def _conversations(messages: Any) -> bool:
-    """Is `messages` what vLLM's batch route takes: a non-empty list of non-empty conversations?"""
-    return isinstance(messages, list) and bool(messages) and all(isinstance(m, list) and m for m in messages)
-
-
-def _check_chat_batch(request: Request) -> None:
-    """What /v1/chat/completions/batch cannot serve as asked, refused instead of answered wrong."""
-    if request.fields.stream is True:
-        # vLLM does not refuse it: each conversation is then generated as a stream whose unary
-        # answer keeps only the last delta (one token instead of the completion).
-        raise RequestError(
-            "`stream` is not supported on /v1/chat/completions/batch (vLLM would answer each conversation "
-            "with its last token only); leave it out, or stream each conversation from /v1/chat/completions",
-            "stream",
-        )
-    if request.nvext.get("token_data") is not None:
-        raise RequestError(
-            "`nvext.token_data` is not supported on /v1/chat/completions/batch; send it to /v1/chat/completions",
-            "nvext.token_data",
-        )
-
-
-def _echo_prompts(request: Request) -> tuple[str | tuple[int, ...], ...]:
-    """The prompts vLLM echoes, in its order: a text as sent, ids as vLLM will decode them."""
-    token_data = request.nvext.get("token_data")
-    if token_data:
-        return (tuple(token_data),)
-    prompt, embeds = request.fields.prompt, request.fields.prompt_embeds
-    if embeds is not None:
-        raise RequestError(ECHO_EMBEDS, "echo")
-    if isinstance(prompt, str):
-        return (prompt,)
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        return (tuple(prompt),)
-    if isinstance(prompt, list):
-        batch = cast("list[str] | list[list[int]]", prompt)  # a list of ids was the case above
-        return tuple(p if isinstance(p, str) else tuple(p) for p in batch)
-    return ()
-
-
-def _num_prompts(fields: DecisionFields) -> int:
-    """How many prompts vLLM serves for a completions request (a batch is several)."""
-    prompt, embeds = fields.prompt, fields.prompt_embeds
-    count = 0
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        count += len(prompt)  # a list of strings or of id lists
-    elif prompt is not None:
-        count += 1
-    if isinstance(embeds, list):
-        count += len(embeds)
-    elif embeds is not None:
-        count += 1
-    return max(count, 1)
-
-
-def _logprobs_requested(fields: DecisionFields, endpoint: Endpoint) -> bool:
-    lp = fields.logprobs
-    if endpoint is not Endpoint.COMPLETIONS:
-        return lp is True
-    return lp is not None and lp >= 0
+def _rewrite(
+    request: Request, turn_ids_on: bool, dp_rank_header: bytes | None
+) -> tuple[BodyRewrite, tuple[tuple[bytes, bytes], ...]]:
+    """What vLLM receives in place of the client's body and headers: no `nvext`, `return_token_ids`
+    turned on when the plan needs ids the client did not ask vLLM for, the nvext fields mapped."""
+    rewrite = BodyRewrite()
+    if "nvext" in request.data:
+        rewrite.drop("nvext")
+    if turn_ids_on:
+        rewrite.set("return_token_ids", "true")
+    return rewrite, apply_nvext_fields(rewrite, request, dp_rank_header)
