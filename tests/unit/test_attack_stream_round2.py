@@ -26,8 +26,8 @@ from tests.unit.test_stream_finish import _run, _Sink
 from tests.unit.test_stream_layouts import _events, _first_difference, _plan
 from vllm_nvext import Mode, metrics
 from vllm_nvext.kernels import PYTHON, Kernels
+from vllm_nvext.outbound.decoding import DecodingStreamReshaper
 from vllm_nvext.outbound.nvext_values import Clock
-from vllm_nvext.outbound.stream import DecodingStreamReshaper
 from vllm_nvext.send import ReshapingSend
 
 START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}

@@ -22,8 +22,9 @@ from tests.unit.asgi import Upstream, call
 from vllm_nvext import Mode, NvextMiddleware, _vllm_compat
 from vllm_nvext.inbound.request import plan, plan_request, read_request
 from vllm_nvext.outbound.chunks import rename_error, reshape_unary
+from vllm_nvext.outbound.decoding import DecodingStreamReshaper
 from vllm_nvext.outbound.nvext_values import Clock
-from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
+from vllm_nvext.outbound.stream import StreamReshaper
 from vllm_nvext.protocol import Endpoint, RequestError
 
 NVEXT_IDS = {"extra_fields": ["completion_token_ids", "engine_data"]}

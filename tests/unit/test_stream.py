@@ -10,8 +10,9 @@ from tests.helpers import sse_events, sse_frames
 from tests.recorded import recordings
 from vllm_nvext import Mode
 from vllm_nvext.inbound.request import plan_request
+from vllm_nvext.outbound.decoding import DecodingStreamReshaper
 from vllm_nvext.outbound.nvext_values import Clock
-from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
+from vllm_nvext.outbound.stream import StreamReshaper
 
 STREAMS = sorted(n for n, r in recordings().items() if r.stream and "n2" not in n)
 SELECTOR_SETS = [

@@ -26,10 +26,11 @@ from tests.support.kernels import kernels_for
 from tests.unit.test_stream_layouts import SPLICED, _events, _first_difference, _plan
 from vllm_nvext import Mode
 from vllm_nvext.kernels import Kernels
+from vllm_nvext.outbound.decoding import DecodingStreamReshaper
 from vllm_nvext.outbound.finish import finish_ids
 from vllm_nvext.outbound.nvext_values import Clock
 from vllm_nvext.outbound.splice import FinishArm, SpliceArm
-from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
+from vllm_nvext.outbound.stream import StreamReshaper
 from vllm_nvext.send import ReshapingSend
 
 NAMES = ["chat_stream_ids_long", "completions_stream_ids_long", "chat_stream_ids", "completions_stream_ids"]

@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 from tests.recorded import VLLM_VERSIONS, Recording, recordings
 from vllm_nvext import Mode
 from vllm_nvext.inbound.request import Plan, plan_request
+from vllm_nvext.outbound.decoding import DecodingStreamReshaper
 from vllm_nvext.outbound.nvext_values import Clock
-from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
+from vllm_nvext.outbound.stream import StreamReshaper
 from vllm_nvext.protocol import RequestError
 
 # n=2 and echo streams refuse every nvext selector; wall-clock `timing` differs between runs.

@@ -30,9 +30,10 @@ from tests.unit.test_stream_layouts import (
 from vllm_nvext import NvextMiddleware, Settings, metrics
 from vllm_nvext.config import ConfigError, Mode
 from vllm_nvext.kernels import KERNELS, PYTHON, Kernels
+from vllm_nvext.outbound.decoding import DecodingStreamReshaper
 from vllm_nvext.outbound.nvext_values import Clock
 from vllm_nvext.outbound.splice import Splice, learn_splice
-from vllm_nvext.outbound.stream import DecodingStreamReshaper, StreamReshaper
+from vllm_nvext.outbound.stream import StreamReshaper
 from vllm_nvext.send import ReshapingSend
 
 START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}

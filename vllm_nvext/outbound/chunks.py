@@ -15,148 +15,22 @@ from typing import Any
 from .. import _json
 from ..plan import Plan
 from ..protocol import (
-    DETAILED_FINISH_REASON,
     ENGINE_DATA,
-    PROMPT_LOGPROBS,
-    ROUTED_EXPERTS,
-    STOP_REASON,
     TIMING,
-    Endpoint,
 )
-from .nvext_values import Clock, detailed_finish_reason, engine_data, kv_cache_hit, timing
+from .moves import (
+    final_nvext,
+    prompt_ids_in,
+    put_back_echo,
+    reported_ids,
+    strip_vllm_ids,
+    take_kv,
+    take_prompt_logprobs,
+    take_routed_experts,
+)
+from .nvext_values import Clock, engine_data, kv_cache_hit, timing
 from .prompt_ids import PromptIds
 from .shapes import choice_logprobs
-
-
-def _reported_ids(choice: dict[str, Any]) -> list[int] | None:
-    """A copy of a choice's generated ids; None where vLLM withheld them.
-
-    vLLM writes `token_ids: null` under `return_token_ids` when it hides them on purpose
-    (`include_reasoning: false` on a server with a reasoning or tool parser): "not reported",
-    which the middleware never turns into "no tokens" (docs/protocol.md §3.4).
-    """
-    ids = choice.get("token_ids")
-    return list(ids) if isinstance(ids, list) else None
-
-
-def _put_back_echo(choice: dict[str, Any], plan: Plan) -> bool:
-    """Put the echoed prompt vLLM left out (Plan.echo_prompts) in front of the choice's text; True if done."""
-    index = choice.get("index")
-    text = choice.get("text")
-    if not isinstance(index, int) or isinstance(index, bool) or not isinstance(text, str):
-        return False
-    prompt_index = index // plan.n
-    if not 0 <= prompt_index < len(plan.echo_prompts):
-        return False
-    prompt = plan.echo_prompts[prompt_index]
-    if not isinstance(prompt, str):
-        return False  # not decoded (vLLM's /detokenize answered otherwise): the text as vLLM wrote it
-    choice["text"] = prompt + text
-    return True
-
-
-def _prompt_ids(obj: dict[str, Any], choice: dict[str, Any] | None, endpoint: Endpoint) -> Any:
-    if endpoint is not Endpoint.COMPLETIONS:
-        return obj.get("prompt_token_ids")
-    return choice.get("prompt_token_ids") if choice is not None else None
-
-
-def _strip_vllm_ids(obj: dict[str, Any], choices: list[Any], plan: Plan) -> bool:
-    """Set vLLM's copies back to null; True if there was one."""
-    stripped = False
-    for choice in choices:
-        if isinstance(choice, dict):
-            if choice.get("token_ids") is not None:
-                choice["token_ids"] = None
-                stripped = True
-            if (
-                plan.endpoint is Endpoint.COMPLETIONS
-                and not plan.vllm_sends_prompt_ids
-                and choice.get("prompt_token_ids") is not None
-            ):
-                choice["prompt_token_ids"] = None
-                stripped = True
-    if plan.endpoint is not Endpoint.COMPLETIONS and obj.get("prompt_token_ids") is not None:
-        obj["prompt_token_ids"] = None
-        stripped = True
-    return stripped
-
-
-def _take_prompt_logprobs(obj: dict[str, Any], choice: dict[str, Any], plan: Plan) -> Any:
-    """vLLM's prompt_logprobs (root in chat, per choice in completions); moved out when selected."""
-    owner = obj if plan.endpoint is not Endpoint.COMPLETIONS else choice
-    value = owner.get("prompt_logprobs")
-    if value is not None and PROMPT_LOGPROBS in plan.nvext_only_selectors:
-        owner["prompt_logprobs"] = None
-    return value
-
-
-def _take_kv(obj: dict[str, Any], plan: Plan) -> Any:
-    """vLLM's kv_transfer_params for the trio; moved out of the root unless vLLM placement is on.
-
-    A request that carried a root `kv_transfer_params` is an orchestrator's (a prefill/decode
-    handoff): vLLM's answer to it stays at the root in every mode, where the orchestrator reads it.
-    """
-    kv = obj.get("kv_transfer_params")
-    if kv is not None and plan.nvext_trio and not plan.vllm_placement and not plan.kv_stays_at_root:
-        obj["kv_transfer_params"] = None
-    return kv
-
-
-def _take_routed_experts(choice: dict[str, Any], plan: Plan) -> Any:
-    value = choice.get("routed_experts")
-    if value is not None and ROUTED_EXPERTS in plan.nvext_only_selectors and not plan.vllm_placement:
-        choice["routed_experts"] = None
-    return value
-
-
-def _final_nvext(
-    plan: Plan,
-    *,
-    unary: bool,
-    completion_ids: list[int] | None,
-    prompt_ids: Any,
-    kv: Any,
-    timing_obj: dict[str, Any] | None,
-    engine: dict[str, Any] | None,
-    choice: dict[str, Any],
-    prompt_logprobs: Any,
-    routed_experts: Any,
-) -> dict[str, Any]:
-    """The `nvext` object of a unary answer or of a choice's finish chunk, in Dynamo's key order.
-
-    Dynamo 1.6.1 writes, on a finish chunk: [worker_id, routed_experts,] timing, engine_data,
-    stop_reason, detailed_finish_reason, completion_token_ids, prompt_token_ids, prompt_logprobs;
-    unary: completion_token_ids first, then the same order. `kv_transfer_params`, which 1.6.1
-    lacks, follows `completion_token_ids`, where the token-id trio places it (docs/protocol.md §3.4).
-    """
-    sel = plan.nvext_only_selectors
-    nv: dict[str, Any] = {}
-    if unary and plan.nvext_trio:
-        nv["completion_token_ids"] = completion_ids
-        if kv is not None:
-            nv["kv_transfer_params"] = kv
-    if ROUTED_EXPERTS in sel and routed_experts is not None:
-        nv["routed_experts"] = routed_experts
-    if timing_obj is not None:
-        nv["timing"] = timing_obj
-    if engine is not None:
-        nv["engine_data"] = engine
-    if STOP_REASON in sel and choice.get("stop_reason") is not None:
-        nv["stop_reason"] = choice["stop_reason"]
-    if DETAILED_FINISH_REASON in sel:
-        reason = detailed_finish_reason(choice.get("finish_reason"))
-        if reason is not None:
-            nv["detailed_finish_reason"] = reason
-    if not unary and plan.nvext_trio:
-        nv["completion_token_ids"] = completion_ids
-        if kv is not None:
-            nv["kv_transfer_params"] = kv
-    if (plan.nvext_trio or plan.nvext_prompt_ids) and prompt_ids is not None:
-        nv["prompt_token_ids"] = prompt_ids
-    if PROMPT_LOGPROBS in sel and prompt_logprobs is not None:
-        nv["prompt_logprobs"] = prompt_logprobs
-    return nv
 
 
 def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
@@ -171,11 +45,11 @@ def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
     if not isinstance(choices, list) or not choices or not isinstance(choices[-1], dict):
         return False
     choice = choices[-1]
-    prompt_ids = _prompt_ids(obj, choice, plan.endpoint)
-    completion_ids = _reported_ids(choice)
-    kv = _take_kv(obj, plan) if plan.nvext_trio else None
-    prompt_logprobs = _take_prompt_logprobs(obj, choice, plan)
-    routed_experts = _take_routed_experts(choice, plan)
+    prompt_ids = prompt_ids_in(obj, choice, plan.endpoint)
+    completion_ids = reported_ids(choice)
+    kv = take_kv(obj, plan) if plan.nvext_trio else None
+    prompt_logprobs = take_prompt_logprobs(obj, choice, plan)
+    routed_experts = take_routed_experts(choice, plan)
     engine = None
     if ENGINE_DATA in plan.nvext_only_selectors:
         engine = engine_data(
@@ -188,7 +62,7 @@ def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
             finished=True,
             logprobs=choice_logprobs(choice) if plan.logprobs_requested else None,
         )
-    nv = _final_nvext(
+    nv = final_nvext(
         plan,
         unary=True,
         completion_ids=completion_ids if plan.nvext_trio else None,
@@ -201,11 +75,11 @@ def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
         routed_experts=routed_experts,
     )
     if plan.strip_vllm_ids:
-        _strip_vllm_ids(obj, choices, plan)
+        strip_vllm_ids(obj, choices, plan)
     if plan.echo_prompts:
         for each in choices:
             if isinstance(each, dict):
-                _put_back_echo(each, plan)
+                put_back_echo(each, plan)
     if nv:
         obj["nvext"] = nv
     return True
@@ -314,7 +188,7 @@ class ChunkReshaper(PromptIds):
         return finishes and not finished
 
     def withhold_ids(self) -> None:
-        """The byte-level path saw `token_ids: null` on the only choice (see `_reported_ids`)."""
+        """The byte-level path saw `token_ids: null` on the only choice (see `reported_ids`)."""
         self._choices[0].withheld = True
 
     def drop_pending(self) -> None:
@@ -348,9 +222,9 @@ class ChunkReshaper(PromptIds):
             if plan.echo_prompts and isinstance(choice, dict) and choice.get("index") not in self._echoed:
                 # vLLM echoes the prompt in each choice's first chunk.
                 self._echoed.add(choice.get("index"))
-                if _put_back_echo(choice, plan):
+                if put_back_echo(choice, plan):
                     changed = True
-        if plan.strip_vllm_ids and _strip_vllm_ids(obj, choices, plan):
+        if plan.strip_vllm_ids and strip_vllm_ids(obj, choices, plan):
             changed = True
         if nv:
             obj["nvext"] = nv
@@ -360,7 +234,7 @@ class ChunkReshaper(PromptIds):
     def _reshape_choice(self, obj: dict[str, Any], choice: dict[str, Any], nv: dict[str, Any]) -> bool:
         plan = self.plan
         if self.prompt_ids is None:
-            self.prompt_ids = _prompt_ids(obj, choice, plan.endpoint)
+            self.prompt_ids = prompt_ids_in(obj, choice, plan.endpoint)
         delta = choice.get("token_ids")
         # No key: a chunk before any token (the role chunk), "no tokens" unless the plan knows the ids
         # are withheld; null: vLLM withheld this chunk's ids.
@@ -399,9 +273,9 @@ class ChunkReshaper(PromptIds):
         """A choice's finish chunk: its final `nvext` (or, with `finish_waits_for_usage`, held for the usage chunk)."""
         plan = self.plan
         state.finished = True
-        kv = _take_kv(obj, plan) if plan.nvext_trio else None  # vLLM >= 0.33 sends it on the finish chunk
-        prompt_logprobs = _take_prompt_logprobs(obj, choice, plan)
-        routed_experts = _take_routed_experts(choice, plan)
+        kv = take_kv(obj, plan) if plan.nvext_trio else None  # vLLM >= 0.33 sends it on the finish chunk
+        prompt_logprobs = take_prompt_logprobs(obj, choice, plan)
+        routed_experts = take_routed_experts(choice, plan)
         engine = engine_args = None
         if self.engine:
             engine_args = {
@@ -417,7 +291,7 @@ class ChunkReshaper(PromptIds):
         if plan.finish_waits_for_usage:
             self.pending = (nv, engine_args)
         nv.update(
-            _final_nvext(
+            final_nvext(
                 plan,
                 unary=False,
                 completion_ids=delta_ids if plan.nvext_trio else None,

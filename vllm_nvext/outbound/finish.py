@@ -32,7 +32,8 @@ from typing import Any
 
 from ..plan import Plan
 from ..protocol import Endpoint
-from .chunks import ChunkReshaper, _strip_vllm_ids, _take_kv
+from .chunks import ChunkReshaper
+from .moves import strip_vllm_ids, take_kv
 from .splice import kept_text
 
 # A key the general path neither reads nor writes here (choice level or root), with a value
@@ -131,7 +132,7 @@ def finish_chunk(
 def reshape_single(chunks: ChunkReshaper, obj: Any) -> bool | None:
     """`chunks.reshape(obj)` for a decoded chunk with one choice under a plan `serves` accepts, in fewer
     steps (no first-token time: such a plan asks for no `timing`); None (nothing done) for any other chunk.
-    Same bytes: the stream tests above, whose general path (`stream.DecodingStreamReshaper`) runs
+    Same bytes: the stream tests above, whose general path (`decoding.DecodingStreamReshaper`) runs
     `ChunkReshaper.reshape` itself."""
     choices = obj.get("choices") if type(obj) is dict else None
     if type(choices) is not list or len(choices) != 1 or type(choices[0]) is not dict:
@@ -145,13 +146,13 @@ def reshape_single(chunks: ChunkReshaper, obj: Any) -> bool | None:
     ids = delta if isinstance(delta, list) else None if "token_ids" in choice or plan.ids_withheld else []
     nv: dict[str, Any] = {"completion_token_ids": ids}
     if chunks.record_choice(choice.get("index"), ids is None, choice.get("finish_reason") is not None):
-        kv = _take_kv(obj, plan)
+        kv = take_kv(obj, plan)
         if kv is not None:
             nv["kv_transfer_params"] = kv
         if chunks.prompt_ids is not None:
             nv["prompt_token_ids"] = chunks.prompt_ids
     if plan.strip_vllm_ids:
-        _strip_vllm_ids(obj, choices, plan)
+        strip_vllm_ids(obj, choices, plan)
     obj["nvext"] = nv
     return True
 

@@ -216,25 +216,36 @@ class StreamReshaper:
                     if self._armings and (splice is None or not event.startswith(splice.prefix)):
                         return self._arm(event, start, end)  # the first delta, or the layout changed
                     return self._delta(event, start, end)
-            pos = event.rfind(_FINISH_KEY)
-            # first == last occurrence: exactly one choice in this chunk
-            m = _DELTA_TAIL.match(event, pos) if pos > 0 and self._only_choice(event, pos) else None
-            if m is not None:
-                start, end = m.span(1)
-                if event[start] == _LIST:  # learn the bytes around a list of ids
-                    self._head = event[pos:start]
-                    self._tail = m.group(2)
-                    if self._armings and (splice is None or not event.startswith(splice.prefix)):
-                        return self._arm(event, start, end)  # the first delta, or the layout changed
-                return self._delta(event, start, end)
-        elif self._scan is not None and self._waiting is None:
-            # The general path's bytes for a plain chunk without a decode (finish.first_chunk).
-            chunks = self.chunks
-            out = first_chunk(event, chunks.plan, chunks, self._scan)
-            if out is not None:  # and what the general path learns from a decoded chunk
-                self._fast = not chunks.decode_every_chunk and self._learn_root(event)
-                return out
+            return self._matched_delta(event, splice)
+        elif (scan := self._scan) is not None and self._waiting is None:
+            return self._plain_chunk(event, scan)
         return self._decoded_event(event)
+
+    def _matched_delta(self, event: bytes, splice: Splice | None) -> bytes | None:
+        """`reshape_event` for a delta whose bytes around the ids are not the last delta's: matched by
+        `_DELTA_TAIL` (and its bytes learned when it lists ids), else decoded."""
+        pos = event.rfind(_FINISH_KEY)
+        # first == last occurrence: exactly one choice in this chunk
+        m = _DELTA_TAIL.match(event, pos) if pos > 0 and self._only_choice(event, pos) else None
+        if m is None:
+            return self._decoded_event(event)
+        start, end = m.span(1)
+        if event[start] == _LIST:  # learn the bytes around a list of ids
+            self._head = event[pos:start]
+            self._tail = m.group(2)
+            if self._armings and (splice is None or not event.startswith(splice.prefix)):
+                return self._arm(event, start, end)  # the first delta, or the layout changed
+        return self._delta(event, start, end)
+
+    def _plain_chunk(self, event: bytes, scan: Scanner) -> bytes:
+        """The general path's bytes for a plain chunk without a decode (finish.first_chunk), and what the
+        general path learns from a decoded chunk; else the chunk decoded."""
+        chunks = self.chunks
+        out = first_chunk(event, chunks.plan, chunks, scan)
+        if out is None:
+            return self._decoded_event(event)
+        self._fast = not chunks.decode_every_chunk and self._learn_root(event)
+        return out
 
     def _only_choice(self, event: bytes, pos: int) -> bool:
         """The finish key at `pos` is the only one after the root (one choice), and the chunk's strings
@@ -373,44 +384,3 @@ class StreamReshaper:
             logger.exception("vllm-nvext could not reshape a stream event; forwarded unchanged")
             self.unchanged += 1
             return event if self._waiting is None else self._release() + event
-
-
-class DecodingStreamReshaper(StreamReshaper):
-    """`StreamReshaper` with the byte-level path for mid-stream deltas off: every `data:` event is decoded.
-
-    The general path each shortcut must give the bytes of; the tests compare the two.
-    """
-
-    __slots__ = ()
-
-    def __init__(self, plan: Plan, clock: Clock) -> None:
-        super().__init__(plan, clock)
-        self._finishes = False  # no single-choice shortcut (finish.py) either
-        self._scan = None
-
-    def reshape_event(self, event: bytes) -> bytes | None:
-        return self._decoded_event(event)
-
-
-class _TappedChunks(ChunkReshaper):
-    """`ChunkReshaper` that tells the capture tap each chunk, as vLLM sent it, before reshaping it."""
-
-    __slots__ = ("tap",)
-    tap: Any
-
-    def reshape(self, obj: Any) -> bool:
-        self.tap.chunk(obj)
-        return super().reshape(obj)
-
-
-class CapturedStreamReshaper(DecodingStreamReshaper):
-    """The general path of a captured stream (docs/capture.md): every chunk decoded and told to `tap`
-    (`capture.tap.Collector.chunk`); the client's bytes are the general path's."""
-
-    __slots__ = ()
-
-    def __init__(self, plan: Plan, clock: Clock, tap: Any) -> None:
-        super().__init__(plan, clock)
-        chunks = _TappedChunks(plan, clock)
-        chunks.tap = tap
-        self.chunks = chunks

@@ -109,7 +109,7 @@ def plain_body(body: bytes, plan: Plan, scan: Scanner) -> bytes | None:
     if not completions:
         prompt, prompt_end = root_prompt, root_prompt_end  # chat: the prompt's ids are the root's
     ids_value = event[ids:ids_end] if ids >= 0 else b"null"
-    # not a list (or no key): "not reported" (chunks._reported_ids)
+    # not a list (or no key): "not reported" (moves.reported_ids)
     tail = b',"nvext":{"completion_token_ids":' + (ids_value if ids_value[0] == _LIST else b"null")
     prompt_value = event[prompt:prompt_end] if prompt >= 0 else b"null"
     held = prompt_value != b"null"
@@ -139,13 +139,13 @@ def reshape_single(obj: Any, plan: Plan) -> bool | None:
     ids = choice.get("token_ids")
     nv: dict[str, Any] = {"completion_token_ids": ids if isinstance(ids, list) else None}
     kv = obj.get("kv_transfer_params")
-    if kv is not None:  # chunks._take_kv
+    if kv is not None:  # moves.take_kv
         nv["kv_transfer_params"] = kv
         if not plan.vllm_placement and not plan.kv_stays_at_root:
             obj["kv_transfer_params"] = None
     if prompt is not None:
         nv["prompt_token_ids"] = prompt
-    if plan.strip_vllm_ids:  # chunks._strip_vllm_ids
+    if plan.strip_vllm_ids:  # moves.strip_vllm_ids
         if ids is not None:
             choice["token_ids"] = None
         if prompt is not None and not (completions and plan.vllm_sends_prompt_ids):
