@@ -32,7 +32,8 @@ from vllm_nvext.tools.dynamo_conformance import (
     set_aside,
     unexplained_differences,
 )
-from vllm_nvext.tools.parity_checks import DYNAMO_CHECK, FAIL, PASS, judge_dynamo_case, read_conformance_answer
+from vllm_nvext.tools.parity_checks import FAIL, PASS
+from vllm_nvext.tools.parity_dynamo import DYNAMO_CHECK, judge_dynamo_case, read_conformance_answer
 
 IDS_CASE = Case(
     "completions-ids-unary",
@@ -356,7 +357,7 @@ def test_dynamo_parity_fails_naming_the_first_unlisted_difference(tmp_path):
 
 
 def test_dynamo_parity_report_keeps_a_long_or_undecodable_body_readable():
-    from vllm_nvext.tools.parity import _body_text
+    from vllm_nvext.tools.parity_dynamo import _body_text
 
     assert _body_text(None) is None
     assert _body_text(b"caf\xc3\xa9 \xff") == "caf\u00e9 \ufffd"

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from ..config import MODE_HEADER
-from . import dynamo_conformance
 from .parity_checks import (
     BUILTIN_PROMPTS,
     FAIL,
@@ -55,11 +54,9 @@ from .parity_checks import (
     error_message,
     format_table,
     judge_case,
-    judge_dynamo_case,
     load_prompts,
     outcome_report,
     read_answer,
-    read_conformance_answer,
     request_body,
     token_data_unsupported,
 )
@@ -152,7 +149,9 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO, transport: httpx.Ba
     except ImportError:
         raise UsageError(f"needs httpx, which is not installed: {CLIENT_EXTRA}") from None
     if getattr(args, "dynamo_url", None):
-        return _run_dynamo(args, out, err, transport)
+        from .parity_dynamo import run_dynamo  # the Dynamo baseline's modules, loaded when asked
+
+        return run_dynamo(args, out, err, transport)
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     prompts = load_prompts(args.prompts) if args.prompts is not None else builtin_prompts()
@@ -165,9 +164,9 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO, transport: httpx.Ba
         vllm_target = nvext_target
 
     with httpx.Client(timeout=args.timeout, transport=transport) as http:
-        model = _resolve_model(http, nvext_target, args.model)
+        model = resolve_model(http, nvext_target, args.model)
         if vllm_target is not nvext_target:
-            _resolve_model(http, vllm_target, model)
+            resolve_model(http, vllm_target, model)
         cases = build_cases(prompts)
         print(
             f"vllm-nvext parity: {len(cases)} cases x {len(REQUESTS)} requests, model {model!r}, vLLM dialect -> "
@@ -190,10 +189,10 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO, transport: httpx.Ba
         "hidden_states": bool(args.hidden_states),
     }
     summary = "{checks} checks, {passed} passed, {failed} failed, {skipped} skipped"
-    return _conclude(session.rows, session.case_reports, summary, report, args.json_report, out)
+    return conclude(session.rows, session.case_reports, summary, report, args.json_report, out)
 
 
-def _conclude(
+def conclude(
     rows: list[Row], cases: list[dict[str, Any]], summary: str, report: dict[str, Any], path: Any, out: TextIO
 ) -> int:
     """Print the table and the verdict, write the JSON report when asked; the exit status."""
@@ -207,79 +206,6 @@ def _conclude(
     return 1 if tally[FAIL] else 0
 
 
-def _run_dynamo(args: argparse.Namespace, out: TextIO, err: TextIO, transport: httpx.BaseTransport | None) -> int:
-    import httpx
-
-    for flag, given in (("--prompts", args.prompts is not None), ("--hidden-states", args.hidden_states)):
-        if given:
-            raise UsageError(f"{flag} does not apply with --dynamo-url (it runs the conformance cases)")
-    auth = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    nvext_target = Target(args.url.rstrip("/"), {**auth, MODE_HEADER: NVEXT_DIALECT})
-    dynamo_target = Target(args.dynamo_url.rstrip("/"), send_mode_header=False)  # Dynamo has no key
-    rows: list[Row] = []
-    case_reports: list[dict[str, Any]] = []
-    with httpx.Client(timeout=args.timeout, transport=transport) as http:
-        model = _resolve_model(http, nvext_target, args.model)
-        _resolve_model(http, dynamo_target, model)
-        cases = dynamo_conformance.cases(model)
-        print(
-            f"vllm-nvext parity: {len(cases)} conformance cases, model {model!r}, Dynamo {dynamo_target.url} "
-            f"vs vllm-nvext {nvext_target.url} (nvext mode)",
-            file=err,
-            flush=True,
-        )
-        for number, case in enumerate(cases, 1):
-            print(f"[{number}/{len(cases)}] {case.name}", file=err, flush=True)
-            dynamo, dynamo_body = _exchange(http, dynamo_target, case)
-            ours, our_body = _exchange(http, nvext_target, case)
-            row, differences = judge_dynamo_case(case, dynamo, ours)
-            rows.append(row)
-            case_report: dict[str, Any] = {
-                "case": case.name,
-                "path": case.path,
-                "request": case.body,
-                "status": {"dynamo": _status_of(dynamo), "nvext": _status_of(ours)},
-                "result": row.status,
-                "differences": differences,
-            }
-            if differences:  # what each server said, to look into the difference afterwards
-                case_report["bodies"] = {"dynamo": _body_text(dynamo_body), "nvext": _body_text(our_body)}
-            case_reports.append(case_report)
-
-    report = {"url": nvext_target.url, "dynamo_url": dynamo_target.url, "model": model}
-    summary = "{checks} cases, {passed} agree, {failed} differ"
-    return _conclude(rows, case_reports, summary, report, args.json_report, out)
-
-
-def _exchange(
-    http: httpx.Client, target: Target, case: dynamo_conformance.Case
-) -> tuple[dynamo_conformance.Answer | str, bytes | None]:
-    """POST the case's exact bytes; the answer, or why there is none, and the body as it came (None: no reply)."""
-    import httpx
-
-    headers = {"content-type": "application/json", **target.headers}
-    try:
-        response = http.post(target.url + case.path, content=case.content(), headers=headers)
-    except httpx.HTTPError as exc:
-        return f"request failed: {type(exc).__name__}: {exc}", None
-    return read_conformance_answer(response.status_code, response.content, case.stream), response.content
-
-
-_BODY_TEXT_MAX = 65536
-
-
-def _body_text(body: bytes | None) -> str | None:
-    """A reply body for the JSON report: its text (undecodable bytes replaced), cut at 64 KiB."""
-    if body is None:
-        return None
-    text = body[:_BODY_TEXT_MAX].decode("utf-8", "replace")
-    return text + ("\n[... cut at 64 KiB]" if len(body) > _BODY_TEXT_MAX else "")
-
-
-def _status_of(answer: dynamo_conformance.Answer | str) -> int | str:
-    return answer if isinstance(answer, str) else answer.status
-
-
 def _write_report(path: Path, report: dict[str, Any]) -> None:
     try:
         path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
@@ -290,7 +216,7 @@ def _write_report(path: Path, report: dict[str, Any]) -> None:
 # --- requests ----------------------------------------------------------------------------------
 
 
-def _resolve_model(http: httpx.Client, target: Target, wanted: str | None) -> str:
+def resolve_model(http: httpx.Client, target: Target, wanted: str | None) -> str:
     import httpx
 
     try:

@@ -17,7 +17,6 @@ from typing import Any
 from ..client import TokenIds, TokenIdsError, extract, extract_stream, parse_sse
 from ..outbound.shapes import first_difference
 from ..protocol import COMPLETION_TOKEN_IDS, PATHS, Dialect, Endpoint
-from . import dynamo_conformance
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 VLLM_DIALECT, NVEXT_DIALECT = Dialect.VLLM.value, Dialect.NVEXT.value
@@ -352,45 +351,6 @@ def compare(
     if completion:
         parts.append(f"{_count(first_choice(a))} completion")
     return Row(case.label, check, PASS, " + ".join(parts) + " ids identical")
-
-
-# --- against a Dynamo frontend (--dynamo-url) --------------------------------------------------
-
-DYNAMO_CHECK = "nvext == Dynamo"
-
-
-def read_conformance_answer(status: int, content: bytes, stream: bool) -> dynamo_conformance.Answer | str:
-    """One server's reply to a conformance case, or why it cannot be compared."""
-    try:
-        return dynamo_conformance.parse_answer(status, content, stream)
-    except dynamo_conformance.AnswerError as exc:
-        return f"HTTP {status}, {exc}"
-
-
-def judge_dynamo_case(
-    case: dynamo_conformance.Case,
-    dynamo: dynamo_conformance.Answer | str,
-    ours: dynamo_conformance.Answer | str,
-) -> tuple[Row, list[str]]:
-    """One conformance case: PASS when the answers agree up to the allowed differences
-    (`vllm_nvext.tools.dynamo_differences`), else FAIL naming the first difference; also every difference.
-
-    A side given as a string failed (the request, or reading its answer): that is the difference.
-    """
-    if isinstance(dynamo, str) or isinstance(ours, str):
-        differences = [f"Dynamo: {dynamo}"] if isinstance(dynamo, str) else []
-        differences += [f"vllm-nvext: {ours}"] if isinstance(ours, str) else []
-    else:
-        differences = dynamo_conformance.unexplained_differences(case, dynamo, ours)
-    if not differences:
-        assert not isinstance(dynamo, str) and not isinstance(ours, str)
-        if dynamo.status == ours.status:
-            detail = f"HTTP {ours.status} both"
-        else:  # an allowed refusal
-            detail = f"HTTP {dynamo.status} Dynamo, {ours.status} vllm-nvext (allowed)"
-        return Row(case.name, DYNAMO_CHECK, PASS, detail), differences
-    more = f" (+{len(differences) - 1} more)" if len(differences) > 1 else ""
-    return Row(case.name, DYNAMO_CHECK, FAIL, differences[0] + more), differences
 
 
 # --- reporting ---------------------------------------------------------------------------------
