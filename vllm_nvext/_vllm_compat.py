@@ -20,7 +20,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from ._bounded import keep
+from .config import keep
 
 
 @cache

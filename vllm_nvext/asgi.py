@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _json, _vllm_compat, metrics
-from ._bounded import keep
 from .capture import api as capture_api
 from .capture.store import Sink, open_sink
-from .config import MODE_HEADER, Settings
+from .config import MODE_HEADER, Settings, keep
 from .inbound.optin import OptInScan
 from .protocol import RequestError, error_body
 

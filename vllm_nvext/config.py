@@ -1,4 +1,5 @@
-"""Compatibility modes and server settings, read from the environment and validated once."""
+"""Compatibility modes and server settings, read from the environment and validated once; and the one bound
+on what the server keeps per distinct input (`keep`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import enum
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 ENV_MODE = "VLLM_NVEXT_MODE"
 ENV_ALLOW_MODE_HEADER = "VLLM_NVEXT_ALLOW_MODE_HEADER"
@@ -195,3 +197,25 @@ def _parse_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     if raw in _FALSE:
         return False
     raise ConfigError(f"{name}: expected 0 or 1, got {raw!r}")
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def keep(kept: dict[K, V], key: K, value: V, limit: int) -> V:
+    """Keep `value` under `key` in `kept`, which then holds at most `limit` entries; returns `value`.
+
+    What the middleware keeps per distinct input (readings, plans, header values) is bounded this way,
+    so values clients make up cannot grow it. Each kept map is a plain dict read with `.get` (a dict
+    subclass or wrapper makes every hit slower); only a miss goes through `keep`.
+
+    The policy: clear when full. A hit costs nothing beyond the dict lookup (no recency to update,
+    as least-recently-used eviction would on every hit), and a burst of made-up values only makes
+    the next few requests re-make what they use (one miss each), whereas a map that stops adding
+    when full would keep the burst for the process's life and never keep the real values again.
+    """
+    if len(kept) >= limit:
+        kept.clear()
+    kept[key] = value
+    return value

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from vllm_nvext import _bounded, asgi
+from vllm_nvext import asgi, config
 
 
 def test_a_kept_map_never_holds_more_than_its_limit_and_keeps_the_newest():
     kept: dict[str, int] = {}
     for i in range(10):
-        assert _bounded.keep(kept, f"made-up-{i}", i, 4) == i
+        assert config.keep(kept, f"made-up-{i}", i, 4) == i
         assert len(kept) <= 4, "made-up values cannot grow it past its limit"
         assert kept[f"made-up-{i}"] == i, "what was just kept is there for the next request"
-    assert _bounded.keep(kept, "made-up-9", 9, 4) == 9 and kept["made-up-9"] == 9
+    assert config.keep(kept, "made-up-9", 9, 4) == 9 and kept["made-up-9"] == 9
 
 
 def test_after_a_burst_of_made_up_values_the_real_ones_are_kept_again(monkeypatch):

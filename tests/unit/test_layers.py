@@ -19,9 +19,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "vllm_nvext"
 # fmt: off
 LAYERS: dict[str, frozenset[str]] = {
     # What every side shares: the vocabulary (paths, selectors, errors), settings, JSON that never
-    # alters a value, the SSE framer, the Plan that the request side hands the response side, and the
-    # bound on what is kept per distinct input.
-    "base": frozenset({"protocol", "config", "_json", "sse", "plan", "_bounded"}),
+    # alters a value, the SSE framer, the Plan that the request side hands the response side; config
+    # also holds the bound on what is kept per distinct input.
+    "base": frozenset({"protocol", "config", "_json", "sse", "plan"}),
     # Reading a request and planning it (pure, no ASGI).
     "inbound": frozenset({"inbound", "inbound.*"}),
     # Reshaping an answer, unary or streamed, driven by the Plan (pure, no ASGI).
@@ -248,21 +248,31 @@ def test_no_code_of_the_repository_changes_sys_path():
     assert _uses_sys_path("import sys\nsys.path.insert(0, 'x')\n"), "the check sees a change"
 
 
+# The layout's ceilings (CONTRIBUTING.md "Layout") and the margins kept under them: a module, a function or the
+# package's top within 10% of a ceiling needs a seam before it grows, so the test holds the margins.
+TOP_MODULES_HELD, MODULE_LINES_HELD, FUNCTION_LINES_HELD = 18, 405, 54  # the ceilings: 20, 450, 60
+# Functions past the margin but within the ceiling (60 lines), each to be cut along its seams, then removed from here.
+FUNCTION_LINES = 60
+OVER_THE_MARGIN = frozenset({"middleware.__call__", "middleware.run"})
+
+
 def test_the_package_stays_easy_to_read():
-    """The layout's limits (CONTRIBUTING.md "Layout"): at most 20 modules at the top of the package, no
-    module over 450 lines, no function of the server over 60 lines (the tools are scripts, not counted)."""
+    """The layout's limits (CONTRIBUTING.md "Layout"), with room to spare: at most 18 modules at the top of the
+    package (20 the ceiling), no module over 405 lines (450), no function of the server over 54 lines (60; the
+    tools are scripts, not counted)."""
     top = sorted(p.stem for p in PACKAGE.glob("*.py")) + sorted(p.name for p in PACKAGE.glob("*.c"))
-    assert len(top) <= 20, top
+    assert len(top) <= TOP_MODULES_HELD, top
     too_long = []
     for module, source in package_sources().items():
         lines = source.count("\n")
-        if lines > 450:
+        if lines > MODULE_LINES_HELD:
             too_long.append(f"vllm_nvext.{module or '__init__'}: {lines} lines")
         if layer_of(module) == "tools":
             continue
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = (node.end_lineno or node.lineno) - node.lineno + 1
-                if length > 60:
+                held = FUNCTION_LINES if f"{module}.{node.name}" in OVER_THE_MARGIN else FUNCTION_LINES_HELD
+                if length > held:
                     too_long.append(f"vllm_nvext.{module}.{node.name}: {length} lines")
     assert too_long == []

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from .._bounded import keep
+from ..config import keep
 from ..protocol import Endpoint, RequestError
 from .nvext_schema import KEY_LIST_MAX as _NVEXT_LIST_MAX
 from .nvext_schema import KEY_STR_MAX as _NVEXT_STR_MAX

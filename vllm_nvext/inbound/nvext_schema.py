@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any, TypeGuard
 
 from .. import _json
-from .._bounded import keep
+from ..config import keep
 from ..protocol import RequestError
 
 

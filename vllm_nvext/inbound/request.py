@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _json
-from .._bounded import keep
-from ..config import Mode
+from ..config import Mode, keep
 from ..plan import Plan
 from ..protocol import (
     COMPLETION_TOKEN_IDS,

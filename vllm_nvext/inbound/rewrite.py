@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .. import _json
-from .._bounded import keep
+from ..config import keep
 from ..protocol import PROMPT_TOKEN_IDS
 
 __all__ = ["BodyRewrite", "SpliceRoot"]
