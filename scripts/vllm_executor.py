@@ -23,6 +23,7 @@ fixtures use it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import zlib
@@ -42,6 +43,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, LogprobsTe
 from scripts.vllm_harness import _VOCAB_PRINTABLE, scripted_logprob, text_ids
 
 _CHILD_ID = re.compile(r"^(\d+)_")
+_HAS_INDEX = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
 # What the KV cache may hold: nothing is allocated, so any size works; enough for many requests.
 _KV_CACHE_BYTES = 256 << 20
 
@@ -195,12 +197,10 @@ class ScriptedExecutor(Executor):
             logprobs = LogprobsLists(
                 np.array(tok, dtype=np.int32), np.array(lps, dtype=np.float32), np.ones(len(tok), dtype=np.int64)
             )
+        # vLLM 0.34's output has no `req_id_to_index` (the position in `req_ids` is the index).
+        index: dict[str, Any] = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}} if _HAS_INDEX else {}
         return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=logprobs,
-            prompt_logprobs_dict=prompt_logprobs,
+            req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs_dict=prompt_logprobs, **index
         )
 
     # --- the rest of the executor interface ---------------------------------------------------------

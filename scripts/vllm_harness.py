@@ -250,7 +250,7 @@ class RsServer(HarnessServer):
 
     def command(self) -> list[str]:
         return [
-            str(venv_python(self.vllm)), "-m", "vllm_nvext.tools._vllm_cli", "serve", self.model,
+            str(venv_python(self.vllm)), str(Path(__file__).resolve()), "rs-serve", self.model,
             "--host", self.host, "--port", str(self.port), "--distributed-executor-backend", EXECUTOR, *self.args,
         ]  # fmt: skip
 
@@ -278,6 +278,14 @@ def _cpu_config_without_triton() -> None:
 
 def main() -> int:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # config resolution on the CPU platform
+    if sys.argv[1:2] == ["rs-serve"]:
+        # Stock `vllm serve` (the Rust frontend with RUST_ENV, the executor named in its arguments): nothing
+        # replaced but the one CPU-platform check of 0.34 (`_cpu_config_without_triton`).
+        sys.argv[1] = "serve"
+        _cpu_config_without_triton()
+        from vllm_nvext.tools._vllm_cli import main as stock_cli_main
+
+        return stock_cli_main()
     text = os.environ.get("SCRIPTED_TEXT")
     _install(None if text is None else text_ids(sys.argv[2], text))
     _cpu_config_without_triton()
@@ -289,3 +297,7 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+elif __name__ == "__mp_main__" and os.environ.get("VLLM_USE_RUST_FRONTEND") == "1":
+    # The engine-core process that `rs-serve` spawns (vLLM's CPU platform asks for `spawn`, which imports
+    # this script as `__mp_main__` in the child): it resolves the config again, on the same terms.
+    _cpu_config_without_triton()

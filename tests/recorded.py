@@ -1,6 +1,6 @@
 """Access to the responses recorded by scripts/record_fixtures.py, for every vLLM layout.
 
-Four fixture sets, each recorded from the real serving code, never typed:
+Five fixture sets, each recorded from the real serving code, never typed:
 - vLLM 0.32 (tests/fixtures/): the real engine on the tiny model;
 - vLLM 0.33 (tests/fixtures/vllm-0.33/): vLLM 0.33's own `vllm serve` over a scripted engine
   core (scripts/vllm_harness.py): 0.33's bytes around scripted token ids;
@@ -8,11 +8,13 @@ Four fixture sets, each recorded from the real serving code, never typed:
   0.33's bytes; its unary bodies leave out `annotations` and `prompt_tokens_details`);
 - vLLM 0.33's Rust frontend (tests/fixtures/vllm-0.33-rust/): stock `vllm-rs` over vLLM 0.33's
   engine core with a scripted executor (scripts/vllm_executor.py): what `vllm-nvext proxy`
-  reads in front of it.
+  reads in front of it;
+- vLLM 0.34's Rust frontend (tests/fixtures/vllm-0.34-rust/): the same with vLLM 0.34's `vllm-rs`
+  (`make fixtures-rust034`).
 
 `recordings()` holds them all: the 0.32 recordings under their own names, the others under
-`vllm-0.33/<name>`, `vllm-0.34/<name>` and `vllm-0.33-rust/<name>`, so a test that iterates over
-`recordings()` covers every layout, and
+`vllm-0.33/<name>`, `vllm-0.34/<name>`, `vllm-0.33-rust/<name>` and `vllm-0.34-rust/<name>`, so a test
+that iterates over `recordings()` covers every layout, and
 `recording("chat_stream_ids")` stays the 0.32 one.
 """
 
@@ -31,6 +33,7 @@ FIXTURE_SETS: dict[str, tuple[Path, str]] = {
     "0.33": (FIXTURES / "vllm-0.33", "vllm-0.33/"),
     "0.34": (FIXTURES / "vllm-0.34", "vllm-0.34/"),
     "0.33-rust": (FIXTURES / "vllm-0.33-rust", "vllm-0.33-rust/"),
+    "0.34-rust": (FIXTURES / "vllm-0.34-rust", "vllm-0.34-rust/"),
 }
 VLLM_VERSIONS = tuple(FIXTURE_SETS)
 

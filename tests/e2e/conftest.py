@@ -9,7 +9,8 @@ version's (the tests of each version run together): 0.30 and 0.31 never run side
 tests (marked `e2e_versions`) run only when `-m` names that group (`make test-e2e-versions`), never
 beside .venv's servers: `pytest tests/e2e/test_translation.py` runs .venv's and 0.33's. vLLM 0.33's
 Rust frontend ("0.33-rust") runs only the proxy in front of it, its tests marked `e2e_proxy`. vLLM
-0.34's tests (marker `e2e_vllm034`) likewise run only when `-m` names their group (`make test-e2e-vllm034`).
+0.34's tests (marker `e2e_vllm034`) likewise run only when `-m` names their group (`make test-e2e-vllm034`),
+0.34's Rust frontend ("0.34-rust", the proxy in front alone) among them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 
 from tests.helpers import http_client
 from tests.support import servers
-from tests.support.refs import APART, CURRENT, PROXY_ONLY, RUST033, SEPARATE
+from tests.support.refs import APART, CURRENT, PROXY_ONLY, SEPARATE
 from tests.support.servers import *  # noqa: F403  (every kind's `<name>_server` fixture)
 from tests.support.servers import VERSION_KINDS, VERSION_ROLES, Server
 
@@ -31,8 +32,8 @@ from tests.support.servers import VERSION_KINDS, VERSION_ROLES, Server
 # in the versions group's for 0.30 and 0.31).
 MOUNTS: dict[str, tuple[str, ...]] = {CURRENT: ("mw", "plugin", "proxy")}
 OTHER_MOUNTS = ("mw", "plugin", "proxy")
-# vLLM 0.33's Rust frontend loads neither --middleware nor endpoint plugins: the proxy in front alone.
-MOUNTS[RUST033] = ("proxy",)
+# vLLM's Rust frontend (0.33's, 0.34's) loads neither --middleware nor endpoint plugins: the proxy in front alone.
+MOUNTS.update(dict.fromkeys(PROXY_ONLY, ("proxy",)))
 
 
 def _case(version: str | None, mount: str | None) -> Any:

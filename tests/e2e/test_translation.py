@@ -3,7 +3,7 @@
 The translated servers (`--middleware` and the endpoint plugin) must give the same greedy ids
 as stock vLLM, in the placement the mode calls for, and nothing the middleware caused. On every
 declared version (the marker `vllm_versions`: .venv's, 0.30 and 0.31's real engines, 0.33's and 0.34's
-serving layers; and through `vllm-nvext proxy` alone, vLLM 0.33's Rust frontend `vllm-rs`), one
+serving layers; and through `vllm-nvext proxy` alone, vLLM 0.33's and 0.34's Rust frontend `vllm-rs`), one
 version's servers at a time.
 """
 
@@ -33,13 +33,13 @@ from tests.support.servers import version_server
 
 # Every declared version (docs/supported-vllm.md): .venv's, the real engines of 0.30 and 0.31, 0.33's and 0.34's
 # serving layers (0.34's: marker e2e_vllm034, `make test-e2e-vllm034`), and 0.33's Rust frontend (the proxy in
-# front of it; marker e2e_proxy: `make test-e2e-proxy`).
-VERSIONS = ("0.32", "0.30", "0.31", "0.33", "0.34", "0.33-rust")
+# front of it; marker e2e_proxy: `make test-e2e-proxy`) and 0.34's (in 0.34's group).
+VERSIONS = ("0.32", "0.30", "0.31", "0.33", "0.34", "0.33-rust", "0.34-rust")
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm_versions(*VERSIONS)]
 # The versions whose stock server answers the request of the two tests that use them as vLLM's Python
-# server does. vllm-rs answers n > 1 with its own 400 "Only n=1 is supported." (passed through unchanged:
+# server does. 0.33's vllm-rs answers n > 1 with its own 400 "Only n=1 is supported." (passed through unchanged:
 # tests/e2e/test_versions.py), and max_tokens beyond the context with 200, cut at the context
-# (docs/scaling-out.md, "vLLM's Rust frontend").
+# (docs/scaling-out.md, "vLLM's Rust frontend"); 0.34's answers both as the Python server does.
 PYTHON_SERVERS = tuple(v for v in VERSIONS if v != "0.33-rust")
 
 # (mode, dialect) -> (vLLM placement, nvext placement); docs/protocol.md §6.

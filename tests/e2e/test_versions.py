@@ -17,6 +17,7 @@ copied from vLLM, as each release's own python answers them; the key check and t
 - 0.33-rust (vLLM 0.33's Rust frontend, stock `vllm-rs`, over vLLM 0.33's real engine core with a
   scripted executor, scripts/vllm_executor.py): `vllm-nvext proxy` in front of it alone, marked
   `e2e_proxy` (`make test-e2e-proxy`); the servers' release and its own tests at the end.
+- 0.34-rust (vLLM 0.34's Rust frontend, the same way): marked `e2e_vllm034` too, in 0.34's group's run.
 
 A missing reference venv fails every test of its version, naming the make target.
 """
@@ -44,7 +45,7 @@ from tests.helpers import (
     run_parity,
     sse_events,
 )
-from tests.support.refs import APART, RELEASES, RUST033, SEPARATE, venv_python
+from tests.support.refs import APART, RELEASES, RUST033, RUST034, SEPARATE, venv_python
 from tests.support.servers import listen_port, tiny_model_dir, version_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm_versions("0.30", "0.31", "0.33", "0.34")]
@@ -60,7 +61,7 @@ def hs_version_server(vllm_version: str) -> Any:
 # --- this module's own tests ------------------------------------------------------------------
 
 
-@pytest.mark.vllm_versions("0.30", "0.31", "0.33", "0.34", RUST033)
+@pytest.mark.vllm_versions("0.30", "0.31", "0.33", "0.34", RUST033, RUST034)
 def test_the_servers_are_the_version_under_test(raw, translated, vllm_version):
     release = RELEASES[vllm_version]
     for client in (raw, translated):
@@ -282,12 +283,13 @@ def test_agent_routes_answer_chats_ids(raw, translated, request):
         assert message.status_code == 400 and "endpoint plugin" in message.json()["error"]["message"]
 
 
-# --- vLLM 0.33's Rust frontend (`vllm-rs`), with `vllm-nvext proxy` in front -------------------------
+# --- vLLM's Rust frontend (`vllm-rs`, 0.33's and 0.34's), with `vllm-nvext proxy` in front ----------------
+RUST = (RUST033, RUST034)
 
 
-@pytest.mark.vllm_versions(RUST033)
+@pytest.mark.vllm_versions(RUST033)  # 0.34's serves n > 1 (tests/e2e/test_translation.py)
 def test_what_vllm_rs_refuses_passes_through_the_proxy_unchanged(raw, translated):
-    """vllm-rs serves n=1 only: its 400 for n=2 (vLLM placement, so the proxy forwards it) comes back
+    """0.33's vllm-rs serves n=1 only: its 400 for n=2 (vLLM placement, so the proxy forwards it) comes back
     through the proxy byte for byte."""
     body = {**BASE[COMPLETIONS], "n": 2, "temperature": 0.8, "seed": 11, "return_token_ids": True}
     got = translated.post(COMPLETIONS, json=body, headers={"x-nvext-mode": "vllm"})
@@ -296,35 +298,52 @@ def test_what_vllm_rs_refuses_passes_through_the_proxy_unchanged(raw, translated
     assert got.content == expected.content and expected.json()["error"]["param"] == "n"
 
 
-@pytest.mark.vllm_versions(RUST033)
-def test_ids_on_responses_through_the_proxy_of_vllm_rs_are_a_400_naming_the_field(raw, translated):
+RESPONSES_IDS = {"model": "tiny", "input": "Hello", "max_output_tokens": 4}
+# The client's ways to ask ids on /v1/responses -> the field the refusal names.
+RESPONSES_ASKS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    "nvext.extra_fields": ({"nvext": {"extra_fields": ["completion_token_ids"]}}, {}),
+    "return_token_ids": ({"return_token_ids": True}, {}),
+}
+
+
+@pytest.mark.vllm_versions(*RUST)
+def test_ids_on_responses_through_the_proxy_of_vllm_rs_are_a_400_naming_the_field(raw, translated, vllm_version):
     """vllm-rs serves no /v1/responses with ids (0.33: no such route; 0.34 refuses enable_response_messages):
     the proxy, which read `rust_frontend_version` from its /version, answers a 400 naming the client's
-    field rather than forward what cannot carry them (docs/scaling-out.md)."""
-    assert raw.get("/version").json()["rust_frontend_version"] == "0.33.0"
-    body = {
-        "model": "tiny",
-        "input": "Hello",
-        "max_output_tokens": 4,
-        "nvext": {"extra_fields": ["completion_token_ids"]},
-    }
-    refused = translated.post("/v1/responses", json=body)
-    assert refused.status_code == 400, refused.text
-    error = refused.json()["error"]
-    assert error["param"] == "nvext.extra_fields" and "vllm-rs 0.33.0" in error["message"]
-    stock = raw.post("/v1/responses", json={k: v for k, v in body.items() if k != "nvext"})
-    assert stock.status_code == 404, "0.33's vllm-rs has no /v1/responses at all"
+    field and the upstream, unary or streamed, rather than forward what cannot carry them (docs/scaling-out.md)."""
+    release = RELEASES[vllm_version]
+    assert raw.get("/version").json()["rust_frontend_version"] == release
+    for field, (ask, headers) in RESPONSES_ASKS.items():
+        for stream in (False, True):
+            refused = translated.post("/v1/responses", json={**RESPONSES_IDS, **ask, "stream": stream}, headers=headers)
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert error["param"] == field and f"vllm-rs {release}" in error["message"], error
+            assert "enable_response_messages" in error["message"], error
+    stock = raw.post("/v1/responses", json=RESPONSES_IDS)
+    if vllm_version == RUST033:
+        assert stock.status_code == 404, "0.33's vllm-rs has no /v1/responses at all"
+        return
+    # 0.34's answers /v1/responses, without ids, and refuses where vLLM's Python server puts them.
+    assert stock.status_code == 200 and "output_messages" not in stock.text, stock.text
+    messages = raw.post("/v1/responses", json={**RESPONSES_IDS, "enable_response_messages": True})
+    assert messages.status_code == 400 and messages.json()["error"]["param"] == "enable_response_messages"
+    # Without ids asked, the proxy forwards: vllm-rs's own answer.
+    plain = translated.post("/v1/responses", json=RESPONSES_IDS)
+    assert plain.status_code == 200 and plain.json()["output"][0]["content"] == stock.json()["output"][0]["content"]
 
 
-@pytest.mark.vllm_versions(RUST033)
+@pytest.mark.vllm_versions(*RUST)
 def test_vllm_rs_with_nvext_in_vllm_plugins_refuses_to_start(vllm_version, tmp_path):
-    """`VLLM_USE_RUST_FRONTEND=1 VLLM_PLUGINS=nvext vllm serve` on vLLM 0.33 (the server `rust033` runs, with
-    the package's `vllm.general_plugins` entry point as pyproject.toml declares it): it exits with the
-    refusal, pointing at the proxy, before vllm-rs or an engine starts."""
+    """`VLLM_USE_RUST_FRONTEND=1 VLLM_PLUGINS=nvext vllm serve` on vLLM 0.33 and 0.34 (the server `rust033` /
+    `rust034` runs, with the package's `vllm.general_plugins` entry point as pyproject.toml declares it): it
+    exits with the refusal, pointing at the proxy, before vllm-rs or an engine starts."""
     from scripts.vllm_harness import RUST_ENV, RsServer
     from vllm_nvext.tools.server import TINY_ARGS
 
-    server = RsServer(model=tiny_model_dir(), args=TINY_ARGS, port=listen_port())
+    release = vllm_version.removesuffix("-rust")
+    server = RsServer(model=tiny_model_dir(), args=TINY_ARGS, port=listen_port(), vllm=release)
+    assert f"vllm-{RELEASES[vllm_version]}" in server.command()[0], "the release's own venv"
     paths = [str(Path(__file__).resolve().parents[2]), str(general_plugin_dist(tmp_path))]
     env = {**os.environ, **RUST_ENV, "VLLM_PLUGINS": "nvext", "PYTHONPATH": os.pathsep.join(paths)}
     done = subprocess.run(server.command(), env=env, capture_output=True, text=True, timeout=300, check=False)
@@ -335,9 +354,9 @@ def test_vllm_rs_with_nvext_in_vllm_plugins_refuses_to_start(vllm_version, tmp_p
     assert "Launching Rust frontend" not in output and "EngineCore" not in output
 
 
-@pytest.mark.vllm_versions(RUST033)
+@pytest.mark.vllm_versions(RUST033)  # 0.34's writes the null keys, as vLLM's Python server does
 def test_stream_ids_moved_to_nvext_are_null_where_vllm_rs_omits_them(raw, translated):
-    """vllm-rs leaves the id keys out of a stream that did not ask for them; through the proxy, a stream
+    """0.33's vllm-rs leaves the id keys out of a stream that did not ask for them; through the proxy, a stream
     whose ids go to `nvext` carries them as null (the mounted middleware's rule, which matches vLLM's
     Python server): the only difference from vllm-rs's own answer that the translation matrix allows."""
     for path in (CHAT, COMPLETIONS):

