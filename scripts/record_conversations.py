@@ -34,7 +34,8 @@ TURNS = 4
 
 
 def _call(n: int) -> dict[str, Any]:
-    return {"id": f"call_{n}", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    function = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    return {"id": f"call_{n}", "type": "function", "function": function}
 
 
 def _chat(client: httpx.Client, body: dict[str, Any]) -> tuple[list[int], list[int], str]:
@@ -101,6 +102,15 @@ def responses_conversation(client: httpx.Client) -> list[dict[str, Any]]:
     return turns
 
 
+def _ascii_ids() -> list[int]:
+    """The ids of lower-case letters, the space and EOS: answers whose text encodes back to their ids (the
+    tiny model otherwise samples bytes that are not valid UTF-8 at almost every turn)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model.ensure())
+    return sorted({*tokenizer.encode("abcdefghijklmnopqrstuvwxyz ", add_special_tokens=False), tokenizer.eos_token_id})
+
+
 QUESTION = [{"role": "user", "content": "Tell me about token ids."}]
 SYSTEM = [{"role": "system", "content": "You answer briefly."}, *QUESTION]
 CONVERSATIONS: dict[str, Callable[[httpx.Client], list[dict[str, Any]]]] = {
@@ -110,12 +120,23 @@ CONVERSATIONS: dict[str, Callable[[httpx.Client], list[dict[str, Any]]]] = {
     "chat_stream_tools": chat_conversation({"max_tokens": 16, "tools": CHAT_TOOLS, "stream": True}, SYSTEM, tools=True),
     "responses_codex": responses_conversation,
 }
+# The same shapes, sampled among ASCII ids alone (vLLM's `allowed_token_ids`): texts that round-trip.
+ASCII_CONVERSATIONS: dict[str, Callable[[list[int]], Callable[[httpx.Client], list[dict[str, Any]]]]] = {
+    "chat_unary_ascii": lambda ids: chat_conversation(
+        {"max_tokens": 8, "allowed_token_ids": ids}, QUESTION, tools=False
+    ),
+    "chat_stream_tools_ascii": lambda ids: chat_conversation(
+        {"max_tokens": 16, "tools": CHAT_TOOLS, "stream": True, "allowed_token_ids": ids}, SYSTEM, tools=True
+    ),
+}
 
 
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     args = (*TINY_ARGS, "--served-model-name", "tiny", *TOOL_ARGS)
     index: dict[str, Any] = {"recorder": "scripts/record_conversations.py", "vllm_nvext": __version__}
+    ascii_ids = _ascii_ids()
+    conversations = {**CONVERSATIONS, **{name: make(ascii_ids) for name, make in ASCII_CONVERSATIONS.items()}}
     with VllmServer(model=str(tiny_model.ensure()), args=args, name="conversations") as server:
         server.wait_ready()
         import vllm
@@ -123,7 +144,7 @@ def main() -> None:
         index["vllm_version"] = vllm.__version__
         index["conversations"] = {}
         with httpx.Client(base_url=server.url, timeout=300) as client:
-            for name, run in CONVERSATIONS.items():
+            for name, run in conversations.items():
                 turns = run(client)
                 (OUT / f"{name}.json").write_text(json.dumps({"name": name, "turns": turns}, indent=1) + "\n")
                 index["conversations"][name] = f"{name}.json"

@@ -109,7 +109,10 @@ class Settings:
     ) -> Settings:
         """Settings from keyword arguments; each one left at None comes from `base` (default: the environment)."""
         if base is None:
-            base = cls.from_env()
+            # The environment's, less continue_ids: checked below with the capture these arguments give.
+            if continue_ids is None:
+                continue_ids = _parse_bool(os.environ, ENV_CONTINUE_IDS, False)
+            base = cls.from_env({k: v for k, v in os.environ.items() if k != ENV_CONTINUE_IDS})
         return cls(
             mode=base.mode if mode is None else _mode(mode, "mode"),
             allow_mode_header=base.allow_mode_header if allow_mode_header is None else allow_mode_header,

@@ -12,6 +12,7 @@ own. The splice runs in vLLM's tokenizer thread pool, never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib
 import logging
@@ -93,10 +94,8 @@ def stop_ids(renderer: Any, tokenizer: Any) -> frozenset[int]:
     """The ids that end an answer: the tokenizer's EOS and the model's generation config's."""
     found: set[int] = set()
     values: list[Any] = [getattr(tokenizer, "eos_token_id", None)]
-    try:
+    with contextlib.suppress(Exception):  # no renderer (a test), no generation config: the tokenizer's
         values.append(renderer.model_config.try_get_generation_config().get("eos_token_id"))
-    except Exception:
-        pass
     for value in values:
         for one in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(one, int) and not isinstance(one, bool):
@@ -121,7 +120,9 @@ def _max_tokens(request: Any) -> int:
     return 1
 
 
-def best(previous: Sequence[Any], rendered: list[int], stops: frozenset[int], decode: Any) -> tuple[list[int] | None, str]:
+def best(
+    previous: Sequence[Any], rendered: list[int], stops: frozenset[int], decode: Callable[[Sequence[int]], str]
+) -> tuple[list[int] | None, str]:
     """The newest of the previous turns the new request continues: its ids, else why none (the newest's why)."""
     why: str | None = None
     for served in previous:
@@ -151,9 +152,9 @@ async def _continue(renderer: Any, request: Any, turn: Continuation, conversatio
     loop = asyncio.get_running_loop()
     ids, outcome = await loop.run_in_executor(executor, best, previous, rendered, stops, decode)
     limit = getattr(renderer.model_config, "max_model_len", None)
-    if ids is not None and len(ids) > len(rendered) and isinstance(limit, int):
-        if len(ids) + _max_tokens(request) > limit:
-            ids, outcome = None, LENGTH  # vLLM's rendering fits where the continued ids would not
+    longer = ids is not None and len(ids) > len(rendered)
+    if longer and isinstance(limit, int) and len(ids or ()) + _max_tokens(request) > limit:
+        ids, outcome = None, LENGTH  # vLLM's rendering fits where the continued ids would not
     turn.outcome = outcome
     if ids is not None:
         inputs[0]["prompt_token_ids"] = ids
