@@ -251,3 +251,16 @@ def test_serve_refuses_continue_ids_without_capture(capsys):
     assert (
         "vllm-nvext serve: error: continue_ids (VLLM_NVEXT_CONTINUE_IDS=1) needs capture on" in capsys.readouterr().err
     )
+
+
+def test_the_recordings_hold_answers_that_round_trip_and_answers_that_drift():
+    """Both branches of the proof above are taken: the ASCII-only conversations round-trip, the others drift."""
+    tokenizer = _tokenizer()
+    stops = render_hook.stop_ids(None, tokenizer)
+    kinds = set()
+    for _, turns in _recorded():
+        for turn in turns[:-1]:
+            ids = turn["completion_token_ids"]
+            answer = ids[:-1] if ids and ids[-1] in stops else ids
+            kinds.add(tokenizer.encode(tokenizer.decode(answer), add_special_tokens=False) == answer)
+    assert kinds == {True, False}
