@@ -42,10 +42,12 @@ def _render(messages: list[dict[str, Any]], generation: bool = True) -> list[int
     return list(ids)
 
 
-def _splice(prompt: list[int], completion: list[int], rendered: list[int]) -> tuple[list[int] | None, str]:
+def _splice(
+    prompt: list[int], completion: list[int], rendered: list[int], before: list[int] | None = None
+) -> tuple[list[int] | None, str]:
     tokenizer = _tokenizer()
     stops = render_hook.stop_ids(None, tokenizer)
-    return continued(prompt, completion, rendered, stops, render_hook.decoder(tokenizer))
+    return continued(prompt, completion, rendered, stops, render_hook.decoder(tokenizer), before)
 
 
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
@@ -251,6 +253,26 @@ def test_serve_refuses_continue_ids_without_capture(capsys):
     assert (
         "vllm-nvext serve: error: continue_ids (VLLM_NVEXT_CONTINUE_IDS=1) needs capture on" in capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(("name", "turns"), _recorded(), ids=[name for name, _ in _recorded()])
+def test_a_recorded_conversation_continued_turn_after_turn_extends_every_turn(name, turns):
+    """Each turn continues the ids the previous turn was served (themselves continued), its history compared
+    with vLLM's own rendering of the previous turn's; all equal to vLLM's rendering while every answer so far
+    round-trips."""
+    tokenizer = _tokenizer()
+    stops = render_hook.stop_ids(None, tokenizer)
+    served, rendered_before = turns[0]["prompt_token_ids"], None
+    exact = True
+    for before, turn in zip(turns, turns[1:], strict=False):
+        completion = before["completion_token_ids"]
+        ids, outcome = _splice(served, completion, turn["prompt_token_ids"], rendered_before)
+        assert outcome == "continued" and ids is not None
+        answer = completion[:-1] if completion and completion[-1] in stops else completion
+        assert ids[: len(served) + len(answer)] == served + answer
+        exact = exact and tokenizer.encode(tokenizer.decode(answer), add_special_tokens=False) == answer
+        assert (ids == turn["prompt_token_ids"]) == exact
+        served, rendered_before = ids, turn["prompt_token_ids"]
 
 
 def test_the_recordings_hold_answers_that_round_trip_and_answers_that_drift():

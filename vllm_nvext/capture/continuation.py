@@ -26,25 +26,31 @@ ROUTES = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
 HISTORY, ANSWER, NO_MARKER, LENGTH = "history", "answer", "no_marker", "length"
 
 
-class Served(Protocol):
-    """A previous turn as the next request reads it: a finished one (`Kept`) or a tap still open."""
+Ids = Sequence[int]
 
-    def served(self) -> tuple[Sequence[int] | None, Sequence[int] | None, bool]: ...
+
+class Served(Protocol):
+    """A previous turn as the next request reads it: a finished one (`Kept`) or a tap still open. `served()`:
+    (prompt ids, choice 0's completion ids, whether it had n > 1 choices, vLLM's own rendering of its
+    prompt where the prompt was continued, else None)."""
+
+    def served(self) -> tuple[Ids | None, Ids | None, bool, Ids | None]: ...
 
 
 @dataclass(slots=True)
 class Kept:
-    """A finished turn: its prompt and choice 0's completion ids, compactly; `several`: it had n > 1 choices."""
+    """A finished turn, compactly (`Served`)."""
 
     prompt: array[int]
     completion: array[int]
     several: bool
+    rendered: array[int] | None = None
 
-    def served(self) -> tuple[Sequence[int] | None, Sequence[int] | None, bool]:
-        return self.prompt, self.completion, self.several
+    def served(self) -> tuple[Ids | None, Ids | None, bool, Ids | None]:
+        return self.prompt, self.completion, self.several, self.rendered
 
     def size(self) -> int:
-        return len(self.prompt) + len(self.completion)
+        return len(self.prompt) + len(self.completion) + len(self.rendered or ())
 
 
 @dataclass(slots=True)
@@ -54,6 +60,7 @@ class Continuation:
     previous: list[Served] = field(default_factory=list)
     used: bool = False
     outcome: str | None = None  # "continued", or why not (HISTORY, ANSWER, ...)
+    rendered: list[int] | None = None  # vLLM's own rendering, where the prompt ids were continued
 
 
 # The process's memory of sessions: None while the setting is off (`enable`, at start-up).
@@ -99,13 +106,13 @@ class Memory:
         turns = self._sessions.get(key)
         if turns is None or tap not in turns:
             return
-        prompt, completion, several = tap.served()
+        prompt, completion, several, rendered = tap.served()
         kept_prompt, kept_completion = _ids(prompt), _ids(completion)
         at = turns.index(tap)
         if kept_prompt is None or kept_completion is None:
             del turns[at]
             return
-        kept = turns[at] = Kept(kept_prompt, kept_completion, several)
+        kept = turns[at] = Kept(kept_prompt, kept_completion, several, _ids(rendered))
         self._size += kept.size()
         while self._size > self._max_ids and self._sessions:
             _, gone = self._sessions.popitem(last=False)
@@ -149,32 +156,36 @@ def _plain(text: str) -> str:
 
 
 def continued(
-    prompt: Sequence[int],
-    completion: Sequence[int],
-    rendered: Sequence[int],
+    prompt: Ids,
+    completion: Ids,
+    rendered: Ids,
     stops: Collection[int],
-    decode: Callable[[Sequence[int]], str],
+    decode: Callable[[Ids], str],
+    previous_rendered: Ids | None = None,
 ) -> tuple[list[int] | None, str]:
-    """The ids vLLM gets for `rendered` (its own rendering of the new request), continuing the previous turn.
+    """The ids vLLM gets for `rendered` (its own rendering of the new request), continuing the previous turn,
+    whose prompt ids were `prompt` (vLLM's own rendering of them `previous_rendered`, where they were
+    continued themselves) and whose answer was `completion`.
 
     (ids, "continued") when the new history begins with what that turn was served: `rendered` repeats
-    its prompt up to the generation prompt (the ids after its last stop id), and then renders, as
-    text, the generation prompt and an answer the client sent back unchanged (`decode(completion)`, as
-    the client got it: whitespace and U+FFFD aside; an answer whose reasoning the template dropped
-    counts too), closed by a stop id. The ids are then the previous prompt + its completion (less a
-    trailing stop id, which the template re-adds) + `rendered` from that closing stop id on.
-    (None, why) otherwise: vLLM's own rendering stands.
+    vLLM's rendering of its prompt up to the generation prompt (the ids after its last stop id), and
+    then renders, as text, the generation prompt and an answer the client sent back unchanged
+    (`decode(completion)`, as the client got it: whitespace and U+FFFD aside; an answer whose reasoning
+    the template dropped counts too), closed by a stop id. The ids are then the previous prompt + its
+    completion (less a trailing stop id, which the template re-adds) + `rendered` from that closing
+    stop id on. (None, why) otherwise: vLLM's own rendering stands.
     """
-    start = _last(prompt, stops)
-    if start == 0 or list(rendered[:start]) != list(prompt[:start]):
+    base = prompt if previous_rendered is None else previous_rendered
+    start = _last(base, stops)
+    if start == 0 or list(rendered[:start]) != list(base[:start]):
         return None, HISTORY  # an earlier message, the tools or the system prompt changed
     close = _first(rendered, stops, start)
     if close is None:
         return None, NO_MARKER
     answer = completion[:-1] if completion and completion[-1] in stops else completion
-    generation = decode(prompt[start:])
-    if list(rendered[start : len(prompt)]) == list(prompt[start:]):
-        sent = decode(rendered[len(prompt) : close])  # the usual case: no id across the boundary
+    generation = decode(base[start:])
+    if list(rendered[start : len(base)]) == list(base[start:]):
+        sent = decode(rendered[len(base) : close])  # the usual case: no id across the boundary
     else:
         text = decode(rendered[start:close])
         if not text.startswith(generation):

@@ -126,13 +126,13 @@ def best(
     """The newest of the previous turns the new request continues: its ids, else why none (the newest's why)."""
     why: str | None = None
     for served in previous:
-        prompt, completion, several = served
+        prompt, completion, several, before = served
         if prompt is None or completion is None:
             continue
         if several:
             why = why or SEVERAL
             continue
-        ids, outcome = continued(prompt, completion, rendered, stops, decode)
+        ids, outcome = continued(prompt, completion, rendered, stops, decode, before)
         if ids is not None:
             return ids, outcome
         why = why or outcome
@@ -147,6 +147,7 @@ async def _continue(renderer: Any, request: Any, turn: Continuation, conversatio
     stops = stop_ids(renderer, tokenizer)
     rendered: list[int] = inputs[0]["prompt_token_ids"]
     previous = [p.served() for p in turn.previous]  # read here, on the event loop that writes them
+    turn.previous = []  # read once; older turns are not held by this request
     decode = decoder(tokenizer)
     executor = getattr(renderer.renderer, "_executor", None)  # vLLM's tokenizer threads
     loop = asyncio.get_running_loop()
@@ -157,6 +158,7 @@ async def _continue(renderer: Any, request: Any, turn: Continuation, conversatio
         ids, outcome = None, LENGTH  # vLLM's rendering fits where the continued ids would not
     turn.outcome = outcome
     if ids is not None:
+        turn.rendered = rendered  # what the next turn's rendering is compared with
         inputs[0]["prompt_token_ids"] = ids
     else:
         logger.debug("vllm-nvext: a captured turn is not continued (%s): vLLM's own rendering", outcome)

@@ -102,7 +102,7 @@ class Collector:
     """What one captured request reports; `finish` hands its turn to the sink, once."""
 
     __slots__ = ("sink", "route", "key", "time", "request_id", "model", "prompt", "usage", "_choices", "_done",
-                 "reported", "spans_known", "joined")  # fmt: skip
+                 "reported", "spans_known", "joined", "continuation")  # fmt: skip
 
     def __init__(self, sink: Sink, route: str, key: SessionKey, arrived: float | None = None) -> None:
         self.sink = sink
@@ -118,6 +118,7 @@ class Collector:
         self.reported = False  # an answer was seen (an error is not a turn)
         self.spans_known = True  # False: the route reports no per-item ids (docs/capture.md)
         self.joined: tuple[str, str | None] | None = None  # its session's key in continuation.MEMORY
+        self.continuation: continuation.Continuation | None = None  # what vLLM's renderer did with it
 
     @classmethod
     def of(cls, sink: Sink | None, route: str, headers: Any, data: Any, arrived: float) -> Collector | None:
@@ -133,7 +134,8 @@ class Collector:
         if memory is not None and route in continuation.ROUTES and key.session_id is not None:
             # VLLM_NVEXT_CONTINUE_IDS: vLLM's renderer, in this request's context, reads the session's last turns.
             tap.joined = (key.session_id, key.agent_id)
-            continuation.TURN.set(memory.begin(tap.joined, tap))
+            tap.continuation = memory.begin(tap.joined, tap)
+            continuation.TURN.set(tap.continuation)
         return tap
 
     def _root(self, obj: dict[str, Any]) -> None:
@@ -236,17 +238,19 @@ class Collector:
         reason = details.get("reason") if isinstance(details, dict) else None
         state.finish_reason = reason if isinstance(reason, str) else obj.get("status")
 
-    def served(self) -> tuple[list[int] | None, list[int] | None, bool]:
-        """What this turn was served so far (continuation.Served): prompt ids, choice 0's ids, n > 1."""
+    def served(self) -> tuple[list[int] | None, list[int] | None, bool, list[int] | None]:
+        """What this turn was served so far (continuation.Served)."""
         first = self._choices.get(0)
-        return self.prompt, None if first is None or first.withheld else first.ids, len(self._choices) > 1
+        ids = None if first is None or first.withheld else first.ids
+        rendered = None if self.continuation is None else self.continuation.rendered
+        return self.prompt, ids, len(self._choices) > 1, rendered
 
     def finish(self) -> None:
         """The turn, to the sink: once, and only for an answer that was seen."""
         if self.joined is not None and continuation.MEMORY is not None:
             continuation.TURN.set(None)
             continuation.MEMORY.settle(self.joined, self)
-            self.joined = None
+            self.joined = self.continuation = None  # the memory keeps the turn; nothing holds older ones
         if self._done or not self.reported:
             return
         self._done = True
