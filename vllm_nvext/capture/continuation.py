@@ -177,7 +177,7 @@ def continued(
     """
     base = prompt if previous_rendered is None else previous_rendered
     start = _last(base, stops)
-    if start == 0 or list(rendered[:start]) != list(base[:start]):
+    if list(rendered[:start]) != list(base[:start]):  # start 0: a template that closes no message before
         return None, HISTORY  # an earlier message, the tools or the system prompt changed
     close = _first(rendered, stops, start)
     if close is None:

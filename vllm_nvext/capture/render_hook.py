@@ -27,6 +27,7 @@ logger = logging.getLogger("vllm_nvext.capture")
 # Where each vLLM renders a chat request: (module, class, method), the first found is wrapped.
 TARGETS = (("vllm.renderers.online_renderer", "OnlineRenderer", "preprocess_chat"),)  # 0.30-0.34
 _MARK = "_vllm_nvext_continues"
+_STOPS: dict[int, frozenset[int]] = {}  # each renderer's stop ids (one per API-server process)
 SEVERAL = "choices"  # the previous turn had n > 1 choices: which one does the client continue?
 NOT_PLAIN = "not_plain"  # truncate_prompt_tokens, a multimodal or embeds prompt, Harmony, ids from the client
 
@@ -144,7 +145,9 @@ async def _continue(renderer: Any, request: Any, turn: Continuation, conversatio
         turn.outcome = NOT_PLAIN
         return
     tokenizer = renderer.renderer.get_tokenizer()
-    stops = stop_ids(renderer, tokenizer)
+    stops = _STOPS.get(id(renderer))
+    if stops is None:  # read once per renderer: the generation config comes from the model's files
+        stops = _STOPS[id(renderer)] = stop_ids(renderer, tokenizer)
     rendered: list[int] = inputs[0]["prompt_token_ids"]
     previous = [p.served() for p in turn.previous]  # read here, on the event loop that writes them
     turn.previous = []  # read once; older turns are not held by this request
