@@ -131,6 +131,12 @@ ASCII_CONVERSATIONS: dict[str, Callable[[list[int]], Callable[[httpx.Client], li
 }
 
 
+def _compact(name: str, turns: list[dict[str, Any]]) -> str:
+    """One turn a line."""
+    lines = ",\n".join(json.dumps(turn) for turn in turns)
+    return f'{{"name": {json.dumps(name)}, "turns": [\n{lines}\n]}}\n'
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     args = (*TINY_ARGS, "--served-model-name", "tiny", *TOOL_ARGS)
@@ -146,7 +152,7 @@ def main() -> None:
         with httpx.Client(base_url=server.url, timeout=300) as client:
             for name, run in conversations.items():
                 turns = run(client)
-                (OUT / f"{name}.json").write_text(json.dumps({"name": name, "turns": turns}, indent=1) + "\n")
+                (OUT / f"{name}.json").write_text(_compact(name, turns))
                 index["conversations"][name] = f"{name}.json"
                 print(f"{name}: {len(turns)} turns")
     (OUT / "index.json").write_text(json.dumps(index, indent=1) + "\n")
