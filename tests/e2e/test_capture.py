@@ -27,6 +27,8 @@ QUESTION = "What is the weather in Paris?"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
 ARGUMENTS = {"city": "Paris"}
+# The events the Anthropic SDK's `messages.stream()` adds to the server's, one per delta.
+SDK_EVENTS = frozenset({"text", "input_json", "thinking", "citation", "signature"})
 
 
 @pytest.fixture(params=["capture_mw", "capture_plugin"])
@@ -123,7 +125,9 @@ def _messages_turn(url: str, messages: list[dict[str, Any]], session_id: str) ->
     with client.messages.stream(model=MODEL_NAME, messages=messages, tools=tools, max_tokens=MAX,
                                 extra_body={"temperature": 0},
                                 extra_headers={"x-claude-code-session-id": session_id}) as events:  # fmt: skip
-        types = [e.type for e in events]
+        # The SDK's own events (`text`, `input_json`, ...) come one beside each delta, so that deltas and
+        # they alternate: left out, the run of the server's event types holds no chunk boundary.
+        types = [e.type for e in events if e.type not in SDK_EVENTS]
         final = events.get_final_message().to_dict()
     # by content, never by chunk boundaries: the run of event types and the message they built
     return [t for i, t in enumerate(types) if i == 0 or types[i - 1] != t], final
