@@ -319,3 +319,19 @@ def test_each_vllm_renders_chat_responses_and_messages_through_the_method_the_ho
     for caller in ("render_chat", "render_responses"):
         calls = [n for n in ast.walk(methods[caller]) if isinstance(n, ast.Call)]
         assert any(getattr(c.func, "attr", None) == "preprocess_chat" for c in calls), caller
+
+
+def test_a_request_continues_the_newest_turn_its_history_begins_with_and_never_one_of_several_choices():
+    tokenizer = _tokenizer()
+    stops, decode = render_hook.stop_ids(None, tokenizer), render_hook.decoder(tokenizer)
+    loop = [{"role": "user", "content": "Fix the bug."}]
+    prompt = _render(loop)
+    completion = tokenizer.encode("Done.", add_special_tokens=False) + [tokenizer.eos_token_id]
+    # A title request of the same session, sent after the loop's turn: newer, but not this history's.
+    title = _render([{"role": "user", "content": "Name this conversation."}])
+    rendered = _render([*loop, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Thanks."}])
+    newest_first = [(title, [1, 2], False, None), (prompt, completion, False, None)]
+    assert render_hook.best(newest_first, rendered, stops, decode) == (rendered, "continued")
+    several = [(prompt, completion, True, None)]
+    assert render_hook.best(several, rendered, stops, decode) == (None, render_hook.SEVERAL)
+    assert render_hook.best([(None, None, False, None)], rendered, stops, decode) == (None, "no_ids")
