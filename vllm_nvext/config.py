@@ -17,6 +17,7 @@ ENV_PURE_PYTHON = "VLLM_NVEXT_PURE_PYTHON"
 ENV_CAPTURE = "VLLM_NVEXT_CAPTURE"
 ENV_CAPTURE_MAX_BYTES = "VLLM_NVEXT_CAPTURE_MAX_BYTES"
 ENV_CAPTURE_RETENTION_S = "VLLM_NVEXT_CAPTURE_RETENTION_S"
+ENV_CONTINUE_IDS = "VLLM_NVEXT_CONTINUE_IDS"
 MODE_HEADER = "x-nvext-mode"
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_CAPTURE_MAX_BYTES = 1024 * 1024 * 1024  # the capture store's size cap (docs/capture.md)
@@ -67,6 +68,8 @@ class Settings:
     capture: str | None = None
     capture_max_bytes: int = DEFAULT_CAPTURE_MAX_BYTES
     capture_retention_s: int = DEFAULT_CAPTURE_RETENTION_S
+    # A captured session's next prompt continues its last turn's ids (docs/capture.md); needs capture.
+    continue_ids: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _mode(self.mode, "mode"))
@@ -83,6 +86,13 @@ class Settings:
             raise ConfigError(f"capture_max_bytes: expected a positive integer, got {self.capture_max_bytes!r}")
         if not _positive_int(self.capture_retention_s):
             raise ConfigError(f"capture_retention_s: expected a positive integer, got {self.capture_retention_s!r}")
+        if not isinstance(self.continue_ids, bool):
+            raise ConfigError(f"continue_ids: expected True or False, got {self.continue_ids!r}")
+        if self.continue_ids and self.capture is None:
+            raise ConfigError(
+                f"continue_ids ({ENV_CONTINUE_IDS}=1) needs capture on ({ENV_CAPTURE}, or `capture=`): "
+                "it continues the ids of the captured session's last turn (docs/capture.md)"
+            )
 
     @classmethod
     def create(
@@ -96,11 +106,15 @@ class Settings:
         capture: str | None = None,
         capture_max_bytes: int | None = None,
         capture_retention_s: int | None = None,
+        continue_ids: bool | None = None,
         base: Settings | None = None,
     ) -> Settings:
         """Settings from keyword arguments; each one left at None comes from `base` (default: the environment)."""
         if base is None:
-            base = cls.from_env()
+            # The environment's, less continue_ids: checked below with the capture these arguments give.
+            if continue_ids is None:
+                continue_ids = _parse_bool(os.environ, ENV_CONTINUE_IDS, False)
+            base = cls.from_env({k: v for k, v in os.environ.items() if k != ENV_CONTINUE_IDS})
         return cls(
             mode=base.mode if mode is None else _mode(mode, "mode"),
             allow_mode_header=base.allow_mode_header if allow_mode_header is None else allow_mode_header,
@@ -112,6 +126,7 @@ class Settings:
             capture=base.capture if capture is None else capture,
             capture_max_bytes=base.capture_max_bytes if capture_max_bytes is None else capture_max_bytes,
             capture_retention_s=base.capture_retention_s if capture_retention_s is None else capture_retention_s,
+            continue_ids=base.continue_ids if continue_ids is None else continue_ids,
         )
 
     @classmethod
@@ -131,6 +146,7 @@ class Settings:
             capture=capture_url(env.get(ENV_CAPTURE), ENV_CAPTURE),
             capture_max_bytes=_parse_positive(env, ENV_CAPTURE_MAX_BYTES, DEFAULT_CAPTURE_MAX_BYTES),
             capture_retention_s=_parse_positive(env, ENV_CAPTURE_RETENTION_S, DEFAULT_CAPTURE_RETENTION_S),
+            continue_ids=_parse_bool(env, ENV_CONTINUE_IDS, False),
         )
 
 
@@ -157,6 +173,7 @@ def capture_environ(settings: Settings) -> dict[str, str]:
         ENV_CAPTURE: settings.capture,
         ENV_CAPTURE_MAX_BYTES: str(settings.capture_max_bytes),
         ENV_CAPTURE_RETENTION_S: str(settings.capture_retention_s),
+        ENV_CONTINUE_IDS: "1" if settings.continue_ids else "0",
     }
 
 

@@ -41,6 +41,7 @@ from .asgi import (
     set_header,
     too_large,
 )
+from .capture import render_hook
 from .capture.requests import plan_for_capture
 from .capture.store import Sink
 from .capture.tap import Collector
@@ -85,6 +86,7 @@ class NvextMiddleware:
         capture: str | None = None,
         capture_max_bytes: int | None = None,
         capture_retention_s: int | None = None,
+        continue_ids: bool | None = None,
         serve_messages: bool = False,
     ) -> None:
         self.app = app
@@ -97,6 +99,7 @@ class NvextMiddleware:
             capture=capture,
             capture_max_bytes=capture_max_bytes,
             capture_retention_s=capture_retention_s,
+            continue_ids=continue_ids,
             base=settings,
         )
         self.kernels = pick(self.settings.pure_python)  # the compiled kernels, or their Python twins
@@ -110,6 +113,8 @@ class NvextMiddleware:
             logging.getLogger("vllm.nvext").info(announce, self.stream_path)
         # The plugin mount serves /v1/messages with ids itself (agent/messages.py).
         self.serve_messages = serve_messages
+        if self.settings.continue_ids:  # VLLM_NVEXT_CONTINUE_IDS: vLLM's chat rendering wrapped (docs/capture.md)
+            render_hook.install()
         self.sink = open_capture(self.settings)  # docs/capture.md; None: capture off, nothing of it runs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -27,6 +27,8 @@ QUESTION = "What is the weather in Paris?"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
 ARGUMENTS = {"city": "Paris"}
+# The events the Anthropic SDK's `messages.stream()` adds to the server's, one per delta.
+SDK_EVENTS = frozenset({"text", "input_json", "thinking", "citation", "signature"})
 
 
 @pytest.fixture(params=["capture_mw", "capture_plugin"])
@@ -123,7 +125,9 @@ def _messages_turn(url: str, messages: list[dict[str, Any]], session_id: str) ->
     with client.messages.stream(model=MODEL_NAME, messages=messages, tools=tools, max_tokens=MAX,
                                 extra_body={"temperature": 0},
                                 extra_headers={"x-claude-code-session-id": session_id}) as events:  # fmt: skip
-        types = [e.type for e in events]
+        # The SDK's own events (`text`, `input_json`, ...) come one beside each delta, so that deltas and
+        # they alternate: left out, the run of the server's event types holds no chunk boundary.
+        types = [e.type for e in events if e.type not in SDK_EVENTS]
         final = events.get_final_message().to_dict()
     # by content, never by chunk boundaries: the run of event types and the message they built
     return [t for i, t in enumerate(types) if i == 0 or types[i - 1] != t], final
@@ -162,3 +166,63 @@ def test_a_claude_code_loop_is_captured_with_chats_ids_and_the_client_gets_stock
     assert {(t["route"], t["session_source"]) for t in turns} == {("/v1/messages", "x-claude-code-session-id")}
     assert [(t["completion_token_ids"], t["prompt_token_ids"]) for t in turns] == expected
     assert all(t["spans"] for t in turns), "a stream's spans, by the deltas that carried the ids"
+
+
+# --- VLLM_NVEXT_CONTINUE_IDS: a prefix that never drifts -----------------------------------------------
+# The same loops on a server with the setting (capture_continue: both mounts) and on one without
+# (capture_plugin). Without it, turn 2 and 3's prompts part from the previous turn's ids: the tiny
+# model samples bytes that are no UTF-8, which the client gets back as U+FFFD (or not at all, cut at the
+# end) and sends back, re-rendered to other ids. With it, they extend them. The continued server's
+# answers then come from other prompts than the plain loop's, so they are compared with what stock vLLM
+# samples, greedy, from the very prompt ids each turn was served (`/v1/completions` on ids).
+
+
+def _codex_loop(url: str, session_id: str) -> None:
+    items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": QUESTION}]
+    for turn in range(3):
+        _, final = _responses_turn(url, items, session_id)
+        call = _tool_call(turn)
+        items += [
+            *final["output"],
+            {"type": "function_call", "call_id": call["id"], "name": "get_weather", "arguments": json.dumps(ARGUMENTS)},
+            {"type": "function_call_output", "call_id": call["id"], "output": f"sunny, {20 + turn} C"},
+        ]
+
+
+def _claude_code_loop(url: str, session_id: str) -> None:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
+    for turn in range(3):
+        _, final = _messages_turn(url, messages, session_id)
+        use = {"type": "tool_use", "id": f"call_{turn}", "name": "get_weather", "input": ARGUMENTS}
+        result = {"type": "tool_result", "tool_use_id": f"call_{turn}", "content": f"sunny, {20 + turn} C"}
+        messages += [{"role": "assistant", "content": [*final["content"], use]}, {"role": "user", "content": [result]}]
+
+
+def _greedy_on_ids(server: Any, prompt: list[int]) -> list[int]:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX, "temperature": 0, "return_token_ids": True}
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
+        answer = post(client, "/v1/completions", body)
+    return answer["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("loop", [_codex_loop, _claude_code_loop], ids=["codex", "claude-code"])
+def test_with_continue_ids_every_turn_extends_the_previous_turns_ids(
+    loop, capture_continue_server, capture_plugin_server, capture_stock_server
+):
+    session_id = f"continue-{uuid.uuid4()}"
+    loop(capture_continue_server.url, session_id)
+    loop(capture_plugin_server.url, session_id)
+    continued = _session(capture_continue_server, session_id, 3)
+    plain = _session(capture_plugin_server, session_id, 3)
+    assert [t["extends_previous"] for t in plain] == [None, False, False], "without it: the drift"
+    assert [t["extends_previous"] for t in continued] == [None, True, True]
+    assert all(t["break"] is None for t in continued)
+    for before, turn in zip(continued, continued[1:], strict=False):
+        served = before["prompt_token_ids"] + before["completion_token_ids"]
+        assert turn["prompt_token_ids"][: len(served)] == served
+    # Each answer is what vLLM samples, greedy, from the ids it was served, and where a turn's prompt is
+    # the plain loop's (turn 1 always), the answer is the plain loop's too.
+    for turn, other in zip(continued, plain, strict=True):
+        assert turn["completion_token_ids"] == _greedy_on_ids(capture_stock_server, turn["prompt_token_ids"])
+        if turn["prompt_token_ids"] == other["prompt_token_ids"]:
+            assert turn["completion_token_ids"] == other["completion_token_ids"]

@@ -637,3 +637,12 @@ capture_mw_server = register("capture_mw", lambda: _capture_vllm("capture_mw", "
 capture_plugin_server = register(
     "capture_plugin", lambda: _capture_vllm("capture_plugin", env={"VLLM_PLUGINS": "nvext"})
 )
+
+# VLLM_NVEXT_CONTINUE_IDS (tests/e2e/test_capture.py): both mounts, as `vllm-nvext serve --continue-ids` runs them
+# (/v1/responses through --middleware, /v1/messages through the plugin), capture into a store of its own.
+capture_continue_server = register(
+    "capture_continue",
+    lambda: _capture_vllm(
+        "capture_continue", "--middleware", MIDDLEWARE, env={"VLLM_PLUGINS": "nvext", "VLLM_NVEXT_CONTINUE_IDS": "1"}
+    ),
+)

@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any, Protocol
 
+from . import continuation
 from .keys import SessionKey, header_key, session_key
 from .record import Turn
 
@@ -101,7 +102,7 @@ class Collector:
     """What one captured request reports; `finish` hands its turn to the sink, once."""
 
     __slots__ = ("sink", "route", "key", "time", "request_id", "model", "prompt", "usage", "_choices", "_done",
-                 "reported", "spans_known")  # fmt: skip
+                 "reported", "spans_known", "joined", "continuation")  # fmt: skip
 
     def __init__(self, sink: Sink, route: str, key: SessionKey, arrived: float | None = None) -> None:
         self.sink = sink
@@ -116,6 +117,8 @@ class Collector:
         self._done = False
         self.reported = False  # an answer was seen (an error is not a turn)
         self.spans_known = True  # False: the route reports no per-item ids (docs/capture.md)
+        self.joined: tuple[str, str | None] | None = None  # its session's key in continuation.MEMORY
+        self.continuation: continuation.Continuation | None = None  # what vLLM's renderer did with it
 
     @classmethod
     def of(cls, sink: Sink | None, route: str, headers: Any, data: Any, arrived: float) -> Collector | None:
@@ -126,7 +129,14 @@ class Collector:
         key = header_key(headers)
         if key.session_id is None:
             key = session_key((), data)._replace(parent_id=key.parent_id, agent_id=key.agent_id)
-        return cls(sink, route, key, arrived)
+        tap = cls(sink, route, key, arrived)
+        memory = continuation.MEMORY
+        if memory is not None and route in continuation.ROUTES and key.session_id is not None:
+            # VLLM_NVEXT_CONTINUE_IDS: vLLM's renderer, in this request's context, reads the session's last turns.
+            tap.joined = (key.session_id, key.agent_id)
+            tap.continuation = memory.begin(tap.joined, tap)
+            continuation.TURN.set(tap.continuation)
+        return tap
 
     def _root(self, obj: dict[str, Any]) -> None:
         self.reported = True
@@ -228,8 +238,19 @@ class Collector:
         reason = details.get("reason") if isinstance(details, dict) else None
         state.finish_reason = reason if isinstance(reason, str) else obj.get("status")
 
+    def served(self) -> tuple[list[int] | None, list[int] | None, bool, list[int] | None]:
+        """What this turn was served so far (continuation.Served)."""
+        first = self._choices.get(0)
+        ids = None if first is None or first.withheld else first.ids
+        rendered = None if self.continuation is None else self.continuation.rendered
+        return self.prompt, ids, len(self._choices) > 1, rendered
+
     def finish(self) -> None:
         """The turn, to the sink: once, and only for an answer that was seen."""
+        if self.joined is not None and continuation.MEMORY is not None:
+            continuation.TURN.set(None)
+            continuation.MEMORY.settle(self.joined, self)
+            self.joined = self.continuation = None  # the memory keeps the turn; nothing holds older ones
         if self._done or not self.reported:
             return
         self._done = True

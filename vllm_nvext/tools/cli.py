@@ -49,6 +49,16 @@ LOAD_ALL_GROUPS = (
 )
 
 
+CONTINUE_IDS_HELP = (
+    "a captured session's next prompt continues its last turn's exact ids (needs --capture; default "
+    "$VLLM_NVEXT_CONTINUE_IDS; docs/capture.md)"
+)
+CONTINUE_IDS_IN_PROXY = (
+    "VLLM_NVEXT_CONTINUE_IDS=1 works only mounted in vLLM's server (`vllm-nvext serve --continue-ids`, "
+    "--middleware or the plugin): the proxy cannot reach vLLM's chat rendering out of process (docs/capture.md)"
+)
+
+
 def missing_modules(*modules: str) -> list[str]:
     """Which of `modules` cannot be imported here (looked up without importing them)."""
     absent = []
@@ -127,7 +137,7 @@ def cmd_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
     else:
         model = args.model
     mode = Mode.parse(args.mode).value
-    capture = _capture_settings("serve", args.capture)
+    capture = _capture_settings("serve", args.capture, continue_ids=args.continue_ids or None)
     if capture is None:
         return EXIT_MISSING
     server = VllmServer(
@@ -175,6 +185,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
     try:
         settings = Settings.create(mode=args.mode, capture=args.capture)
+        if settings.continue_ids:
+            raise ConfigError(CONTINUE_IDS_IN_PROXY)
         if settings.capture is not None:
             open_backend(settings.capture).close()  # a store it cannot open stops it here, not in each worker
         config = proxy.ProxyConfig(
@@ -238,10 +250,10 @@ def key_mismatch(config: Any) -> str | None:
     return None
 
 
-def _capture_settings(command: str, url: str | None) -> Settings | None:
+def _capture_settings(command: str, url: str | None, continue_ids: bool | None = None) -> Settings | None:
     """The capture settings of `--capture URL` (else the environment's), the store opened once to check it."""
     try:
-        settings = Settings.create(capture=url)
+        settings = Settings.create(capture=url, continue_ids=continue_ids)
         if settings.capture is not None:
             open_backend(settings.capture).close()
     except ConfigError as exc:
@@ -282,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--startup-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
     serve.add_argument("--capture", default=None, metavar="URL", help=CAPTURE_HELP)
+    serve.add_argument("--continue-ids", action="store_true", help=CONTINUE_IDS_HELP)
 
     prox = sub.add_parser(
         "proxy",
