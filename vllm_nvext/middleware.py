@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any
 
 from . import _json, _vllm_compat, metrics
+from ._vllm_compat import ServerFacts
 from .agent import route as agent_route
 from .agent import websocket
 from .agent.messages import plugin_serves_messages
@@ -45,7 +46,7 @@ from .capture import render_hook
 from .capture.requests import plan_for_capture
 from .capture.store import Sink
 from .capture.tap import Collector
-from .config import MODE_HEADER, Mode, Settings
+from .config import Mode, Settings
 from .inbound import client_params, fields
 from .inbound.optin import OptInScan, opts_in_whole
 from .inbound.request import plan as plan_request_for
@@ -124,37 +125,16 @@ class NvextMiddleware:
             # Codex's WebSocket attempt on /v1/responses gets "use HTTP" (docs/protocol.md §11.4).
             await (websocket.refuse(scope, send) if websocket.refuses(scope) else self.app(scope, receive, send))
             return
-        path = scope.get("path", "")
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root) :]  # `vllm serve --root-path` behind a proxy
-        endpoint: Endpoint | AgentRoute | None = ENDPOINT_PATHS.get(path)
-        if endpoint is None:
-            endpoint = AGENT_PATHS.get(path)  # /v1/responses, /v1/messages: agent/
-        facts = _vllm_compat.server_facts(scope)
-        # A server whose kv connector joins request ids into file paths gets plain names only.
-        request_id = first_header(scope, b"x-request-id") if facts.paths_from_request_ids else None
-        if (
-            request_id is not None
-            and not client_params.is_plain_name(request_id.decode("latin-1"))
-            and not _vllm_compat.auth_refuses(scope, facts)
-        ):
-            refusal = RequestError(client_params.not_plain_message("X-Request-Id"), client_params.REQUEST_ID_HEADER)
-            await send_error(send, refusal)
-            return
-        # What of the body reaches further (a route translated nowhere is read for this alone).
-        body_request_id, strip = client_params.checks_on(
-            path, endpoint is not None, facts.paths_from_request_ids, request_id, self.settings.strip_kv_remote_address
-        )
-        if (
-            (endpoint is None and not body_request_id and not strip)
-            or (facts.key_digests and _vllm_compat.auth_refuses(scope, facts))  # without a key vLLM refuses nothing
-            or (endpoint is AgentRoute.MESSAGES and not self.serve_messages and plugin_serves_messages(scope))
-        ):
+        routed = self._route(scope)
+        if routed is None:
             # Mounted outside vLLM's key check, a request it refuses reaches it untouched: nothing of the
             # middleware runs before the check (docs/protocol.md §10). /v1/messages: the plugin mount serves it.
             await self.app(scope, receive, send)
             return
+        if isinstance(routed, RequestError):
+            await send_error(send, routed)
+            return
+        endpoint, body_request_id, strip, facts = routed
         scope[HANDLED] = True
         arrived = (time.time(), time.perf_counter())  # when the request came, before its body (nvext `timing`)
         whole = None  # the body, when it came in one message, opts in and is read as JSON
@@ -177,6 +157,39 @@ class NvextMiddleware:
         exchange.serve_messages, exchange.body_request_id, exchange.strip = self.serve_messages, body_request_id, strip
         exchange.hides_reasoning_ids, exchange.sink = facts.hides_reasoning_ids, self.sink
         await exchange.run(whole, headers)
+
+    def _route(
+        self, scope: Scope
+    ) -> tuple[Endpoint | AgentRoute | None, bool, bool, ServerFacts] | RequestError | None:
+        """What the middleware does with a POST: None, it goes to vLLM untouched; a refusal of its X-Request-Id;
+        or its route (None: read for `client_params`' checks alone), the checks its body gets, the server's facts."""
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]  # `vllm serve --root-path` behind a proxy
+        endpoint: Endpoint | AgentRoute | None = ENDPOINT_PATHS.get(path)
+        if endpoint is None:
+            endpoint = AGENT_PATHS.get(path)  # /v1/responses, /v1/messages: agent/
+        facts = _vllm_compat.server_facts(scope)
+        # A server whose kv connector joins request ids into file paths gets plain names only.
+        request_id = first_header(scope, b"x-request-id") if facts.paths_from_request_ids else None
+        if (
+            request_id is not None
+            and not client_params.is_plain_name(request_id.decode("latin-1"))
+            and not _vllm_compat.auth_refuses(scope, facts)
+        ):
+            return RequestError(client_params.not_plain_message("X-Request-Id"), client_params.REQUEST_ID_HEADER)
+        # What of the body reaches further (a route translated nowhere is read for this alone).
+        body_request_id, strip = client_params.checks_on(
+            path, endpoint is not None, facts.paths_from_request_ids, request_id, self.settings.strip_kv_remote_address
+        )
+        if (
+            (endpoint is None and not body_request_id and not strip)
+            or (facts.key_digests and _vllm_compat.auth_refuses(scope, facts))  # without a key vLLM refuses nothing
+            or (endpoint is AgentRoute.MESSAGES and not self.serve_messages and plugin_serves_messages(scope))
+        ):
+            return None
+        return endpoint, body_request_id, strip, facts
 
 
 class _Exchange:
@@ -236,28 +249,22 @@ class _Exchange:
             await agent_route.serve(self, endpoint, body, opts_in, headers)  # agent/route.py
             return
         try:
-            request = read_request(body, endpoint, scanned=True) if opts_in else None
-            if request is None:  # captured alone, or to vLLM as the client sent it
-                mode, hides = self.settings.mode, self.hides_reasoning_ids
-                request, plan = plan_for_capture(body, endpoint, mode, hides) if self.sink else (None, None)
-            else:
-                mode = self.mode(headers.modes) if headers.modes else self.settings.mode  # no header: the setting
-                splice = self.kernels.splice_root
-                plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank, capture=self.sink is not None,
-                                        hides_reasoning_ids=self.hides_reasoning_ids, splice_root=splice)  # fmt: skip
+            planned = self._plan(body, endpoint, opts_in, headers)
         except RequestError as exc:
             await self.send_error(exc)
             return
-        if request is None or plan is None:
+        if planned is None:
             await self.forward(body)
             return
+        plan, mode, data = planned
+        del planned
         if plan.body is not None:  # the body vLLM gets, set here: one function less per request
             body = plan.body
             set_header(self.scope, b"content-length", str(len(body)).encode())
         for name, value in plan.headers:
             set_header(self.scope, name, value, replace=False)
-        reshaping = self._reshaping(endpoint, plan, mode, request.data)
-        del request  # the decoded body and the client's bytes are not held while vLLM answers
+        reshaping = self._reshaping(endpoint, plan, mode, data)
+        del data  # the decoded body and the client's bytes are not held while vLLM answers
         # vLLM's app is awaited here, not in a coroutine of its own: every time the app resumes (each
         # token of a stream) it passes through one frame of ours less.
         receive = replay_body(body, self.receive)
@@ -270,6 +277,24 @@ class _Exchange:
             reshaping.count_stream()  # also for a stream the client cut short
             if reshaping.tap is not None:
                 reshaping.tap.finish()  # the captured turn, to the store (also for a stream cut short)
+
+    def _plan(
+        self, body: bytes, endpoint: Endpoint, opts_in: bool, headers: RequestHeaders
+    ) -> tuple[Plan, Mode, dict[str, Any]] | None:
+        """The plan of a request on a translated route, its mode and decoded body; None: it goes to vLLM as the
+        client sent it. Raises RequestError for a body vLLM's client gets a 400 for."""
+        request = read_request(body, endpoint, scanned=True) if opts_in else None
+        if request is None:  # captured alone, or to vLLM as the client sent it
+            mode, hides = self.settings.mode, self.hides_reasoning_ids
+            request, plan = plan_for_capture(body, endpoint, mode, hides) if self.sink else (None, None)
+        else:
+            mode = self.mode(headers.modes) if headers.modes else self.settings.mode  # no header: the setting
+            splice = self.kernels.splice_root
+            plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank, capture=self.sink is not None,
+                                    hides_reasoning_ids=self.hides_reasoning_ids, splice_root=splice)  # fmt: skip
+        if request is None or plan is None:
+            return None
+        return plan, mode, request.data
 
     async def _read_body(self, declared_length: int) -> tuple[bytes, bool] | None:
         """The whole body and whether it opts in; None once it was answered, passed on or abandoned.
@@ -331,24 +356,8 @@ class _Exchange:
         return ReshapingSend(plan, Clock(*self.arrived), self.send, self.kernels, endpoint, decode_echo, tap)
 
     def mode(self, values: list[bytes]) -> Mode:
-        """The mode for a request that opts in; an empty header counts as absent."""
-        mode = self.settings.mode
-        if not self.settings.allow_mode_header:
-            return mode
-        chosen: set[Mode] = set()
-        for value in values:
-            text = value.decode("latin-1")
-            if text.strip():
-                try:
-                    chosen.add(Mode.parse(text))
-                except ValueError:
-                    names = "|".join(m.value for m in Mode)
-                    message = f"header `{MODE_HEADER}`: invalid mode {text.strip()!r}: expected one of {names}"
-                    raise RequestError(message, MODE_HEADER) from None
-        if len(chosen) > 1:
-            names = ", ".join(sorted(m.value for m in chosen))
-            raise RequestError(f"header `{MODE_HEADER}` is repeated with different modes ({names})", MODE_HEADER)
-        return chosen.pop() if chosen else mode
+        """The mode for a request that opts in (`client_params.request_mode`)."""
+        return client_params.request_mode(self.settings.mode, self.settings.allow_mode_header, values)
 
     async def _pass_through(self, parts: list[bytes], scan: OptInScan) -> None:
         receive = PassThrough(parts, scan, self.receive)

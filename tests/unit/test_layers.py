@@ -253,7 +253,7 @@ def test_no_code_of_the_repository_changes_sys_path():
 TOP_MODULES_HELD, MODULE_LINES_HELD, FUNCTION_LINES_HELD = 18, 405, 54  # the ceilings: 20, 450, 60
 # Functions past the margin but within the ceiling (60 lines), each to be cut along its seams, then removed from here.
 FUNCTION_LINES = 60
-OVER_THE_MARGIN = frozenset({"middleware.__call__", "middleware.run"})
+OVER_THE_MARGIN: frozenset[str] = frozenset()
 
 
 def test_the_package_stays_easy_to_read():

@@ -4,6 +4,7 @@
   file path must be a plain name (docs/hidden-states.md).
 - The address keys of a client's `kv_transfer_params` steer a kv connector's outbound connection;
   the optional strip removes them (docs/scaling-out.md).
+- The mode header (`x-nvext-mode`) picks a request's mode where the server allows it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import json
 from typing import Any
 
 from .. import _json
-from ..protocol import BODY_REQUEST_ID_PATHS, KV_PARAMS_PATHS, REQUEST_ID_PATHS
+from ..config import MODE_HEADER, Mode
+from ..protocol import BODY_REQUEST_ID_PATHS, KV_PARAMS_PATHS, REQUEST_ID_PATHS, RequestError
 
 REQUEST_ID_HEADER = "x-request-id"
 MAX_REQUEST_ID = 128
@@ -103,3 +105,24 @@ def strip_remote_address(body: bytes, data: Any) -> bytes | None:
     encoded = json.dumps(stripped, ensure_ascii=True, separators=(",", ":"))
     key = "kv_transfer_params"
     return _json.encode_text(_json.splice_object(text, start, frozenset({key}), [(key, encoded)]))
+
+
+def request_mode(setting: Mode, allow_header: bool, values: list[bytes]) -> Mode:
+    """The mode of a request that opts in: its mode header's where the server allows one, else the setting; an
+    empty header counts as absent. Raises RequestError for a mode it does not know or two different ones."""
+    if not allow_header:
+        return setting
+    chosen: set[Mode] = set()
+    for value in values:
+        text = value.decode("latin-1")
+        if text.strip():
+            try:
+                chosen.add(Mode.parse(text))
+            except ValueError:
+                names = "|".join(m.value for m in Mode)
+                message = f"header `{MODE_HEADER}`: invalid mode {text.strip()!r}: expected one of {names}"
+                raise RequestError(message, MODE_HEADER) from None
+    if len(chosen) > 1:
+        names = ", ".join(sorted(m.value for m in chosen))
+        raise RequestError(f"header `{MODE_HEADER}` is repeated with different modes ({names})", MODE_HEADER)
+    return chosen.pop() if chosen else setting
