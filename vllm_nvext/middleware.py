@@ -228,15 +228,10 @@ class _Exchange:
         body, received in one message and found to opt in (JSON by its type); `headers`: once read for it."""
         if headers is None:
             headers = RequestHeaders.read(self.scope)
-        if whole is not None:
-            read = (whole, True) if len(whole) <= self.settings.max_body_bytes else None
-            if read is None:
-                await self.send_error(too_large(self.settings.max_body_bytes))  # as `_read_body` refuses it
-        elif not headers.json_body:
+        if whole is None and not headers.json_body:
             await self.forward(None)  # vLLM does not read this body as JSON
             return
-        else:
-            read = await self._read_body(headers.content_length)
+        read = await self._body(whole, headers.content_length)
         if read is None:
             return  # answered, passed through, or the client went away
         body, opts_in = read
@@ -295,6 +290,15 @@ class _Exchange:
         if request is None or plan is None:
             return None
         return plan, mode, request.data
+
+    async def _body(self, whole: bytes | None, declared_length: int) -> tuple[bytes, bool] | None:
+        """`_read_body`'s answer, for a body that came `whole` too (it opts in: the caller scanned it)."""
+        if whole is None:
+            return await self._read_body(declared_length)
+        if len(whole) <= self.settings.max_body_bytes:
+            return whole, True
+        await self.send_error(too_large(self.settings.max_body_bytes))  # as `_read_body` refuses it
+        return None
 
     async def _read_body(self, declared_length: int) -> tuple[bytes, bool] | None:
         """The whole body and whether it opts in; None once it was answered, passed on or abandoned.
