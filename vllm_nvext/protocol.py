@@ -9,6 +9,7 @@ import enum
 import re
 import sys
 from collections.abc import Callable
+from contextvars import ContextVar
 
 from . import _json
 
@@ -107,23 +108,39 @@ def error_body(message: str, param: str | None, status: int) -> bytes:
     return _json.dumps({"error": {"message": sanitize_message(message), "type": kind, "param": param, "code": status}})
 
 
-# vLLM's own sanitizer (0.32+), used when its serving code is loaded; else this copy of its rules.
+# vLLM's own sanitizer (0.32+), used when its serving code is loaded; else this copy of its rules, as the
+# release whose rules apply has them: each release's `sanitize_message` (tests/e2e/test_versions.py compares).
 _VLLM_SANITIZER = "vllm.entrypoints.serve.exception_handling.utils"
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
+# vLLM 0.30 rewrites lower-case hex addresses only (0.31 on: either case; 0.34's rewritten path rule gives
+# the same answers as this one).
+_ADDRESS_BY_RELEASE = {"0.30": re.compile(r" at 0x[0-9a-f]+>")}
 _LEAKS = (
-    (re.compile(r" at 0x[0-9a-fA-F]+>"), ">"),
     (re.compile(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?'), ""),
     (re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+"), "<path>"),
     (re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+"), "<path>"),
 )
+_RELEASE = re.compile(r"(\d+\.\d+)")
+# The vLLM release whose rules sanitize this request's messages when it is not the one in this process:
+# `vllm-nvext proxy` sets its upstream's (read from its /version) for each request it serves.
+UPSTREAM_RELEASE: ContextVar[str | None] = ContextVar("vllm_nvext_upstream_release", default=None)
 
 
-def _pinned_sanitize(message: str) -> str:
+def _pinned_sanitize(message: str, release: str | None = None) -> str:
+    """`release`'s rules (a version string, e.g. "0.30.0+cpu"; None: the newest)."""
+    found = _RELEASE.match(release or "")
+    address = _ADDRESS_BY_RELEASE.get(found.group(1), _ADDRESS) if found else _ADDRESS
+    message = address.sub(">", message)
     for pattern, replacement in _LEAKS:
         message = pattern.sub(replacement, message)
     return message.strip()
 
 
 def sanitize_message(message: str) -> str:
-    """Strip memory addresses, tracebacks and file paths from a message, as vLLM does with its own."""
+    """Strip memory addresses, tracebacks and file paths from a message, as vLLM does with its own (the
+    upstream's release's rules through the proxy)."""
+    upstream = UPSTREAM_RELEASE.get()
+    if upstream is not None:
+        return _pinned_sanitize(message, upstream)
     theirs: Callable[[str], str] | None = getattr(sys.modules.get(_VLLM_SANITIZER), "sanitize_message", None)
     return (theirs or _pinned_sanitize)(message)

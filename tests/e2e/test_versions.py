@@ -188,7 +188,7 @@ leak = 'bad <object at 0x7f00aa> in\\n  File "/usr/lib/x.py", line 3, in f\\n /h
 print(json.dumps({
     "guarded": [list(GUARDED_PREFIX), list(_vllm_compat.guarded_prefixes()), list(_vllm_compat.GUARDED_PREFIX)],
     "chat_first": factories.index("(ChatCompletionRequest,") < factories.index("(CompletionRequest,"),
-    "sanitize": sanitize_message(leak) == protocol._pinned_sanitize(leak),
+    "sanitize": sanitize_message(leak) == protocol._pinned_sanitize(leak, vllm.__version__),
 }))
 """
 
@@ -209,10 +209,11 @@ def test_the_rules_copied_from_vllm_are_each_versions_own(version):
     assert rules["sanitize"], "the copy of sanitize_message's rules"
 
 
-# vLLM 0.34 rewrote sanitize_message's last rule (an atomic group, and only when the message has a dot):
-# the pinned copy must still give its answer on messages built to tell such rules apart.
+# vLLM 0.34 rewrote sanitize_message's last rule (an atomic group, and only when the message has a dot), 0.30
+# rewrites lower-case hex addresses only: the copy of each release's rules (protocol._pinned_sanitize with its
+# version) must give that release's answer on messages built to tell such rules apart.
 _SANITIZE_CASES = """
-import json
+import json, vllm
 from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 from vllm_nvext import protocol
 deep = "/a" * 40
@@ -220,29 +221,38 @@ cases = [
     "no path here", "a/b/c", "/x/y/z", "/x/y/z.", "/x/y.z/w.txt", "see /a/b-c/d_e.py: bad", deep + "/f.txt",
     deep + "/f", "/etc/passwd and /root/.ssh/id_rsa", "<obj at 0xDEADbeef> at 0x12>", "..//.//x.y",
     'Traceback:\\n  File "/srv/app.py", line 9, in run\\n    boom()\\nValueError: x', "/-/-.-", "ümlaut/ä/ö.ü",
+    "<a at 0xABCDEF>", "<a at 0xabcdef>", "k at 0xABCDEF> at 0xabcdef>",
 ]
-print(json.dumps([c for c in cases if sanitize_message(c) != protocol._pinned_sanitize(c)]))
+own = protocol._pinned_sanitize
+print(json.dumps({
+    "differ": [c for c in cases if sanitize_message(c) != own(c, vllm.__version__)],
+    "newest_differs": [c for c in cases if sanitize_message(c) != own(c)],
+}))
 """
 
 
-# vLLM 0.30's sanitize_message leaves `<obj at 0x..> at 0x..>` as it is where the pinned copy (0.31 on)
-# rewrites it: a known difference, not yet handled per version (strict: it fails once it is gone).
-_SANITIZE_0_30 = pytest.mark.xfail(
-    reason="0.30's sanitize_message differs from the copy on nested addresses", strict=True
-)
-
-
-def _sanitize_marks(version: str) -> list[pytest.MarkDecorator]:
-    return [*_version_marks(version), *([_SANITIZE_0_30] if version == "0.30" else [])]
-
-
-@pytest.mark.parametrize("version", [pytest.param(v, id=f"vllm-{v}", marks=_sanitize_marks(v)) for v in PROBE_ANSWERS])
+@pytest.mark.parametrize("version", [pytest.param(v, id=f"vllm-{v}", marks=_version_marks(v)) for v in PROBE_ANSWERS])
 def test_sanitize_message_copy_answers_as_each_versions_own_on_hostile_messages(version):
     done = subprocess.run(
         [str(venv_python(version)), "-c", _SANITIZE_CASES], capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [], "messages the copy sanitizes otherwise"
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    assert answers["differ"] == [], "messages the copy of this release's rules sanitizes otherwise"
+    # Only 0.30's rules differ from the newest: its address rule leaves upper-case hex.
+    upper = ["<obj at 0xDEADbeef> at 0x12>", "<a at 0xABCDEF>", "k at 0xABCDEF> at 0xabcdef>"]
+    assert answers["newest_differs"] == (upper if version == "0.30" else [])
+
+
+def test_messages_the_middleware_writes_are_sanitized_by_this_releases_rules(translated, vllm_version):
+    """An unknown `nvext` key, named in the 400: sanitized by this release's own `sanitize_message` when mounted,
+    and through `vllm-nvext proxy` by the copy of the rules of the release its upstream's /version names
+    (0.30 leaves an upper-case hex address, later releases rewrite it)."""
+    key = "k at 0xABCDEF> at 0xabcdef>"
+    refused = translated.post(COMPLETIONS, json={**BASE[COMPLETIONS], "nvext": {key: 1}})
+    assert refused.status_code == 400, refused.text
+    message = refused.json()["error"]["message"]
+    assert "0xabcdef" not in message and ("0xABCDEF" in message) == (vllm_version == "0.30"), message
 
 
 def test_every_translated_route_answers_the_key_check_as_this_releases_own(vllm_version):

@@ -89,6 +89,17 @@ def test_the_sanitizer_is_vllms_own_rule(leak):
     assert not any(m in json.loads(error_body(message, "nvext.x", 400))["error"]["message"] for m in MARKERS)
 
 
+@pytest.mark.parametrize(
+    ("release", "want"),
+    [("0.30.0+cpu", "<a at 0xABCDEF>> <b>"), ("0.30.0", "<a at 0xABCDEF>> <b>"), ("0.31.0+cpu", "<a>> <b>"),
+     ("0.34.0", "<a>> <b>"), (None, "<a>> <b>"), ("not a version", "<a>> <b>")],
+)  # fmt: skip
+def test_the_copy_of_the_rules_is_each_releases(release, want):
+    """vLLM 0.30 rewrites lower-case hex addresses only; 0.31 on, either case (tests/e2e/test_versions.py
+    compares every release's own sanitize_message)."""
+    assert _pinned_sanitize("<a at 0xABCDEF> at 0xabcdef> <b at 0x1f>", release) == want
+
+
 def test_the_middlewares_own_messages_pass_the_sanitizer_unchanged():
     """Routes the messages name (/v1/completions, /v1/chat/completions/batch) are no paths to hide."""
     from vllm_nvext.inbound.choices import ECHO_EMBEDS

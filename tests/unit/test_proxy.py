@@ -683,6 +683,21 @@ async def test_ids_on_responses_of_vllms_python_server_are_asked_of_it():
     assert result.status == 200 and seen[0]["enable_response_messages"] is True
 
 
+@pytest.mark.parametrize(("release", "kept"), [("0.30.0+cpu", True), ("0.31.0+cpu", False), ("0.34.0", False)])
+async def test_the_proxys_messages_follow_the_sanitizer_rules_of_the_upstreams_release(release, kept):
+    """vLLM 0.30's sanitize_message rewrites lower-case hex addresses only (later releases: either case): the
+    400 the proxy writes for an unknown `nvext` key is sanitized as its upstream's release, from its /version."""
+    seen: list[dict[str, Any]] = []
+    app = await proxy_over(_upstream_with_version({"version": release}, seen))
+    await app.forwarder._read_version()
+    body = {"model": "tiny", "prompt": "x", "nvext": {"k at 0xABCDEF> at 0xabcdef>": 1}}
+    result = await call(app, COMPLETIONS, json.dumps(body).encode())
+    message = json.loads(result.body)["error"]["message"]
+    assert result.status == 400 and "0xabcdef" not in message, message
+    assert ("k at 0xABCDEF>>" in message) is kept and ("k>>" in message) is not kept, message
+    assert seen == []
+
+
 async def test_the_proxy_asks_the_upstreams_version_until_it_answers():
     """An upstream that starts after the proxy: /version is asked again until it answers."""
     answers = [500, 200]

@@ -30,6 +30,7 @@ from .. import _vllm_compat
 from ..asgi import Receive, Scope, Send
 from ..config import ENV_ALLOW_MODE_HEADER, ENV_MAX_BODY_BYTES, ENV_MODE, Settings, capture_environ
 from ..middleware import NvextMiddleware
+from ..protocol import UPSTREAM_RELEASE
 from .config import CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S, ENV_CONFIG, ProxyConfig
 from .forward import METRICS_PATH, Forwarder, own_metrics, prepare
 from .headers import HOP_BY_HOP, request_headers, response_headers
@@ -73,7 +74,12 @@ class NvextProxy:
         scope[_vllm_compat.API_KEYS] = self.api_keys
         scope[_vllm_compat.SERVER_ARGS] = self.server_args
         scope[_vllm_compat.UPSTREAM] = self.forwarder.upstream
-        await self.middleware(scope, receive, send)
+        # The messages written for this request are sanitized by the upstream's release's rules.
+        token = UPSTREAM_RELEASE.set(self.forwarder.upstream.version)
+        try:
+            await self.middleware(scope, receive, send)
+        finally:
+            UPSTREAM_RELEASE.reset(token)
 
 
 def app_from_env() -> NvextProxy:

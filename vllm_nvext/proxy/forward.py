@@ -46,8 +46,9 @@ class Forwarder:
         self.config = config
         self._session = session
         self._trusted = trusted_networks(config.forwarded_allow_ips)
-        # The upstream's `GET /version` `rust_frontend_version` (vLLM's Rust frontend, `vllm-rs`), once it answered.
-        self.upstream = SimpleNamespace(rust_frontend_version=None)
+        # The upstream's `GET /version`, once it answered: its `version` (whose rules sanitize the messages the
+        # proxy writes) and `rust_frontend_version` (vLLM's Rust frontend, `vllm-rs`).
+        self.upstream = SimpleNamespace(version=None, rust_frontend_version=None)
         self._version_task: asyncio.Task[None] | None = None
 
     @property
@@ -103,15 +104,18 @@ class Forwarder:
                 return
 
     async def _read_version(self, every: float = 2.0) -> None:
-        """The upstream's `/version`, asked until it answers (it may start after the proxy): whether it is
-        `vllm-rs`, which refuses what vLLM's Python server answers ids on /v1/responses with (docs/scaling-out.md)."""
+        """The upstream's `/version`, asked until it answers (it may start after the proxy): its release, whose
+        `sanitize_message` rules the proxy's messages follow, and whether it is `vllm-rs`, which refuses what
+        vLLM's Python server answers ids on /v1/responses with (docs/scaling-out.md)."""
         while True:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                 async with self.session.get(self.config.upstream + "/version") as resp:
                     if resp.status == 200:
                         answer = await resp.json(content_type=None)
-                        version = answer.get("rust_frontend_version") if isinstance(answer, dict) else None
-                        self.upstream.rust_frontend_version = version if isinstance(version, str) else None
+                        answer = answer if isinstance(answer, dict) else {}
+                        for key in ("version", "rust_frontend_version"):
+                            value = answer.get(key)
+                            setattr(self.upstream, key, value if isinstance(value, str) else None)
                         return
             await asyncio.sleep(every)
 
