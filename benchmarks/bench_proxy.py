@@ -12,7 +12,9 @@ Two upstreams, each with its own `vllm-nvext proxy` subprocess (one worker) in f
      process of each tree) over the same batch of proxied streams: their ratio is how many
      API-server cores' worth of tokens one proxy core serves.
    Left out, saying so, when the 0.33 reference venv is missing (`make setup-vllm033`).
-2. A stand-in: a uvicorn process (`upstream_app` below) that answers chat with the recorded long
+2. vLLM 0.33's Rust frontend (`vllm-rs`, benchmarks/bench_proxy_rs.py): the proxy's CPU per token against
+   vllm-rs's own, and the time to first event it adds, with their intervals.
+3. A stand-in: a uvicorn process (`upstream_app` below) that answers chat with the recorded long
    `return_token_ids` stream (tests/fixtures), one event every `--gap-us` microseconds, each
    event's text carrying its send time (`time.time_ns()`, one clock for every process of the
    machine), so each event's own latency is measured, direct and through the proxy: the delay the
@@ -43,6 +45,7 @@ import httpx
 from vllm_nvext.protocol import PATHS, Endpoint
 
 from ._common import Target, fmt, fmt_ratio, load_case, percentile, print_table, run_loop
+from .bench_proxy_rs import TARGET_RS_CPU, TARGET_RS_TTFB, added_p50, spread
 
 CHAT = PATHS[Endpoint.CHAT]
 
@@ -53,7 +56,7 @@ TARGET_TTFB = "proxy: added time to first event p50 < 1 ms"
 TARGET_ITL = "proxy: added inter-token latency < 5%"
 TARGET_CPU = "proxy: one proxy core serves >= 3 API-server cores' worth of tokens"
 TARGET_ITL_STAND_IN = "proxy: added latency per event < 5% of a 2 ms inter-token latency (stand-in, stamped events)"
-TARGETS = (TARGET_TTFB, TARGET_ITL, TARGET_CPU, TARGET_ITL_STAND_IN)
+TARGETS = (TARGET_TTFB, TARGET_ITL, TARGET_CPU, TARGET_RS_TTFB, TARGET_RS_CPU, TARGET_ITL_STAND_IN)
 # Each token event's text is its send time (`t` and hex nanoseconds): the id and the rest of the
 # event stay as vLLM sent them, so the middleware's byte-level path takes the deltas as it would vLLM's.
 _TEXT = re.compile(rb'"delta":\{"content":"[^"]*"')
@@ -239,7 +242,7 @@ def real_upstream(quick: bool) -> list[Target]:
 
     rounds, tokens = (8, 64) if quick else (24, 128)
     short_rounds = 30 if quick else 120  # 2-token streams: the time to first event, many times over
-    cpu_streams, concurrency = (16, 8) if quick else (48, 8)
+    batches, cpu_streams, concurrency = (3, 16, 8) if quick else (5, 32, 8)
     args = (*TINY_ARGS, "--served-model-name", "tiny", "--disable-uvicorn-access-log")
     server = h.HarnessServer(
         model=str(tiny_model.ensure()), args=args, env={"SCRIPTED_STEP_SECONDS": str(STEP_S)}, name="bench-proxy"
@@ -259,10 +262,11 @@ def real_upstream(quick: bool) -> list[Target]:
         gaps = {r: [g for s in v for g in s.gaps()] for r, v in found.items()}
         mean_gap = {r: sum(g) / len(g) for r, g in gaps.items()}
         added = {q: _ms(first["proxy"], q) - _ms(first["direct"], q) for q in (50, 90)}
+        _, low, high = added_p50([x * 1e3 for x in first["direct"]], [x * 1e3 for x in first["proxy"]])
         itl_share = mean_gap["proxy"] / mean_gap["direct"] - 1
         rows = [
             [f"time to first event p{q} (ms)", fmt(_ms(first["direct"], q), 3), fmt(_ms(first["proxy"], q), 3),
-             fmt(added[q], 3)]
+             fmt(added[q], 3) + (f" (95% interval {fmt(low, 3)} to {fmt(high, 3)})" if q == 50 else "")]
             for q in (50, 90)
         ] + [
             ["inter-token latency, mean (ms)", fmt(mean_gap["direct"] * 1e3, 3), fmt(mean_gap["proxy"] * 1e3, 3),
@@ -279,24 +283,35 @@ def real_upstream(quick: bool) -> list[Target]:
             ["nvext through the proxy, return_token_ids direct: the proxy's figures include its translation"],
         )
         assert proxy is not None and server.proc is not None
-        before = (_cpu_seconds(proxy.pid), _cpu_seconds(server.proc.pid))
-        events = run_loop(load(proxy_url, cpu_streams, concurrency, body, {}))
-        proxy_s, api_s = (_cpu_seconds(p) - b for p, b in zip((proxy.pid, server.proc.pid), before, strict=True))
-        proxy_us, api_us = proxy_s / events * 1e6, api_s / events * 1e6
-        cores = api_us / proxy_us
+        proxy_us, api_us = [], []
+        for _ in range(batches):
+            before = (_cpu_seconds(proxy.pid), _cpu_seconds(server.proc.pid))
+            events = run_loop(load(proxy_url, cpu_streams, concurrency, body, {}))
+            proxy_s, api_s = (_cpu_seconds(p) - b for p, b in zip((proxy.pid, server.proc.pid), before, strict=True))
+            proxy_us.append(proxy_s / events * 1e6)
+            api_us.append(api_s / events * 1e6)
+        cores_each = [a / p for p, a in zip(proxy_us, api_us, strict=True)]
+        cores = percentile(cores_each, 50)
         print_table(
-            f"CPU per streamed token over the same {cpu_streams} proxied streams ({concurrency} at a time)",
-            ["proxy", "vLLM API server", "proxy / API server", "API-server cores per proxy core"],
-            [[f"{fmt(proxy_us, 1)} µs", f"{fmt(api_us, 1)} µs", fmt_ratio(proxy_us / api_us), fmt(cores, 2)]],
+            f"CPU per streamed token, {batches} batches of {cpu_streams} proxied streams ({concurrency} at a time): "
+            "median [range]",
+            ["proxy", "vLLM API server", "API-server cores per proxy core"],
+            [[f"{spread(proxy_us)} µs", f"{spread(api_us)} µs", spread(cores_each, 2)]],
             ["each process tree's CPU time (psutil) over the batch, over the token events the client received"],
         )
     finally:
         _stop(proxy)
         server.stop()
     return [
-        Target(TARGET_TTFB, added[50] < 1.0, f"{added[50]:+.3f} ms (p90 {added[90]:+.3f} ms), real upstream"),
+        Target(
+            TARGET_TTFB,
+            added[50] < 1.0,
+            f"{added[50]:+.3f} ms (95% {low:+.3f} to {high:+.3f}; p90 {added[90]:+.3f} ms), real upstream",
+        ),
         Target(TARGET_ITL, itl_share < 0.05, f"{itl_share:+.2%} mean inter-token latency, real upstream"),
-        Target(TARGET_CPU, cores >= 3, f"{fmt(proxy_us, 1)} vs {fmt(api_us, 1)} µs/token = {fmt(cores, 2)} cores"),
+        Target(
+            TARGET_CPU, cores >= 3, f"{spread(proxy_us)} vs {spread(api_us)} µs/token = {spread(cores_each, 2)} cores"
+        ),
     ]
 
 
@@ -369,7 +384,9 @@ def stand_in(quick: bool, gap_us: int = 2000) -> list[Target]:
 
 
 def run(quick: bool = False) -> list[Target]:
-    return real_upstream(quick) + stand_in(quick)
+    from .bench_proxy_rs import rust_upstream
+
+    return real_upstream(quick) + rust_upstream(quick) + stand_in(quick)
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 /* plain_chunk: whether an event is plain JSON orjson writes back, and where its values sit.
  *
- * Python twin: none: the general path's decode (`outbound.finish.first_chunk`, `outbound.unary.plain_body`)
- * Oracle: tests/unit/test_stream_finish.py, tests/unit/test_unary_plain.py, tests/unit/test_attack_shortcuts.py
+ * Python twin: outbound.plain.plain_chunk (read by `outbound.finish.first_chunk` and `outbound.unary.plain_body`)
+ * Oracle: tests/unit/test_attack_shortcuts.py (the twins compared), tests/unit/test_stream_finish.py,
+ * tests/unit/test_unary_plain.py (the general path's decode)
  *
  * Whether a `data: {...}\n\n` event is plain JSON that orjson writes back byte for byte (no
  * whitespace; strings of printable ASCII without escapes; integers of at most 15 digits, no

@@ -27,10 +27,11 @@ def finish_ids(event: bytes, prefix: bytes, finish_head: bytes, root_end: int) -
     """`outbound.finish.finish_ids`'s twin (csrc/finish_ids.c)."""
 
 def kept_text(text: bytes) -> bool:
-    """`outbound.splice.kept_text` over a whole bytes object (csrc/locate.c)."""
+    """`kernels.kept_text`'s twin: `outbound.splice.kept_text` over a whole bytes object (csrc/locate.c)."""
 
 def splice_root(body: bytes, drop: tuple[bytes, ...], extra: bytes) -> bytes | None:
     """`_json.splice_root`'s twin (csrc/splice_root.c); None: a body it leaves to the Python twin."""
 
 def plain_chunk(event: bytes) -> tuple[int, ...] | None:
-    """None, or the spans `outbound.finish.first_chunk` reads (csrc/plain_chunk.c); no Python twin yet."""
+    """`outbound.plain.plain_chunk`'s twin (csrc/plain_chunk.c): None, or the spans `outbound.finish.first_chunk`
+    reads."""

@@ -21,7 +21,9 @@ from . import _json
 from .asgi import Message, Send
 from .inbound.rewrite import SpliceRoot
 from .outbound.finish import FinishIds, Scanner, finish_ids
-from .outbound.splice import FinishArm, Learner, SpliceArm, kept_text, learn_splice
+from .outbound.plain import plain_chunk
+from .outbound.splice import FinishArm, Learner, SpliceArm, learn_splice
+from .outbound.splice import kept_text as kept_span
 
 _ID_BYTES = b"0123456789,"
 _NVEXT = b',"nvext":'
@@ -44,8 +46,11 @@ class Kernels:
     finish_ids: FinishIds  # where choice 0's finish ids sit (`finish.finish_ids`)
     kept_text: Callable[[bytes], bool]  # a text a splice serves (`splice.kept_text` over a whole bytes)
     splice_root: SpliceRoot  # the request body's root members rewritten (`_json.splice_root`)
-    # a plain chunk's spans (`finish.first_chunk`, `unary.plain_body`); no Python twin: None decodes the chunk
-    plain_chunk: Scanner | None
+    plain_chunk: Scanner  # a plain chunk's spans, for `finish.first_chunk` and `unary.plain_body` (`plain.plain_chunk`)
+    # Whether the hot path reads a plain chunk with `plain_chunk` instead of decoding it: the compiled scanner costs a
+    # fraction of a decode; the Python twin decodes to check (2-3x the general path's decode and reshape), so the
+    # pure-Python path decodes. The kernel tests run the shortcut on both (tests/support/kernels.py).
+    scans_plain: bool
 
 
 # Until armed, every message goes to `general` (the `ReshapingSend`). Armed with a stream's
@@ -80,7 +85,7 @@ def python_stream_send(general: Send, downstream: Send) -> StreamSendParts:
                 if (
                     h >= lp
                     and body.startswith(head, h)
-                    and kept_text(body, lp, h)
+                    and kept_span(body, lp, h)
                     and body[end - 1] == 93  # ]
                     and not body[start + 1 : end - 1].strip(_ID_BYTES)
                 ):
@@ -167,12 +172,14 @@ def _is_usage(body: bytes, root: bytes, lr: int) -> bool:
     )
 
 
-def _kept_whole(text: bytes) -> bool:
+def kept_text(text: bytes) -> bool:
     """`splice.kept_text` over a whole bytes object: `_speedups.kept_text`'s twin."""
-    return kept_text(text, 0, len(text))
+    return kept_span(text, 0, len(text))
 
 
-PYTHON = Kernels("python", python_stream_send, learn_splice, finish_ids, _kept_whole, _json.splice_root, None)
+PYTHON = Kernels(
+    "python", python_stream_send, learn_splice, finish_ids, kept_text, _json.splice_root, plain_chunk, False
+)
 
 
 def _compiled() -> Kernels:
@@ -185,7 +192,7 @@ def _compiled() -> Kernels:
 
     return Kernels(
         "c", factory, _speedups.learn_splice, _speedups.finish_ids, _speedups.kept_text, _speedups.splice_root,
-        _speedups.plain_chunk,
+        _speedups.plain_chunk, True,
     )  # fmt: skip
 
 

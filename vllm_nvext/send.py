@@ -188,12 +188,12 @@ class ReshapingSend:
             elif self.tap is not None:
                 self.tap.body(_json.loads(body))  # as vLLM sent it
                 new = reshape_unary_body(body, plan, self.clock)
-            elif (scan := self.kernels.plain_chunk) is not None and unary_serves(plan):  # reshape_unary_body, inlined
-                new = plain_body(body, plan, scan)
+            elif self.kernels.scans_plain and unary_serves(plan):  # reshape_unary_body, inlined
+                new = plain_body(body, plan, self.kernels.plain_chunk)
                 if new is None:
                     new = reshape_unary_body(body, plan, self.clock)
             else:
-                new = reshape_unary_body(body, plan, self.clock, scan)
+                new = reshape_unary_body(body, plan, self.clock)
             if new is not None:
                 body = new
         except ValueError:

@@ -1,10 +1,11 @@
 """Attacks on the byte-level shortcuts (issue #28): each input must get the general path's bytes, or be declined.
 
-The shortcuts: the compiled scanner `_speedups.plain_chunk` (a plain event is one orjson writes back
-byte for byte), the plain unary body (`outbound/unary.py`), the first and finish chunks of a stream
-(`outbound/finish.py`), and the kept nvext readings and plans (`inbound/nvext_schema.read_nvext`,
-`inbound/request.plan`). Each attack is compared with the general path: a decode and `reshape_unary`,
-the decoding `DecodingStreamReshaper`, the plan made with nothing kept.
+The shortcuts: the plain-chunk scanner, both twins (`outbound.plain.plain_chunk`, `_speedups.plain_chunk`: a
+plain event is one orjson writes back byte for byte, and the two give the same answer), the plain unary body
+(`outbound/unary.py`), the first and finish chunks of a stream (`outbound/finish.py`), and the kept nvext
+readings and plans (`inbound/nvext_schema.read_nvext`, `inbound/request.plan`). Each attack is compared with
+the general path: a decode and `reshape_unary`, the decoding `DecodingStreamReshaper`, the plan made with
+nothing kept.
 """
 
 from __future__ import annotations
@@ -36,13 +37,7 @@ STREAMS = ["chat_stream_ids_long", "completions_stream_ids_long"]
 COMPILED = pytest.mark.parametrize("compiled", [False, True], ids=["python", "c"])
 
 
-def _scan(event: bytes) -> Any:
-    scan = kernels_for("c").plain_chunk  # (no Python twin yet: the general path's decode is its oracle)
-    assert scan is not None
-    return scan(event)
-
-
-# --- the compiled scanner: whatever it calls plain, orjson writes back byte for byte ----------------
+# --- the scanner, both twins: whatever it calls plain, orjson writes back byte for byte ---------------
 
 # Bytes that make JSON not plain, or not JSON: escapes, whitespace, number spellings, control bytes,
 # non-ASCII, structure cut short.
@@ -75,19 +70,13 @@ PLAIN_JSON: st.SearchStrategy[Any] = st.recursive(
     edits=st.lists(st.tuples(st.floats(0, 1), st.sampled_from(NOISE), st.booleans()), max_size=3),
     cut=st.one_of(st.none(), st.integers(1, 40)),
 )
-def test_a_chunk_the_scanner_calls_plain_is_one_orjson_writes_back_byte_for_byte(root, choice, edits, cut):
-    """Plain (`_speedups.plain_chunk` answers spans): decoding and encoding it again gives its own bytes,
+def test_a_chunk_the_scanner_calls_plain_is_one_orjson_writes_back_byte_for_byte(kernels, root, choice, edits, cut):
+    """Plain (`plain_chunk` answers spans): decoding and encoding it again gives its own bytes,
     so no escape, whitespace, number spelling, control byte or key twice got through; and each span
     holds the value of the key it names."""
-    root.setdefault("choices", [choice])
-    body = orjson.dumps(root)
-    for where, noise, overwrite in edits:
-        at = int(where * len(body))
-        body = body[:at] + noise + body[at + len(noise) if overwrite else at :]
-    if cut is not None:
-        body = body[: max(len(body) - cut, 1)]
-    event = b"data: " + body + b"\n\n"
-    spans = _scan(event)
+    event = _event(root, choice, edits, cut)
+    body = event[len(b"data: ") : -2]
+    spans = kernels.plain_chunk(event)
     if spans is None:
         return
     assert orjson.dumps(orjson.loads(body)) == body, "the scanner called plain what orjson writes otherwise"
@@ -107,6 +96,33 @@ def test_a_chunk_the_scanner_calls_plain_is_one_orjson_writes_back_byte_for_byte
             assert (start, end) == (-1, -1), key
 
 
+def _event(root: dict[str, Any], choice: dict[str, Any], edits: list[Any], cut: int | None) -> bytes:
+    """A chunk of `root` with `choice` as its only choice (unless `root` has `choices`), then edited with noise."""
+    root.setdefault("choices", [choice])
+    body = orjson.dumps(root)
+    for where, noise, overwrite in edits:
+        at = int(where * len(body))
+        body = body[:at] + noise + body[at + len(noise) if overwrite else at :]
+    if cut is not None:
+        body = body[: max(len(body) - cut, 1)]
+    return b"data: " + body + b"\n\n"
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    root=st.dictionaries(st.sampled_from(["choices", "prompt_token_ids", "nvext", "id", "x"]), PLAIN_JSON, max_size=4),
+    choice=st.dictionaries(
+        st.sampled_from(["index", "token_ids", "prompt_token_ids", "finish_reason", "text"]), PLAIN_JSON, max_size=5
+    ),  # fmt: skip
+    edits=st.lists(st.tuples(st.floats(0, 1), st.sampled_from(NOISE), st.booleans()), max_size=3),
+    cut=st.one_of(st.none(), st.integers(1, 40)),
+)
+def test_the_scanners_twins_give_the_same_answer(root, choice, edits, cut):
+    """`outbound.plain.plain_chunk` and `_speedups.plain_chunk` answer every event alike: None, or the same spans."""
+    event = _event(root, choice, edits, cut)
+    assert kernels_for("python").plain_chunk(event) == kernels_for("c").plain_chunk(event)
+
+
 DEEP = b'data: {"a":' + b"[" * 17 + b"]" * 17 + b"}\n\n"  # nested deeper than the scanner reads
 WIDE = b"data: {" + b",".join(b'"k%d":0' % i for i in range(65)) + b"}\n\n"  # more keys than it compares
 
@@ -120,13 +136,13 @@ WIDE = b"data: {" + b",".join(b'"k%d":0' % i for i in range(65)) + b"}\n\n"  # m
      b'data: {"choices":{}}\n\n', b'data: {"choices":[1]}\n\n', b'data: {"choices":[{},2]}\n\n'],
     ids=lambda e: repr(e[:24]),
 )  # fmt: skip
-def test_the_scanner_declines_what_is_not_one_plain_data_event(event):
-    assert _scan(event) is None
+def test_the_scanner_declines_what_is_not_one_plain_data_event(kernels, event):
+    assert kernels.plain_chunk(event) is None
 
 
-def test_the_scanner_refuses_anything_but_bytes():
+def test_the_scanner_refuses_anything_but_bytes(kernels):
     with pytest.raises(TypeError):
-        _scan(bytearray(b'data: {"a":1}\n\n'))
+        kernels.plain_chunk(bytearray(b'data: {"a":1}\n\n'))
 
 
 # --- the plain unary body: the general path's bytes, status and error --------------------------------

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from tests.support.kernels import kernels_for
+from vllm_nvext.kernels import PYTHON as PYTHON_RECORD
 from vllm_nvext.kernels import Kernels
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,19 +85,40 @@ def test_the_stub_types_every_compiled_kernel_and_nothing_else() -> None:
     assert typed == exported
 
 
+def test_each_python_twin_takes_the_arguments_the_stub_gives_its_compiled_twin() -> None:
+    """Same name, same parameters: each function `_speedups.pyi` types is the Python record's field of that name,
+    taking the same parameters in the same order (`StreamSend`: its constructor's, `python_stream_send`'s)."""
+    import inspect
+
+    from vllm_nvext.kernels import PYTHON
+
+    stub = ast.parse((ROOT / "vllm_nvext" / "_speedups.pyi").read_text(encoding="utf-8"))
+    typed = {}
+    for node in stub.body:
+        if isinstance(node, ast.FunctionDef):
+            typed[node.name] = [a.arg for a in node.args.args]
+        elif isinstance(node, ast.ClassDef) and node.name == "StreamSend":
+            init = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+            typed["stream_send"] = [a.arg for a in init.args.args[1:]]
+    assert set(typed) == {f.name for f in dataclasses.fields(Kernels)} - {"impl", "scans_plain"}
+    for name, parameters in typed.items():
+        assert list(inspect.signature(getattr(PYTHON, name)).parameters) == parameters, name
+
+
 def test_each_kernel_of_the_compiled_record_is_compiled_and_each_has_a_python_twin() -> None:
     """The compiled record holds no Python fallback, and the Python record fills every field the compiled one
-    does (plain_chunk excepted: it has no Python twin yet, and None there means "decode")."""
+    does, with a function of the same name (the twin `_speedups.pyi` names beside each compiled one)."""
     compiled = kernels_for("c")
     python = kernels_for("python")
     for field in dataclasses.fields(Kernels):
-        if field.name in ("impl", "stream_send"):
+        if field.name in ("impl", "stream_send", "scans_plain"):
             continue
         assert callable(getattr(compiled, field.name)), field.name
         assert type(getattr(compiled, field.name)).__name__ == "builtin_function_or_method", field.name
-        if field.name != "plain_chunk":
-            assert callable(getattr(python, field.name)), field.name
-    assert (compiled.impl, python.impl, python.plain_chunk) == ("c", "python", None)
+        assert callable(getattr(python, field.name)), field.name
+        assert getattr(python, field.name).__name__ == getattr(compiled, field.name).__name__ == field.name
+    assert (compiled.impl, python.impl) == ("c", "python")
+    assert (compiled.scans_plain, PYTHON_RECORD.scans_plain) == (True, False), "the pure-Python path decodes"
 
     async def nowhere(message: Any) -> None:
         return None

@@ -46,7 +46,7 @@ def _kernels(compiled: bool) -> Kernels:
 
 
 def _scanner(compiled: bool) -> Any:
-    """The scanner (`_speedups.plain_chunk`) that lets a plain first chunk skip its decode; None: decode it."""
+    """The scanner (`plain_chunk`, either twin) that lets a plain first chunk skip its decode."""
     return _kernels(compiled).plain_chunk
 
 

@@ -2,10 +2,10 @@
 
 Under a plan that asks for the token-id trio and nothing else, a body whose JSON is plain is not
 decoded: vLLM's copies of the ids go back to null in place and `nvext` goes at its end, every other
-byte as vLLM wrote it; without the compiled scanner (the "python" arms) such a body is decoded and
-reshaped in fewer steps (`reshape_single`). Compared with decoding the whole body and reshaping it
-with `chunks.reshape_unary` (`_general`): every recorded unary answer under every plan, bodies laid
-out with any value under any key, and each body the shortcut must refuse.
+byte as vLLM wrote it, with either twin of the scanner (`plain_chunk`: the "python" and "c" arms).
+Compared with decoding the whole body and reshaping it with `chunks.reshape_unary` (`_general`): every
+recorded unary answer under every plan, bodies laid out with any value under any key, and each body the
+shortcut must refuse.
 """
 
 from __future__ import annotations
@@ -264,7 +264,8 @@ async def test_the_middleware_answers_a_plain_answer_with_the_general_paths_byte
     app = NvextMiddleware(upstream, settings=Settings(pure_python=pure_python))
     result = await call(app, rec.path, json.dumps(request).encode())
     assert result.status == 200
-    # The compiled path answers without decoding vLLM's answer; the pure-Python path decodes it.
+    # The compiled path answers without decoding vLLM's answer; the pure-Python path decodes it (its scanner, the
+    # Python twin, would decode it too: `Kernels.scans_plain`).
     answer_decoded = rec.body in json_decodes
     assert answer_decoded is pure_python
     assert result.body == _general(rec.body, _trio_plan(name))

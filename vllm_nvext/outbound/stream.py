@@ -51,12 +51,14 @@ _NOT_JSON = object()
 
 class StreamKernels(Protocol):
     """The kernels a stream runs (`kernels.Kernels`, compiled or Python): the splice learner and the plain
-    chunk scanner (None: every such chunk is decoded)."""
+    chunk scanner (taken where `scans_plain`: else every such chunk is decoded)."""
 
     @property
     def learn_splice(self) -> Learner: ...
     @property
-    def plain_chunk(self) -> Scanner | None: ...
+    def plain_chunk(self) -> Scanner: ...
+    @property
+    def scans_plain(self) -> bool: ...
 
 
 # A record (a NamedTuple) from all its fields in order, without its generated Python `__new__`: an arm of a short
@@ -93,7 +95,7 @@ class StreamReshaper:
         self._finishes = finishes = serves(plan)  # single-choice shortcuts for the trio (finish.py)
         # The kernels (None: the Python twins): a plain chunk's scanner skips its decode (finish.first_chunk),
         # the learner learns and checks the splice a delta teaches.
-        self._scan = None if kernels is None or not finishes else kernels.plain_chunk
+        self._scan = kernels.plain_chunk if kernels is not None and kernels.scans_plain and finishes else None
         self._learn = learn_splice if kernels is None else kernels.learn_splice
         self._framer: EventFramer | None = None  # made for the first message that is not one whole event
         self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots

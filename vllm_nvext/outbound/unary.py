@@ -8,8 +8,8 @@ landed. Same bytes as decoding the whole body:
 tests/unit/test_unary.py::test_cut_path_equals_decoding_the_whole_body.
 
 A single-choice body under a plan that asks for the token-id trio and nothing else (`serves`)
-is not decoded at all when its JSON is plain (`plain_body`, with the compiled scanner
-`_speedups.plain_chunk` that the ASGI layer hands in): the general path then only sets vLLM's
+is not decoded at all when its JSON is plain (`plain_body`, with the plain-chunk scanner
+`plain_chunk` that the ASGI layer hands in): the general path then only sets vLLM's
 copies of the ids back to null and appends `"nvext":{"completion_token_ids":...,"prompt_token_ids":...}`,
 re-encoding every other value as vLLM wrote it. Any other single-choice body under such a plan is
 decoded and reshaped in fewer steps (`reshape_single`). Same bytes: tests/unit/test_unary_plain.py.
@@ -157,8 +157,8 @@ def reshape_single(obj: Any, plan: Plan) -> bool | None:
 def reshape_unary_body(body: bytes, plan: Plan, clock: Clock, scan: Scanner | None = None) -> bytes | None:
     """The client's bytes for one unary body, or None to forward it as vLLM sent it.
 
-    `scan`: the compiled scanner (`_speedups.plain_chunk`, handed in by the ASGI layer on the compiled
-    path) that lets a plain body skip its decode (`plain_body`); None: decode it.
+    `scan`: the plain-chunk scanner (`plain_chunk`, either twin; the ASGI layer hands in the compiled one,
+    `kernels.Kernels.scans_plain`) that lets a plain body skip its decode (`plain_body`); None: decode it.
     Raises ValueError when the body is not JSON.
     """
     if scan is not None and serves(plan):
