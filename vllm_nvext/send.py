@@ -153,8 +153,8 @@ class ReshapingSend:
             return  # held until the body is complete, to fix its length
         if status >= 400 or status in _PASS_STATUSES or encoded:
             self._kind = self._PASS
-        elif not self.plan.reshapes_answer and not event_stream:
-            self._kind = self._PASS  # only vLLM's errors could change (error events come in streams)
+        elif not self.plan.reshapes_answer and not event_stream and self.tap is None:
+            self._kind = self._PASS  # only vLLM's errors could change (error events come in streams); a tap reads it
         elif event_stream:
             self._kind = self._STREAM
             if self.tap is None:
