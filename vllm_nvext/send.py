@@ -160,7 +160,7 @@ class ReshapingSend:
             if self.tap is None:
                 self._stream = StreamReshaper(self.plan, self.clock, self.kernels)
             else:
-                self._stream = CapturedStreamReshaper(self.plan, self.clock, self.tap)
+                self._stream = CapturedStreamReshaper(self.plan, self.clock, self.tap, self.kernels)
             self._tally = metrics.StreamTally() if metrics.enabled() else None
             if sized:
                 message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]

@@ -392,25 +392,20 @@ class DecodingStreamReshaper(StreamReshaper):
         return self._decoded_event(event)
 
 
-class _TappedChunks(ChunkReshaper):
-    """`ChunkReshaper` that tells the capture tap each chunk, as vLLM sent it, before reshaping it."""
+class CapturedStreamReshaper(StreamReshaper):
+    """A captured stream (docs/capture.md): the client's bytes are `StreamReshaper`'s, its shortcuts and
+    compiled twins included; each body message, as vLLM sent it, goes to `tap`
+    (`capture.tap.Collector.stream_bytes`), which reads the chunks in bulk, not one by one on the way."""
 
     __slots__ = ("tap",)
-    tap: Any
 
-    def reshape(self, obj: Any) -> bool:
-        self.tap.chunk(obj)
-        return super().reshape(obj)
+    def __init__(self, plan: Plan, clock: Clock, tap: Any, kernels: StreamKernels | None = None) -> None:
+        super().__init__(plan, clock, kernels)
+        self.tap = tap
 
+    def feed(self, body: bytes) -> bytes:
+        self.tap.stream_bytes(body)
+        return super().feed(body)
 
-class CapturedStreamReshaper(DecodingStreamReshaper):
-    """The general path of a captured stream (docs/capture.md): every chunk decoded and told to `tap`
-    (`capture.tap.Collector.chunk`); the client's bytes are the general path's."""
-
-    __slots__ = ()
-
-    def __init__(self, plan: Plan, clock: Clock, tap: Any) -> None:
-        super().__init__(plan, clock)
-        chunks = _TappedChunks(plan, clock)
-        chunks.tap = tap
-        self.chunks = chunks
+    def arm_parts(self) -> SpliceArm | None:
+        return None  # the stream send never serves a message itself: each one reaches `feed`, and the tap
