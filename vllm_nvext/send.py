@@ -22,9 +22,10 @@ from typing import Any
 from . import _json, metrics
 from .asgi import Message, Send, is_event_stream, is_json
 from .kernels import Kernels, pick
+from .outbound.captured import CapturedStreamReshaper
 from .outbound.chunks import rename_error
 from .outbound.nvext_values import Clock
-from .outbound.stream import CapturedStreamReshaper, StreamReshaper
+from .outbound.stream import StreamReshaper
 from .outbound.unary import plain_body, reshape_unary_body
 from .outbound.unary import serves as unary_serves
 from .plan import Plan

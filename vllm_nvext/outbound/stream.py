@@ -390,22 +390,3 @@ class DecodingStreamReshaper(StreamReshaper):
 
     def reshape_event(self, event: bytes) -> bytes | None:
         return self._decoded_event(event)
-
-
-class CapturedStreamReshaper(StreamReshaper):
-    """A captured stream (docs/capture.md): the client's bytes are `StreamReshaper`'s, its shortcuts and
-    compiled twins included; each body message, as vLLM sent it, goes to `tap`
-    (`capture.tap.Collector.stream_bytes`), which reads the chunks in bulk, not one by one on the way."""
-
-    __slots__ = ("tap",)
-
-    def __init__(self, plan: Plan, clock: Clock, tap: Any, kernels: StreamKernels | None = None) -> None:
-        super().__init__(plan, clock, kernels)
-        self.tap = tap
-
-    def feed(self, body: bytes) -> bytes:
-        self.tap.stream_bytes(body)
-        return super().feed(body)
-
-    def arm_parts(self) -> SpliceArm | None:
-        return None  # the stream send never serves a message itself: each one reaches `feed`, and the tap
