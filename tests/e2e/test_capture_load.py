@@ -144,10 +144,11 @@ def _in_flight(url: str, session_id: str, started: threading.Semaphore) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}", "x-nvext-session-id": session_id}
     try:
         with httpx.stream("POST", url + CHAT, json=body, headers=headers, timeout=120) as answer:
-            for _ in answer.iter_raw():
-                started.release()
-                for _ in answer.iter_raw():
-                    pass
+            chunks = answer.iter_raw()
+            next(chunks)
+            started.release()
+            for _ in chunks:
+                pass
     except httpx.HTTPError:
         pass  # the server went away mid-stream, as it should
 
