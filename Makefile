@@ -94,8 +94,10 @@ setup-router: ## the vllm-router 0.1.17 reference venv, outside the repository (
 # never beside the main e2e group's). Each also runs through `vllm-nvext proxy` (marker e2e_proxy):
 # the proxy in front of a router in front of two stock servers, a router in front of two proxies
 # each in front of one of them, and the proxy in front of the PD router in front of a stock pair.
-test-e2e-scaleout: setup setup-router ## the e2e tests behind vllm-router, then through prefill/decode
-	$(VENV)/bin/python -m pytest -m e2e_scaleout tests/e2e/test_router.py $(PYTEST_ARGS)
+# The router's run also holds capture in a fleet (tests/e2e/test_capture_fleet.py): two capturing
+# replicas behind a router and a two-worker proxy, all recording into one real redis-server.
+test-e2e-scaleout: setup setup-router setup-redis ## the e2e tests behind vllm-router (capture in a fleet too), then through prefill/decode
+	$(VENV)/bin/python -m pytest -m e2e_scaleout tests/e2e/test_router.py tests/e2e/test_capture_fleet.py $(PYTEST_ARGS)
 	$(VENV)/bin/python -m pytest -m e2e_scaleout tests/e2e/test_pd.py $(PYTEST_ARGS)
 
 lint: setup ## ruff check, ruff format --check, mypy --strict on the package and mypy on the rest

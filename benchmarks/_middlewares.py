@@ -9,11 +9,17 @@
   middleware's own in-app/warm ratio against;
 - `SpreadMiddleware`: the floor plus one call each of `SPREAD_FUNCTIONS` distinct small functions
   per request, each with its own code and its own data (a few µs warm in all): what entering many
-  different pieces of Python costs inside vLLM's app, against the calibration's one tight loop.
+  different pieces of Python costs inside vLLM's app, against the calibration's one tight loop;
+- `CaptureNvextMiddleware`: NvextMiddleware with capture on (docs/capture.md), into a SQLite store in a
+  temp directory of its own; `CAPTURE_SINKS` holds each instance's sink, so that the benchmark can wait
+  for the writer thread inside the measured window (the write is part of what capture costs).
 """
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from typing import Any
 
 from vllm_nvext import NvextMiddleware
@@ -74,3 +80,14 @@ class SpreadMiddleware:
         for function in _SPREAD:
             function(1)
         await self.app(scope, receive, send)
+
+
+CAPTURE_SINKS: list[Any] = []
+
+
+class CaptureNvextMiddleware(NvextMiddleware):
+    def __init__(self, app: Any) -> None:
+        folder = tempfile.mkdtemp(prefix="bench-capture-")
+        atexit.register(shutil.rmtree, folder, True)
+        super().__init__(app, capture=f"sqlite:///{folder}/capture.sqlite3")
+        CAPTURE_SINKS.append(self.sink)

@@ -51,6 +51,7 @@ from types import ModuleType
 from typing import Any
 
 from benchmarks._common import Target, fmt, median, percentile, print_table, print_targets, run_loop
+from benchmarks._middlewares import CAPTURE_SINKS
 from vllm_nvext.protocol import PATHS, Endpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,6 +107,7 @@ MIDDLEWARES = {
     "floor": "benchmarks._middlewares.FloorMiddleware",
     "calibration": "benchmarks._middlewares.CalibrationMiddleware",
     "spread": "benchmarks._middlewares.SpreadMiddleware",
+    "capture": "benchmarks._middlewares.CaptureNvextMiddleware",
 }
 
 ARMS = (
@@ -119,8 +121,11 @@ ARMS = (
     Arm("calibration (Python loop)", "ids", "ids", "calibration"),
     # The floor plus 100 distinct small functions entered once each: a few µs warm, many pieces of code.
     Arm("spread (100 functions)", "ids", "ids", "spread"),
+    # Capture on (docs/capture.md, "Cost"), into SQLite, for a client that asks for nothing: vs stock, the
+    # same request. The writer thread's work is in the window (each request waits for its turn's write).
+    Arm("capture (SQLite)", "plain", "plain", "capture"),
 )
-REFERENCE_ARMS = ("floor", "calibration", "spread")  # read beside the targets, never targets themselves
+REFERENCE_ARMS = ("floor", "calibration", "spread", "capture")  # read beside the targets, never targets themselves
 # The cross-process table's arms: its middleware server runs NvextMiddleware as installed.
 SERVER_ARMS = tuple(arm for arm in ARMS if arm.middleware == "default")
 
@@ -298,14 +303,17 @@ class Exchange:
         return b"".join(self.parts)
 
 
-async def exchange(app: Any, body: bytes) -> tuple[Exchange, int]:
-    """One request through `app`: the exchange and the CPU ns this process spent on it."""
+async def exchange(app: Any, body: bytes, sinks: Sequence[Any] = ()) -> tuple[Exchange, int]:
+    """One request through `app`: the exchange and the CPU ns this process spent on it (with `sinks`, the
+    capture's: once each has written what the request queued)."""
     ex = Exchange(body)
     clock = time.process_time_ns  # vLLM tokenizes and detokenizes in its own thread pools too
     t0 = clock()
     await app(ex.scope, ex.receive, ex.send)
     for _ in range(4):  # what the request left for the loop (engine bookkeeping) counts to it
         await asyncio.sleep(0)
+    for sink in sinks:
+        sink.flush()  # the turn's write (the writer thread's CPU) belongs to this request
     cpu = clock() - t0
     return ex, cpu
 
@@ -407,7 +415,7 @@ async def measure_in_process(rounds: int, profile: bool) -> list[Target]:
             for case in CASES:
                 for arm in ARMS:
                     stock, _ = await exchange(stock_app, bodies[case.name, arm.stock_opt])
-                    mw, _ = await exchange(mw_apps[arm.middleware], bodies[case.name, arm.mw_opt])
+                    mw, _ = await exchange(mw_apps[arm.middleware], bodies[case.name, arm.mw_opt], CAPTURE_SINKS)
                     check(case, arm, stock, mw)
                     answers[case.name, arm.label] = stock
         print("  checked: both sides answer the same text and ids, each in its dialect", flush=True)
@@ -424,11 +432,12 @@ async def measure_in_process(rounds: int, profile: bool) -> list[Target]:
                 s_body, m_body = bodies[case.name, arm.stock_opt], bodies[case.name, arm.mw_opt]
                 pairs = results[case.name, arm.label]
                 mw_app = mw_apps[arm.middleware]
+                sinks = CAPTURE_SINKS if arm.middleware == "capture" else ()
                 if (r + i) % 2:
                     _, s_cpu = await exchange(stock_app, s_body)
-                    _, m_cpu = await exchange(mw_app, m_body)
+                    _, m_cpu = await exchange(mw_app, m_body, sinks)
                 else:
-                    _, m_cpu = await exchange(mw_app, m_body)
+                    _, m_cpu = await exchange(mw_app, m_body, sinks)
                     _, s_cpu = await exchange(stock_app, s_body)
                 pairs.stock.append(s_cpu)
                 pairs.mw.append(m_cpu)
@@ -473,6 +482,7 @@ def warm_fixed_costs(answers: dict[tuple[str, str], Exchange], bodies: dict[tupl
     """
     from benchmarks._middlewares import (
         CalibrationMiddleware,
+        CaptureNvextMiddleware,
         FloorMiddleware,
         PurePythonNvextMiddleware,
         SpreadMiddleware,
@@ -482,7 +492,7 @@ def warm_fixed_costs(answers: dict[tuple[str, str], Exchange], bodies: dict[tupl
     classes: dict[str, Callable[[Any], Any]] = {
         "default": NvextMiddleware, "python": PurePythonNvextMiddleware, "floor": FloorMiddleware,
         "calibration": CalibrationMiddleware,
-        "spread": SpreadMiddleware,
+        "spread": SpreadMiddleware, "capture": CaptureNvextMiddleware,
     }  # fmt: skip
 
     async def sink(message: dict[str, Any]) -> None:
@@ -519,6 +529,8 @@ def warm_fixed_costs(answers: dict[tuple[str, str], Exchange], bodies: dict[tupl
                 t1 = clock()
                 for _ in range(n):
                     one(mw, m_body)
+                if getattr(mw, "sink", None) is not None:
+                    mw.sink.flush()  # the capture's writes belong to its requests
                 added.append(((clock() - t1) - (t1 - t0)) / n)
             out[case.name, arm.label] = median(added)
     return out

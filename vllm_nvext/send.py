@@ -22,8 +22,8 @@ from typing import Any
 from . import _json, metrics
 from .asgi import Message, Send, is_event_stream, is_json
 from .kernels import Kernels, pick
+from .outbound.captured import CapturedStreamReshaper
 from .outbound.chunks import rename_error
-from .outbound.decoding import CapturedStreamReshaper
 from .outbound.nvext_values import Clock
 from .outbound.stream import StreamReshaper
 from .outbound.unary import plain_body, reshape_unary_body
@@ -154,14 +154,14 @@ class ReshapingSend:
             return  # held until the body is complete, to fix its length
         if status >= 400 or status in _PASS_STATUSES or encoded:
             self._kind = self._PASS
-        elif not self.plan.reshapes_answer and not event_stream:
-            self._kind = self._PASS  # only vLLM's errors could change (error events come in streams)
+        elif not self.plan.reshapes_answer and not event_stream and self.tap is None:
+            self._kind = self._PASS  # only vLLM's errors could change (error events come in streams); a tap reads it
         elif event_stream:
             self._kind = self._STREAM
             if self.tap is None:
                 self._stream = StreamReshaper(self.plan, self.clock, self.kernels)
             else:
-                self._stream = CapturedStreamReshaper(self.plan, self.clock, self.tap)
+                self._stream = CapturedStreamReshaper(self.plan, self.clock, self.tap, self.kernels)
             self._tally = metrics.StreamTally() if metrics.enabled() else None
             if sized:
                 message["headers"] = [(n, v) for n, v in message.get("headers", ()) if n.lower() != b"content-length"]

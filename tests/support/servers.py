@@ -646,3 +646,56 @@ capture_continue_server = register(
         "capture_continue", "--middleware", MIDDLEWARE, env={"VLLM_PLUGINS": "nvext", "VLLM_NVEXT_CONTINUE_IDS": "1"}
     ),
 )
+
+
+# --- capture in a fleet (tests/e2e/test_capture_fleet.py, marker e2e_scaleout: in test_router.py's run) ---
+# One real redis-server, the store of two replicas (the two mounts) behind vllm-router's round_robin, and
+# of `vllm-nvext proxy --workers 2` in front of the stock `raw` server, whose workers count into files
+# of a folder the test reads (PROMETHEUS_MULTIPROC_DIR: one file per worker process).
+def _redis() -> Server:
+    from tests.support.redis_server import RedisServer
+
+    return RedisServer()
+
+
+capture_redis_server = register("capture_redis", _redis)
+
+
+def _fleet_replica(kind: str, *args: str, env: dict[str, str] | None = None) -> Server:
+    store = {"VLLM_NVEXT_CAPTURE": ready("capture_redis").url}
+    return tiny_vllm(kind, "--api-key", API_KEY, *args, env={**store, **(env or {})})()
+
+
+fleet_mw_server = register("fleet_mw", lambda: _fleet_replica("fleet_mw", "--middleware", MIDDLEWARE))
+fleet_plugin_server = register("fleet_plugin", lambda: _fleet_replica("fleet_plugin", env={"VLLM_PLUGINS": "nvext"}))
+router_fleet_server = register(
+    "router_fleet",
+    _router(
+        "router-fleet", "--policy", "round_robin", "--worker-urls", workers=lambda: _urls("fleet_mw", "fleet_plugin")
+    ),
+    reference="setup-router",
+)
+
+
+def _proxy_workers() -> Server:
+    from vllm_nvext.tools.server import ProxyServer
+
+    metrics = tempfile.mkdtemp(prefix="vllm-nvext-proxy-workers-metrics-")
+    atexit.register(shutil.rmtree, metrics, True)
+    capture = ("--capture", ready("capture_redis").url)
+    return ProxyServer(upstream=ready("raw").url, args=("--api-key", API_KEY, "--workers", "2", *capture),
+                       env={"PROMETHEUS_MULTIPROC_DIR": metrics}, name="proxy_workers",
+                       port=listen_port())  # fmt: skip
+
+
+proxy_workers_server = register("proxy_workers", _proxy_workers)
+
+
+# --- capture under load and failure (tests/e2e/test_capture_load.py, marker e2e_parser) -------------------
+# A full store (a size cap of one byte: every turn dropped and counted), whose answers are compared with
+# capture_stock's (the same arguments, capture off); and a server the test SIGKILLs.
+capture_full_server = register(
+    "capture_full",
+    lambda: _capture_vllm("capture_full", "--middleware", MIDDLEWARE, env={"VLLM_NVEXT_CAPTURE_MAX_BYTES": "1"}),
+)
+capture_kill_server = register("capture_kill", lambda: _capture_vllm("capture_kill", env={"VLLM_PLUGINS": "nvext"}))

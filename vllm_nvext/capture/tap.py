@@ -2,8 +2,11 @@
 end the recorded turn handed to the sink (docs/capture.md).
 
 Pure but for the sink's `submit` (which never blocks and never raises: capture/store.py). Fed the
-decoded objects the response side already reads (a chat or completions chunk or body, a Responses
-object, the chat answer behind /v1/messages) before anything is taken out of them for the client.
+decoded objects the response side already reads (a chat or completions body, a Responses object, the
+chat answer behind /v1/messages) before anything is taken out of them for the client; a chat or
+completions stream's body messages as vLLM sent them (`stream_bytes`), which it frames and decodes in
+bulk (every STREAM_READ_BYTES, and at the end, after the client has the last byte), not chunk by chunk
+on the way: the client's bytes take the stream's byte-level path meanwhile (docs/capture.md, Cost).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import logging
 import time
 from typing import Any, Protocol
 
+from .. import _json
+from ..sse import EventFramer, data_payload
 from . import continuation
 from .keys import SessionKey, header_key, session_key
 from .record import Turn
@@ -19,6 +24,7 @@ from .record import Turn
 logger = logging.getLogger("vllm_nvext")
 
 TEXT, REASONING, TOOL_CALL = "text", "reasoning", "tool_call"
+STREAM_READ_BYTES = 256 * 1024  # a stream's bytes held before they are read (bounds a long stream's memory)
 
 
 class Sink(Protocol):
@@ -102,7 +108,7 @@ class Collector:
     """What one captured request reports; `finish` hands its turn to the sink, once."""
 
     __slots__ = ("sink", "route", "key", "time", "request_id", "model", "prompt", "usage", "_choices", "_done",
-                 "reported", "spans_known", "joined", "continuation")  # fmt: skip
+                 "reported", "spans_known", "joined", "continuation", "_held", "_held_bytes", "_framer")  # fmt: skip
 
     def __init__(self, sink: Sink, route: str, key: SessionKey, arrived: float | None = None) -> None:
         self.sink = sink
@@ -119,6 +125,9 @@ class Collector:
         self.spans_known = True  # False: the route reports no per-item ids (docs/capture.md)
         self.joined: tuple[str, str | None] | None = None  # its session's key in continuation.MEMORY
         self.continuation: continuation.Continuation | None = None  # what vLLM's renderer did with it
+        self._held: list[bytes] = []  # a stream's body messages not read yet (`stream_bytes`)
+        self._held_bytes = 0
+        self._framer: EventFramer | None = None
 
     @classmethod
     def of(cls, sink: Sink | None, route: str, headers: Any, data: Any, arrived: float) -> Collector | None:
@@ -153,6 +162,31 @@ class Collector:
         if state is None:
             state = self._choices[index] = _Choice()
         return state
+
+    def stream_bytes(self, body: bytes) -> None:
+        """One body message of a chat or completions stream, as vLLM sent it: held, read in bulk."""
+        self._held.append(body)
+        self._held_bytes += len(body)
+        if self._held_bytes >= STREAM_READ_BYTES:
+            self._read_held()
+
+    def _read_held(self) -> None:
+        """Every complete `data:` event held so far, decoded and told to `chunk` in order (a partial one waits)."""
+        held, self._held, self._held_bytes = self._held, [], 0
+        if not held:
+            return
+        framer = self._framer
+        if framer is None:
+            framer = self._framer = EventFramer()
+        for event in framer.feed(held[0] if len(held) == 1 else b"".join(held)):
+            span = data_payload(event)  # single-line `data:` events: what the stream path decodes
+            if span is None:
+                continue
+            try:
+                obj = _json.loads(event[span[0] : span[1]])
+            except ValueError:
+                continue  # not JSON ([DONE] among them): the stream path forwards it untouched
+            self.chunk(obj)
 
     def chunk(self, obj: Any) -> None:
         """One decoded chat or completions stream chunk, as vLLM sent it."""
@@ -247,11 +281,17 @@ class Collector:
 
     def finish(self) -> None:
         """The turn, to the sink: once, and only for an answer that was seen."""
+        if self._done:
+            return
+        try:
+            self._read_held()  # a stream's chunks not read yet: before the memory keeps what was served
+        except Exception:  # never the answer's failure: the turn is what was read
+            logger.exception("vllm-nvext could not read a captured stream")
         if self.joined is not None and continuation.MEMORY is not None:
             continuation.TURN.set(None)
             continuation.MEMORY.settle(self.joined, self)
             self.joined = self.continuation = None  # the memory keeps the turn; nothing holds older ones
-        if self._done or not self.reported:
+        if not self.reported:
             return
         self._done = True
         try:
