@@ -2,9 +2,10 @@
 
 - 200 concurrent streams of one session, captured by the `--middleware` mount: the store holds 200
   turns, indexed 0-199, one per answer the clients got, none dropped.
-- A full store (`VLLM_NVEXT_CAPTURE_MAX_BYTES=1`): every turn is dropped and counted on /metrics
-  (`vllm_nvext:capture_turns_dropped_total{reason="store_full"}`), and every client gets the answer a
-  server with capture off (the same arguments) gives.
+- A full store (`VLLM_NVEXT_CAPTURE_MAX_BYTES=1`, `vllm-nvext proxy --capture` in front of a stock
+  server): every turn is dropped and counted on /metrics
+  (`vllm_nvext:capture_turns_dropped_total{reason="store_full"}`), and every client gets the answer the
+  stock server behind it gives with capture off.
 - A SIGKILLed server (the whole process group, streams in flight): the turns read back before the kill
   are in the SQLite file after it, read by `vllm-nvext sessions export`, and `PRAGMA integrity_check` is ok.
 
@@ -108,13 +109,13 @@ BODIES = {
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 @pytest.mark.parametrize("route", sorted(BODIES))
 def test_a_full_store_drops_and_counts_and_every_client_gets_its_answer(
-    capture_full_server, capture_stock_server, route, stream
+    proxy_full_server, capture_stock_server, route, stream
 ):
     path, base = BODIES[route]
     extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
     body = {**base, "max_tokens": MAX, "temperature": 0, **extra}
     headers = {"x-nvext-session-id": f"full-{uuid.uuid4()}"}
-    url = capture_full_server.url
+    url = proxy_full_server.url
     full = _metric(url, "vllm_nvext:capture_turns_dropped_total", 'reason="store_full"')
     recorded = _metric(url, "vllm_nvext:capture_turns_recorded_total")
     with http_client(url) as captured, http_client(capture_stock_server.url) as stock:

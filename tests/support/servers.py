@@ -692,10 +692,16 @@ proxy_workers_server = register("proxy_workers", _proxy_workers)
 
 
 # --- capture under load and failure (tests/e2e/test_capture_load.py, marker e2e_parser) -------------------
-# A full store (a size cap of one byte: every turn dropped and counted), whose answers are compared with
-# capture_stock's (the same arguments, capture off); and a server the test SIGKILLs.
-capture_full_server = register(
-    "capture_full",
-    lambda: _capture_vllm("capture_full", "--middleware", MIDDLEWARE, env={"VLLM_NVEXT_CAPTURE_MAX_BYTES": "1"}),
-)
+# A full store (a size cap of one byte: every turn dropped and counted): `vllm-nvext proxy` capturing in front
+# of capture_stock, whose own answers (capture off) its clients must get; a proxy, not a fourth capture
+# server, for the parser group's memory. And a server the test SIGKILLs.
+def _proxy_full() -> Server:
+    from vllm_nvext.tools.server import ProxyServer
+
+    store = ("--capture", capture_url("proxy_full"))
+    return ProxyServer(upstream=ready("capture_stock").url, args=("--api-key", API_KEY, *store),
+                       env={"VLLM_NVEXT_CAPTURE_MAX_BYTES": "1"}, name="proxy_full", port=listen_port())  # fmt: skip
+
+
+proxy_full_server = register("proxy_full", _proxy_full)
 capture_kill_server = register("capture_kill", lambda: _capture_vllm("capture_kill", env={"VLLM_PLUGINS": "nvext"}))
