@@ -110,6 +110,27 @@ def responses_has_thinking_token_budget() -> bool:
     return _source_mentions(_RESPONSES_PROTOCOL, "thinking_token_budget")
 
 
+def _release(version: str | None) -> tuple[int, int] | None:
+    number = re.match(r"(\d+)\.(\d+)", version or "")
+    return None if number is None else (int(number[1]), int(number[2]))
+
+
+def max_thinking_tokens_refusal(route: str) -> str | None:
+    """Why `nvext.max_thinking_tokens` is refused on this agent route (None: it is sent as vLLM's
+    `thinking_token_budget`), by the release serving it: through `vllm-nvext proxy` its upstream's, from its
+    /version (protocol.UPSTREAM_RELEASE), else the installed one (docs/protocol.md §11.1)."""
+    if route != "/v1/responses":
+        return "; Anthropic's `thinking.budget_tokens` is the thinking budget there"
+    from .protocol import UPSTREAM_RELEASE
+
+    upstream = UPSTREAM_RELEASE.get()
+    release = _release(upstream)
+    if responses_has_thinking_token_budget() if release is None else release >= (0, 34):
+        return None
+    version = (upstream if release is not None else vllm_version()) or "(unknown)"
+    return f": vLLM {version}'s Responses API has no thinking budget (vLLM 0.34 on: `thinking_token_budget`)"
+
+
 @cache
 def has_endpoint_plugins() -> bool:
     """Does vLLM load `vllm.endpoint_plugins` entry points (`VLLM_PLUGINS=nvext`, the plugin mount)?"""

@@ -698,6 +698,24 @@ async def test_the_proxys_messages_follow_the_sanitizer_rules_of_the_upstreams_r
     assert seen == []
 
 
+@pytest.mark.parametrize("release", ["0.30.0+cpu", "0.33.0", "0.34.0", "0.35.1"])
+async def test_max_thinking_tokens_on_responses_follows_the_upstreams_release(release):
+    """vLLM's Responses API takes `thinking_token_budget` from 0.34 on: through the proxy, whose own vLLM is
+    0.32, `nvext.max_thinking_tokens` is sent as it where the upstream's /version says so, else a 400 that
+    names the field and the upstream's release."""
+    seen: list[dict[str, Any]] = []
+    app = await proxy_over(_upstream_with_version({"version": release}, seen))
+    await app.forwarder._read_version()
+    body = {**RESPONSES_BODY, "nvext": {"max_thinking_tokens": 5}}
+    result = await call(app, "/v1/responses", json.dumps(body).encode())
+    if release in ("0.34.0", "0.35.1"):
+        assert result.status == 200 and seen == [{**RESPONSES_BODY, "thinking_token_budget": 5}], seen
+        return
+    error = json.loads(result.body)["error"]
+    assert result.status == 400 and error["param"] == "nvext.max_thinking_tokens" and seen == []
+    assert f"vLLM {release}'s Responses API has no thinking budget" in error["message"], error
+
+
 async def test_the_proxy_asks_the_upstreams_version_until_it_answers():
     """An upstream that starts after the proxy: /version is asked again until it answers."""
     answers = [500, 200]

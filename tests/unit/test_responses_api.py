@@ -286,6 +286,15 @@ async def test_refusals_name_the_field(extra, param):
     assert json.loads(result.body)["error"]["param"] == param
 
 
+async def test_max_thinking_tokens_refusal_names_the_installed_release():
+    """Mounted in vLLM 0.32 (no thinking budget on its Responses API): the 400 says which vLLM and from when."""
+    app, _ = _app("responses_unary_plain")
+    result = await call(app, RESPONSES, _request("responses_unary_plain", nvext={"max_thinking_tokens": 5}))
+    message = json.loads(result.body)["error"]["message"]
+    assert "vLLM 0.32.0" in message and "Responses API has no thinking budget" in message, message
+    assert "vLLM 0.34 on: `thinking_token_budget`" in message
+
+
 async def test_nvext_request_fields_reach_vllm_as_its_own():
     app, upstream = _app("responses_unary_plain")
     request = _request("responses_unary_plain", nvext={"greed_sampling": True, "cache_salt": "salt", "dp_rank": 1})

@@ -146,12 +146,6 @@ class OptIn:
         return rewrite, apply_nvext_fields(rewrite, request, dp_rank_header)
 
 
-def _takes_thinking_budget(route: str) -> bool:
-    """vLLM's Responses API takes `thinking_token_budget` from 0.34 on (`nvext.max_thinking_tokens` is
-    sent as it, as on chat); /v1/messages has Anthropic's own `thinking.budget_tokens`."""
-    return route == "/v1/responses" and _vllm_compat.responses_has_thinking_token_budget()
-
-
 def opt_in(body: bytes, mode: Mode, route: str) -> OptIn | None:
     data = _read(body)
     if data is None:
@@ -172,8 +166,10 @@ def opt_in(body: bytes, mode: Mode, route: str) -> OptIn | None:
             "nvext.extra_fields",
         )
     for name in ("token_data", "max_thinking_tokens"):
-        if nvext.get(name) is not None and not (name == "max_thinking_tokens" and _takes_thinking_budget(route)):
-            raise RequestError(f"`nvext.{name}` is not supported on {route}", f"nvext.{name}")
+        # vLLM's Responses API takes `thinking_token_budget` from 0.34 on (the nvext field is sent as it).
+        why = _vllm_compat.max_thinking_tokens_refusal(route) if name == "max_thinking_tokens" else ""
+        if nvext.get(name) is not None and why is not None:
+            raise RequestError(f"`nvext.{name}` is not supported on {route}{why}", f"nvext.{name}")
     normalized = requested | ({COMPLETION_TOKEN_IDS} if return_token_ids else set())
     ids_requested = bool(normalized & ID_SELECTORS)
     where = placements(mode, return_token_ids, bool(requested & ID_SELECTORS), ids_requested)
