@@ -108,7 +108,7 @@ class Collector:
     """What one captured request reports; `finish` hands its turn to the sink, once."""
 
     __slots__ = ("sink", "route", "key", "time", "request_id", "model", "prompt", "usage", "_choices", "_done",
-                 "reported", "spans_known", "joined", "continuation", "_held", "_held_bytes", "_framer")  # fmt: skip
+                 "reported", "spans_known", "_held", "_held_bytes", "_framer", "joined", "continuation")  # fmt: skip
 
     def __init__(self, sink: Sink, route: str, key: SessionKey, arrived: float | None = None) -> None:
         self.sink = sink
@@ -123,11 +123,11 @@ class Collector:
         self._done = False
         self.reported = False  # an answer was seen (an error is not a turn)
         self.spans_known = True  # False: the route reports no per-item ids (docs/capture.md)
-        self.joined: tuple[str, str | None] | None = None  # its session's key in continuation.MEMORY
-        self.continuation: continuation.Continuation | None = None  # what vLLM's renderer did with it
         self._held: list[bytes] = []  # a stream's body messages not read yet (`stream_bytes`)
         self._held_bytes = 0
         self._framer: EventFramer | None = None
+        self.joined: tuple[str, str | None] | None = None  # its session's key in continuation.MEMORY
+        self.continuation: continuation.Continuation | None = None  # what vLLM's renderer did with it
 
     @classmethod
     def of(cls, sink: Sink | None, route: str, headers: Any, data: Any, arrived: float) -> Collector | None:
@@ -169,6 +169,13 @@ class Collector:
         self._held_bytes += len(body)
         if self._held_bytes >= STREAM_READ_BYTES:
             self._read_held()
+
+    def _read_stream(self) -> None:
+        """`_read_held`, never raising: a stream that cannot be read is recorded as far as it was read."""
+        try:
+            self._read_held()
+        except Exception:  # never the answer's failure
+            logger.exception("vllm-nvext could not read a captured stream")
 
     def _read_held(self) -> None:
         """Every complete `data:` event held so far, decoded and told to `chunk` in order (a partial one waits)."""
@@ -273,7 +280,8 @@ class Collector:
         state.finish_reason = reason if isinstance(reason, str) else obj.get("status")
 
     def served(self) -> tuple[list[int] | None, list[int] | None, bool, list[int] | None]:
-        """What this turn was served so far (continuation.Served)."""
+        """What this turn was served so far (continuation.Served): a stream's held bytes read first."""
+        self._read_stream()
         first = self._choices.get(0)
         ids = None if first is None or first.withheld else first.ids
         rendered = None if self.continuation is None else self.continuation.rendered
@@ -281,17 +289,12 @@ class Collector:
 
     def finish(self) -> None:
         """The turn, to the sink: once, and only for an answer that was seen."""
-        if self._done:
-            return
-        try:
-            self._read_held()  # a stream's chunks not read yet: before the memory keeps what was served
-        except Exception:  # never the answer's failure: the turn is what was read
-            logger.exception("vllm-nvext could not read a captured stream")
+        self._read_stream()  # first: what the continuation memory settles and the turn are the whole stream
         if self.joined is not None and continuation.MEMORY is not None:
             continuation.TURN.set(None)
             continuation.MEMORY.settle(self.joined, self)
             self.joined = self.continuation = None  # the memory keeps the turn; nothing holds older ones
-        if not self.reported:
+        if self._done or not self.reported:
             return
         self._done = True
         try:
