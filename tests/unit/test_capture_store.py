@@ -337,3 +337,42 @@ def test_the_counts_reach_vllms_metrics(tmp_path):
     assert sink.flush()
     assert _registry_value("vllm_nvext:capture_turns_dropped_total", reason=STORE_FULL) - full == 1
     sink.close()
+
+
+def test_writers_contending_for_one_session_lose_no_turn(store_url):
+    """Four API-server processes (or proxy workers) appending to one hot session: every turn is kept, each
+    at its own index (on Redis, two writers that collide retry after a random wait, not in lock-step)."""
+    sinks = [open_sink(store_url) for _ in range(4)]
+    try:
+        for n in range(200):
+            sinks[n % 4].submit(make_turn("hot", [n]))
+        assert all(s.flush(60) for s in sinks)
+        turns = sinks[0].read("hot") or []
+        assert [t["index"] for t in turns] == list(range(200))
+        assert sorted(t["prompt_token_ids"][0] for t in turns) == list(range(200))
+        assert [s.tally.dropped_turns for s in sinks] == [{}] * 4
+        assert sum(s.tally.recorded_turns for s in sinks) == 200
+    finally:
+        for s in sinks:
+            s.close()
+
+
+def test_a_turn_redis_cannot_append_is_the_only_one_dropped(redis_url):
+    """A session key Redis holds as another type refuses its turn; the turns beside it, in whatever batch,
+    are written and counted recorded, and only the refused one is counted dropped."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    client.set("nvext:capture:turns:clobbered", b"not a list")
+    sink = open_sink(redis_url)
+    try:
+        sink.submit(make_turn("kept", [1]))
+        sink.submit(make_turn("clobbered", [2]))
+        sink.submit(make_turn("kept", [1, 3]))
+        assert sink.flush()
+        assert [t["prompt_token_ids"] for t in sink.read("kept") or []] == [[1], [1, 3]]
+        assert sink.tally.recorded_turns == 2 and sink.tally.dropped_turns == {STORE_ERROR: 1}
+    finally:
+        sink.close()
+        client.close()

@@ -10,17 +10,20 @@ by each turn; the size cap is checked against the server's `used_memory`. docs/c
 from __future__ import annotations
 
 import json
+import random
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..config import ConfigError
 from .record import Turn
-from .store import Page, StoreFull
+from .store import Page, PartlyWritten, StoreFull
 
 PREFIX = "nvext:capture:"
 SESSIONS = PREFIX + "sessions"
 READ_CHUNK = 16  # turns fetched per round trip by a read
-_RETRIES = 16  # WATCH conflicts tolerated for one turn before it is given up (and counted dropped)
+_RETRIES = 64  # WATCH conflicts tolerated for one turn before it is given up (and counted dropped)
+_BACKOFF_S = 0.05  # the longest wait between two tries (the writer's thread waits, never the event loop)
 
 
 def _key(session_id: str) -> str:
@@ -46,13 +49,20 @@ class RedisBackend:
     def write(self, turns: Sequence[Turn], now: float) -> None:
         if self.used_bytes() >= self.max_bytes:
             raise StoreFull
-        for turn in turns:
-            self._append(turn, now)
+        written, failure = 0, None
+        for turn in turns:  # each turn its own transaction: one that fails does not take the others with it
+            try:
+                self._append(turn, now)
+                written += 1
+            except Exception as exc:
+                failure = exc
+        if failure is not None:
+            raise PartlyWritten(written) from failure  # those written are recorded, the others dropped
 
     def _append(self, turn: Turn, now: float) -> None:
         key = _key(turn.session_id)
         with self.client.pipeline() as pipe:
-            for _ in range(_RETRIES):
+            for attempt in range(_RETRIES):
                 try:
                     pipe.watch(key)
                     index = int(pipe.llen(key))
@@ -66,7 +76,9 @@ class RedisBackend:
                     pipe.execute()
                     return
                 except self._watch_error:
-                    continue
+                    # Another writer appended first: wait a random while, growing, so two writers that
+                    # collided once do not collide again in lock-step.
+                    time.sleep(random.uniform(0, min(_BACKOFF_S, 0.001 * 2**attempt)))
         raise RuntimeError("the session's list kept changing under the writer")
 
     def read(self, session_id: str, start: int, max_bytes: int) -> Page | None:

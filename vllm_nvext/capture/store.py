@@ -38,6 +38,15 @@ class StoreFull(Exception):
     """The store is at its size cap; the batch is dropped."""
 
 
+class PartlyWritten(Exception):
+    """A store that writes turn by turn (Redis) wrote `written` of the batch's turns and failed on the others
+    (the last failure: `__cause__`): those written are recorded, the others dropped."""
+
+    def __init__(self, written: int) -> None:
+        super().__init__(written)
+        self.written = written
+
+
 @dataclass(frozen=True, slots=True)
 class Page:
     """Some turns of a session, from `start`; `next_index` is where the next page starts (None: the end)."""
@@ -187,18 +196,22 @@ class Sink:
                 return
 
     def _write(self, batch: list[Turn], now: float) -> None:
+        written = 0
         try:
             self.backend.write(batch, now)
+            written = len(batch)
         except StoreFull:
             self._count_drop(STORE_FULL, len(batch))
         except Exception as exc:  # a broken store never reaches a request: drop, count, log the kind
-            logger.warning(
-                "vllm-nvext capture: %d turns dropped, the store failed (%s)", len(batch), type(exc).__name__
-            )
-            self._count_drop(STORE_ERROR, len(batch))
-        else:
+            cause: BaseException = exc
+            if isinstance(exc, PartlyWritten):
+                written, cause = exc.written, exc.__cause__ or exc
+            lost = len(batch) - written
+            logger.warning("vllm-nvext capture: %d turns dropped, the store failed (%s)", lost, type(cause).__name__)
+            self._count_drop(STORE_ERROR, lost)
+        if written:
             for report in self._reports:
-                report.recorded(len(batch))
+                report.recorded(written)
         self._report_bytes()
 
     def _prune(self, now: float) -> None:
