@@ -76,9 +76,13 @@ def responses_turn(url: str, items: list[dict[str, Any]], session_id: str) -> tu
     tools = [{"type": "function", "name": "get_weather", "parameters": SCHEMA}]
     body = {"model": MODEL_NAME, "input": items, "tools": tools, "max_output_tokens": MAX, "temperature": 0}
     # Codex's conversation id, as it sends it: the body's prompt_cache_key and the session_id header.
-    with sdk.responses.stream(**body, prompt_cache_key=session_id, extra_headers={"session_id": session_id}) as events:
+    with sdk.responses.stream(**body, prompt_cache_key=session_id, extra_headers={"session_id": session_id}) as stream:
+        events = list(stream)
         types = [e.type for e in events]
-        final = events.get_final_response().to_dict()
+        # vLLM 0.34 ends an answer cut by max_output_tokens with `response.incomplete` (0.30-0.33 with
+        # `response.completed`), which the SDK's get_final_response() refuses: the response it carries.
+        incomplete = [e.response for e in events if e.type == "response.incomplete"]
+        final = (incomplete[-1] if incomplete else stream.get_final_response()).to_dict()
     # by content, never by chunk boundaries: the run of event types and the response they built
     return [t for i, t in enumerate(types) if i == 0 or types[i - 1] != t], final
 
