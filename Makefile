@@ -67,9 +67,12 @@ test-e2e: setup setup-vllm033 setup-dynamo ## the main e2e group on real servers
 
 # vLLM 0.30 and 0.31 on their real engines, in a pytest run of their own (their servers never run
 # beside the main e2e group's), one version at a time; each version's tests of `translated` also run
-# through `vllm-nvext proxy` in front of its stock server (markers e2e_versions and e2e_proxy).
+# through `vllm-nvext proxy` in front of its stock server (markers e2e_versions and e2e_proxy). Capture on
+# each version (tests/e2e/test_capture_versions.py: three more servers a version) in a run of its own, so a
+# version's capture servers never run beside its translation servers (~2.8 GB each).
 test-e2e-versions: setup setup-vllm030 setup-vllm031 ## the e2e tests on vLLM 0.30 and 0.31's real engines
-	$(VENV)/bin/python -m pytest tests/e2e -m e2e_versions $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/e2e -m e2e_versions --ignore=tests/e2e/test_capture_versions.py $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/e2e/test_capture_versions.py -m e2e_versions $(PYTEST_ARGS)
 
 # vLLM 0.34's serving layer (scripts/vllm_harness.py over its reference venv): the translation, agent-route,
 # key-check and version tests on its raw/mw/plugin servers and the proxy in front of the raw one, in a
