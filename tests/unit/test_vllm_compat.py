@@ -174,8 +174,10 @@ def test_an_apps_facts_are_those_of_its_first_request_as_vllms_key_check_keeps_i
     assert _vllm_compat.server_facts({"app": app}) is facts and len(facts.key_digests) == 1
 
 
-def test_servers_built_in_one_process_each_keep_their_own_facts():
+def test_servers_built_in_one_process_each_keep_their_own_facts(monkeypatch):
     """Apps built side by side in one process (tests, benchmarks) alternate without mixing or re-reading facts."""
+    # From an empty map: the servers of earlier tests, kept, would fill it and clear it midway (`config.keep`).
+    monkeypatch.setattr(_vllm_compat, "_servers", {})
 
     def server(key: str, parser: str | None) -> dict[str, Any]:
         args = type("Args", (), {"api_key": [key], "reasoning_parser": parser, "kv_transfer_config": None})

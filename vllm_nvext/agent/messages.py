@@ -138,8 +138,9 @@ class CapturedIds:
         turns those objects into Anthropic events itself, so no chat event is ever written)."""
         dump = getattr(chunk, "model_dump", None)
         if dump is not None and getattr(chunk, "choices", None) is not None:
-            # what vLLM's chat stream would write of them (exclude_unset), the ids alone
-            fields = {"prompt_token_ids": True, "choices": {"__all__": {"token_ids"}}}
+            # What vLLM's chat stream would write of them (exclude_unset): the ids alone, or the whole chunk for
+            # the capture tap (its id, model, deltas, finish reason and usage make the turn: docs/capture.md).
+            fields = None if self.tap is not None else {"prompt_token_ids": True, "choices": {"__all__": {"token_ids"}}}
             self._add(dump(exclude_unset=True, include=fields))
 
     def _add(self, chunk: dict[str, Any]) -> None:
