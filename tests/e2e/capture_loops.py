@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from tests.helpers import API_KEY, CHAT, MODEL_NAME, post, without_agent_volatile
+from tests.helpers import API_KEY, CHAT, MODEL_NAME, http_client, post, without_agent_volatile
 
 MAX = 8
 QUESTION = "What is the weather in Paris?"
@@ -28,16 +28,22 @@ SDK_EVENTS = frozenset({"text", "input_json", "thinking", "citation", "signature
 Ids = tuple[list[int], list[int]]
 
 
-def session_turns(server: Any, session_id: str, turns: int) -> list[dict[str, Any]]:
-    """The session's turns from the read API, once the store's writer has written `turns` of them."""
-    deadline = time.monotonic() + 60
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+def read_session(url: str, session_id: str, turns: int, wait_s: float = 60.0) -> dict[str, Any]:
+    """The session as the read API at `url` answers it, once the store's writer has written `turns` of its turns
+    (or after `wait_s`)."""
+    deadline = time.monotonic() + wait_s
+    with http_client(url) as client:
         while True:
             answer = client.get(f"/v1/nvext/sessions/{session_id}")
-            found = answer.json()["turns"] if answer.status_code == 200 else []
-            if len(found) >= turns or time.monotonic() > deadline:
-                return list(found)
+            if answer.status_code == 200 and len(answer.json()["turns"]) >= turns or time.monotonic() > deadline:
+                assert answer.status_code == 200, answer.text
+                return dict(answer.json())
             time.sleep(0.2)
+
+
+def session_turns(server: Any, session_id: str, turns: int) -> list[dict[str, Any]]:
+    """The session's turns from the read API, once the store's writer has written `turns` of them."""
+    return list(read_session(server.url, session_id, turns)["turns"])
 
 
 def chat_ids(server: Any, messages: list[dict[str, Any]]) -> Ids:
@@ -194,3 +200,19 @@ def assert_each_turn_extends_the_last(turns: list[dict[str, Any]]) -> None:
     for before, turn in zip(turns, turns[1:], strict=False):
         served = before["prompt_token_ids"] + before["completion_token_ids"]
         assert turn["prompt_token_ids"][: len(served)] == served
+
+
+def assert_continue_ids_against_plain(loop: Any, continued: Any, plain: Any, stock: Any, session_id: str) -> None:
+    """`loop` on a server with VLLM_NVEXT_CONTINUE_IDS (`continued`) and on one with capture alone (`plain`): the
+    plain loop drifts, every continued turn extends the last, and each continued answer is what `stock` samples,
+    greedy, from the ids it was served (and the plain loop's answer where a turn's prompt is the plain loop's)."""
+    loop(continued.url, session_id)
+    loop(plain.url, session_id)
+    continued_turns = session_turns(continued, session_id, 3)
+    plain_turns = session_turns(plain, session_id, 3)
+    assert [t["extends_previous"] for t in plain_turns] == [None, False, False], "without it: the drift"
+    assert_each_turn_extends_the_last(continued_turns)
+    for turn, other in zip(continued_turns, plain_turns, strict=True):
+        assert turn["completion_token_ids"] == greedy_on_ids(stock, turn["prompt_token_ids"])
+        if turn["prompt_token_ids"] == other["prompt_token_ids"]:
+            assert turn["completion_token_ids"] == other["completion_token_ids"]

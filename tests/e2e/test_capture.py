@@ -17,13 +17,11 @@ from typing import Any
 import pytest
 
 from tests.e2e.capture_loops import (
-    assert_each_turn_extends_the_last,
+    assert_continue_ids_against_plain,
     claude_code_against_stock,
     claude_code_loop,
     codex_against_stock,
     codex_loop,
-    greedy_on_ids,
-    session_turns,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_parser]
@@ -65,15 +63,6 @@ def test_with_continue_ids_every_turn_extends_the_previous_turns_ids(
     loop, capture_continue_server, capture_plugin_server, capture_stock_server
 ):
     session_id = f"continue-{uuid.uuid4()}"
-    loop(capture_continue_server.url, session_id)
-    loop(capture_plugin_server.url, session_id)
-    continued = session_turns(capture_continue_server, session_id, 3)
-    plain = session_turns(capture_plugin_server, session_id, 3)
-    assert [t["extends_previous"] for t in plain] == [None, False, False], "without it: the drift"
-    assert_each_turn_extends_the_last(continued)
-    # Each answer is what vLLM samples, greedy, from the ids it was served, and where a turn's prompt is
-    # the plain loop's (turn 1 always), the answer is the plain loop's too.
-    for turn, other in zip(continued, plain, strict=True):
-        assert turn["completion_token_ids"] == greedy_on_ids(capture_stock_server, turn["prompt_token_ids"])
-        if turn["prompt_token_ids"] == other["prompt_token_ids"]:
-            assert turn["completion_token_ids"] == other["completion_token_ids"]
+    assert_continue_ids_against_plain(
+        loop, capture_continue_server, capture_plugin_server, capture_stock_server, session_id
+    )

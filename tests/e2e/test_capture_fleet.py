@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.e2e.capture_loops import read_session
 from tests.helpers import API_KEY, CHAT, MODEL_NAME, http_client, post
 
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_scaleout, pytest.mark.reference]
@@ -37,18 +38,6 @@ def _served(url: str) -> float:
     """How many requests this vLLM server finished (`vllm:request_success_total`, all reasons)."""
     text = httpx.get(url + "/metrics", timeout=10).text
     return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
-
-
-def _session(url: str, session_id: str, turns: int) -> dict[str, Any]:
-    """The session as the read API at `url` answers it, once the store holds `turns` turns (or after 60 s)."""
-    deadline = time.monotonic() + 60
-    with http_client(url) as client:
-        while True:
-            answer = client.get(f"/v1/nvext/sessions/{session_id}")
-            if answer.status_code == 200 and len(answer.json()["turns"]) >= turns or time.monotonic() > deadline:
-                assert answer.status_code == 200, answer.text
-                return dict(answer.json())
-            time.sleep(0.2)
 
 
 def _assert_turn_is_the_answer(turn: dict[str, Any], answer: dict[str, Any], asked_ids: bool) -> None:
@@ -89,7 +78,7 @@ def test_a_session_served_by_two_replicas_is_read_back_whole_from_either(fleet):
             messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"And turn {turn}?"}]
     served = [_served(r.url) - b for r, b in zip(replicas, before, strict=True)]
     assert sum(served) == TURNS and min(served) >= 1, f"the session's turns on both replicas: {served}"
-    sessions = [_session(r.url, session_id, TURNS) for r in replicas]
+    sessions = [read_session(r.url, session_id, TURNS) for r in replicas]
     assert sessions[0] == sessions[1], "either replica reads the same session from the shared store"
     turns = sessions[0]["turns"]
     assert [t["index"] for t in turns] == list(range(TURNS)) and sessions[0]["next_index"] is None
@@ -148,7 +137,7 @@ def test_a_session_recorded_by_two_proxy_workers_is_read_back_whole(proxy_worker
                 break
     assert sum(delta.values()) == len(answers), "every turn recorded once"
     assert len([d for d in delta.values() if d > 0]) == 2, f"both workers recorded turns of the session: {delta}"
-    session = _session(proxy_workers_server.url, session_id, len(answers))
+    session = read_session(proxy_workers_server.url, session_id, len(answers))
     turns = session["turns"]
     assert [t["index"] for t in turns] == list(range(len(answers))) and session["next_index"] is None
     by_request = {t["request_id"]: t for t in turns}

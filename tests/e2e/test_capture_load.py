@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.e2e.capture_loops import read_session
 from tests.helpers import API_KEY, CHAT, COMPLETIONS, MODEL_NAME, http_client, post, stream_digest, strip_volatile
 from vllm_nvext.capture.sqlite_store import sqlite_path
 
@@ -44,18 +45,6 @@ def _metric(url: str, name: str, labels: str = "") -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
     pattern = rf"^{re.escape(name)}(?:\{{[^}}]*{re.escape(labels)}[^}}]*\}})? ([0-9.e+]+)$"
     return sum(float(v) for v in re.findall(pattern, text, re.M))
-
-
-def _session(url: str, session_id: str, turns: int) -> dict[str, Any]:
-    """The session as the read API answers it, once the store holds `turns` turns (or after 120 s)."""
-    deadline = time.monotonic() + 120
-    with http_client(url) as client:
-        while True:
-            answer = client.get(f"/v1/nvext/sessions/{session_id}")
-            if answer.status_code == 200 and len(answer.json()["turns"]) >= turns or time.monotonic() > deadline:
-                assert answer.status_code == 200, answer.text
-                return dict(answer.json())
-            time.sleep(0.2)
 
 
 # --- 200 concurrent streams ------------------------------------------------------------------------------
@@ -86,7 +75,7 @@ def test_200_concurrent_streams_lose_no_turn(capture_mw_server):
     assert len(answers) == STREAMS
     for events in streams:  # capture is invisible: no ids in what the clients read
         assert all(c.get("token_ids") is None for e in events for c in e.get("choices", []))
-    turns = _session(url, session_id, STREAMS)["turns"]
+    turns = read_session(url, session_id, STREAMS, wait_s=120)["turns"]
     assert [t["index"] for t in turns] == list(range(STREAMS)), "every stream a turn, each index once"
     assert sorted(t["request_id"] for t in turns) == sorted(answers)
     for turn in turns:
@@ -172,7 +161,7 @@ def test_a_killed_server_keeps_every_turn_read_back_before_the_kill(capture_kill
         for n in range(3):
             body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": f"Turn {n}."}], "max_tokens": MAX}
             post(client, CHAT, {**body, "temperature": 0}, {"x-nvext-session-id": kept})
-    before = _session(server.url, kept, 3)["turns"]
+    before = read_session(server.url, kept, 3, wait_s=120)["turns"]
     assert len(before) == 3
     started = threading.Semaphore(0)
     threads = [threading.Thread(target=_in_flight, args=(server.url, flying, started)) for _ in range(4)]

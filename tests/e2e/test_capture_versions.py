@@ -29,12 +29,12 @@ import pytest
 
 from tests.e2e.capture_loops import (
     QUESTION,
+    assert_continue_ids_against_plain,
     assert_each_turn_extends_the_last,
     claude_code_against_stock,
     claude_code_loop,
     codex_against_stock,
     codex_loop,
-    greedy_on_ids,
     messages_turn,
     session_turns,
 )
@@ -146,15 +146,6 @@ def test_on_a_real_engine_with_continue_ids_every_turn_extends_the_previous_turn
     loop, continue_both_version_server, capture_plugin_version_server, capture_stock_version_server
 ):
     session_id = f"continue-{uuid.uuid4()}"
-    loop(continue_both_version_server.url, session_id)
-    loop(capture_plugin_version_server.url, session_id)
-    continued = session_turns(continue_both_version_server, session_id, 3)
-    plain = session_turns(capture_plugin_version_server, session_id, 3)
-    assert [t["extends_previous"] for t in plain] == [None, False, False], "without it: the drift"
-    assert_each_turn_extends_the_last(continued)
-    # Each answer is what this release samples, greedy, from the ids it was served, and where a turn's
-    # prompt is the plain loop's (turn 1 always), the answer is the plain loop's too.
-    for turn, other in zip(continued, plain, strict=True):
-        assert turn["completion_token_ids"] == greedy_on_ids(capture_stock_version_server, turn["prompt_token_ids"])
-        if turn["prompt_token_ids"] == other["prompt_token_ids"]:
-            assert turn["completion_token_ids"] == other["completion_token_ids"]
+    assert_continue_ids_against_plain(
+        loop, continue_both_version_server, capture_plugin_version_server, capture_stock_version_server, session_id
+    )
