@@ -78,17 +78,20 @@ def responses_turn(url: str, items: list[dict[str, Any]], session_id: str) -> tu
     """One Codex-shaped turn through the OpenAI SDK: its runs of event types and the final response."""
     import openai
 
-    sdk: Any = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
     tools = [{"type": "function", "name": "get_weather", "parameters": SCHEMA}]
     body = {"model": MODEL_NAME, "input": items, "tools": tools, "max_output_tokens": MAX, "temperature": 0}
-    # Codex's conversation id, as it sends it: the body's prompt_cache_key and the session_id header.
-    with sdk.responses.stream(**body, prompt_cache_key=session_id, extra_headers={"session_id": session_id}) as stream:
-        events = list(stream)
-        types = [e.type for e in events]
-        # vLLM 0.34 ends an answer cut by max_output_tokens with `response.incomplete` (0.30-0.33 with
-        # `response.completed`), which the SDK's get_final_response() refuses: the response it carries.
-        incomplete = [e.response for e in events if e.type == "response.incomplete"]
-        final = (incomplete[-1] if incomplete else stream.get_final_response()).to_dict()
+    # Closed on the way out: a client left to the garbage collector leaves its socket to a later test's warning.
+    sdk: Any
+    with openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0) as sdk:
+        # Codex's conversation id, as it sends it: the body's prompt_cache_key and the session_id header.
+        headers = {"session_id": session_id}
+        with sdk.responses.stream(**body, prompt_cache_key=session_id, extra_headers=headers) as stream:
+            events = list(stream)
+            types = [e.type for e in events]
+            # vLLM 0.34 ends an answer cut by max_output_tokens with `response.incomplete` (0.30-0.33 with
+            # `response.completed`), which the SDK's get_final_response() refuses: the response it carries.
+            incomplete = [e.response for e in events if e.type == "response.incomplete"]
+            final = (incomplete[-1] if incomplete else stream.get_final_response()).to_dict()
     # by content, never by chunk boundaries: the run of event types and the response they built
     return [t for i, t in enumerate(types) if i == 0 or types[i - 1] != t], final
 
@@ -140,12 +143,21 @@ def messages_turn(url: str, messages: list[dict[str, Any]], session_id: str) -> 
     """One Claude-Code-shaped turn through the Anthropic SDK: its events and the final message."""
     import anthropic
 
-    client: Any = anthropic.Anthropic(base_url=url, api_key=API_KEY, max_retries=0)
     tools = [{"name": "get_weather", "input_schema": SCHEMA}]
-    # The SDK's methods take no `temperature` here: it travels in extra_body (a field of the Messages API).
-    with client.messages.stream(model=MODEL_NAME, messages=messages, tools=tools, max_tokens=MAX,
-                                extra_body={"temperature": 0},
-                                extra_headers={"x-claude-code-session-id": session_id}) as events:  # fmt: skip
+    client: Any
+    # The SDK's methods take no `temperature` here: it travels in extra_body (a field of the Messages API). The
+    # client is closed on the way out, as in responses_turn.
+    with (
+        anthropic.Anthropic(base_url=url, api_key=API_KEY, max_retries=0) as client,
+        client.messages.stream(
+            model=MODEL_NAME,
+            messages=messages,
+            tools=tools,
+            max_tokens=MAX,
+            extra_body={"temperature": 0},
+            extra_headers={"x-claude-code-session-id": session_id},
+        ) as events,
+    ):
         # The SDK's own events (`text`, `input_json`, ...) come one beside each delta, so that deltas and
         # they alternate: left out, the run of the server's event types holds no chunk boundary.
         types = [e.type for e in events if e.type not in SDK_EVENTS]
