@@ -48,6 +48,8 @@ def _runs(types: list[str]) -> list[str]:
     return [t for i, t in enumerate(types) if i == 0 or types[i - 1] != t]
 
 
+# The SDKs' clients are used in a `with`: one left to the garbage collector leaves its socket to an
+# unclosed-socket warning (an error under pytest) in whichever later test runs then (as capture_loops.py).
 def _sdk(url: str) -> Any:
     openai = pytest.importorskip("openai")
     return openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
@@ -55,13 +57,13 @@ def _sdk(url: str) -> Any:
 
 def _sdk_answer(url: str, body: dict[str, Any], stream: bool) -> dict[str, Any]:
     """The OpenAI SDK's response object for `body` with nvext ids: created, or the stream's final one."""
-    sdk = _sdk(url)
-    if not stream:
-        return dict(sdk.responses.create(**body, extra_body=NVEXT_IDS).to_dict())
-    with sdk.responses.stream(**body, extra_body=NVEXT_IDS) as events:
-        for _ in events:
-            pass
-        return dict(events.get_final_response().to_dict())
+    with _sdk(url) as sdk:
+        if not stream:
+            return dict(sdk.responses.create(**body, extra_body=NVEXT_IDS).to_dict())
+        with sdk.responses.stream(**body, extra_body=NVEXT_IDS) as events:
+            for _ in events:
+                pass
+            return dict(events.get_final_response().to_dict())
 
 
 def test_codex_websocket_attempt_is_answered_426_and_http_serves_the_same_route(server_url, raw_server):
@@ -76,7 +78,8 @@ def test_codex_websocket_attempt_is_answered_426_and_http_serves_the_same_route(
 
 
 def test_responses_create_nvext_ids_equal_chat_and_the_rest_is_stock(server_url, raw, chat_ids):
-    answer = _sdk(server_url).responses.create(**RESPONSES_BODY, extra_body=NVEXT_IDS).to_dict()
+    with _sdk(server_url) as sdk:
+        answer = sdk.responses.create(**RESPONSES_BODY, extra_body=NVEXT_IDS).to_dict()
     completion, prompt = chat_ids
     assert answer["nvext"] == {"completion_token_ids": completion, "prompt_token_ids": prompt}
     assert answer["input_messages"] is None and answer["output_messages"] is None
@@ -85,14 +88,15 @@ def test_responses_create_nvext_ids_equal_chat_and_the_rest_is_stock(server_url,
 
 
 def test_responses_create_vllm_dialect_is_vllms_response_messages(server_url, chat_ids):
-    answer = _sdk(server_url).responses.create(**RESPONSES_BODY, extra_body={"return_token_ids": True}).to_dict()
+    with _sdk(server_url) as sdk:
+        answer = sdk.responses.create(**RESPONSES_BODY, extra_body={"return_token_ids": True}).to_dict()
     completion, prompt = chat_ids
     assert "nvext" not in answer
     assert answer["input_messages"][0]["tokens"] == prompt and answer["output_messages"][0]["tokens"] == completion
 
 
 def test_responses_stream_ends_with_the_ids_on_the_final_response(server_url, raw, chat_ids):
-    with _sdk(server_url).responses.stream(**RESPONSES_BODY, extra_body=NVEXT_IDS) as stream:
+    with _sdk(server_url) as sdk, sdk.responses.stream(**RESPONSES_BODY, extra_body=NVEXT_IDS) as stream:
         types = [event.type for event in stream]
         final = stream.get_final_response().to_dict()
     completion, prompt = chat_ids
@@ -114,8 +118,8 @@ def test_responses_opt_out_is_stock(server_url, raw):
 
 def test_responses_refuses_what_it_cannot_answer_naming_the_field(server_url):
     openai = pytest.importorskip("openai")
-    with pytest.raises(openai.BadRequestError) as refused:
-        _sdk(server_url).responses.create(**RESPONSES_BODY, extra_body={"nvext": {"extra_fields": ["timing"]}})
+    with _sdk(server_url) as sdk, pytest.raises(openai.BadRequestError) as refused:
+        sdk.responses.create(**RESPONSES_BODY, extra_body={"nvext": {"extra_fields": ["timing"]}})
     assert refused.value.status_code == 400 and refused.value.body["param"] == "nvext.extra_fields"
 
 
@@ -126,43 +130,44 @@ def _anthropic(url: str) -> Any:
 
 def test_messages_through_the_middleware_mount_asking_for_ids_is_a_400_never_a_200_without_them(mw_server):
     anthropic = pytest.importorskip("anthropic")
-    client = _anthropic(mw_server.url)
-    for extra in (NVEXT_IDS, {"return_token_ids": True}):
-        with pytest.raises(anthropic.BadRequestError) as refused:
-            client.messages.create(**MESSAGES_BODY, extra_body={**GREEDY, **extra})
-        assert "endpoint plugin" in refused.value.body["error"]["message"]
-        with (
-            pytest.raises(anthropic.BadRequestError),
-            client.messages.stream(**MESSAGES_BODY, extra_body={**GREEDY, **extra}) as s,
-        ):
-            s.get_final_message()
+    with _anthropic(mw_server.url) as client:
+        for extra in (NVEXT_IDS, {"return_token_ids": True}):
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                client.messages.create(**MESSAGES_BODY, extra_body={**GREEDY, **extra})
+            assert "endpoint plugin" in refused.value.body["error"]["message"]
+            with (
+                pytest.raises(anthropic.BadRequestError),
+                client.messages.stream(**MESSAGES_BODY, extra_body={**GREEDY, **extra}) as s,
+            ):
+                s.get_final_message()
 
 
 def test_messages_create_through_the_plugin_has_chat_ids_in_both_dialects(plugin_server, raw, chat_ids):
-    client = _anthropic(plugin_server.url)
-    completion, prompt = chat_ids
-    message = client.messages.create(**MESSAGES_BODY, extra_body={**GREEDY, **NVEXT_IDS}).to_dict()
-    assert message["nvext"] == {"completion_token_ids": completion, "prompt_token_ids": prompt}
-    stock = post(raw, "/v1/messages", {**MESSAGES_BODY, **GREEDY})
-    assert without_agent_volatile({k: v for k, v in message.items() if k != "nvext"}) == without_agent_volatile(stock)
-    vllm = client.messages.create(**MESSAGES_BODY, extra_body={**GREEDY, "return_token_ids": True}).to_dict()
-    assert vllm["token_ids"] == completion and vllm["prompt_token_ids"] == prompt and "nvext" not in vllm
+    with _anthropic(plugin_server.url) as client:
+        completion, prompt = chat_ids
+        message = client.messages.create(**MESSAGES_BODY, extra_body={**GREEDY, **NVEXT_IDS}).to_dict()
+        assert message["nvext"] == {"completion_token_ids": completion, "prompt_token_ids": prompt}
+        stock = post(raw, "/v1/messages", {**MESSAGES_BODY, **GREEDY})
+        without_ids = {k: v for k, v in message.items() if k != "nvext"}
+        assert without_agent_volatile(without_ids) == without_agent_volatile(stock)
+        vllm = client.messages.create(**MESSAGES_BODY, extra_body={**GREEDY, "return_token_ids": True}).to_dict()
+        assert vllm["token_ids"] == completion and vllm["prompt_token_ids"] == prompt and "nvext" not in vllm
 
 
 def test_messages_stream_through_the_plugin_has_the_ids_on_message_delta(plugin_server, chat_ids):
-    client = _anthropic(plugin_server.url)
-    completion, prompt = chat_ids
-    with client.messages.stream(**MESSAGES_BODY, extra_body={**GREEDY, **NVEXT_IDS}) as stream:
-        deltas = [event.to_dict() for event in stream if event.type == "message_delta"]
-        text = stream.get_final_message().content[0].to_dict()["text"]
-    assert [d["nvext"] for d in deltas] == [{"completion_token_ids": completion, "prompt_token_ids": prompt}]
-    unary = client.messages.create(**MESSAGES_BODY, extra_body=GREEDY).to_dict()
-    assert text == unary["content"][0]["text"]
-    with client.messages.stream(**MESSAGES_BODY, extra_body={**GREEDY, "return_token_ids": True}) as stream:
-        events = [event.to_dict() for event in stream]
-    start = next(e for e in events if e["type"] == "message_start")
-    delta = next(e for e in events if e["type"] == "message_delta")
-    assert start["message"]["prompt_token_ids"] == prompt and delta["token_ids"] == completion
+    with _anthropic(plugin_server.url) as client:
+        completion, prompt = chat_ids
+        with client.messages.stream(**MESSAGES_BODY, extra_body={**GREEDY, **NVEXT_IDS}) as stream:
+            deltas = [event.to_dict() for event in stream if event.type == "message_delta"]
+            text = stream.get_final_message().content[0].to_dict()["text"]
+        assert [d["nvext"] for d in deltas] == [{"completion_token_ids": completion, "prompt_token_ids": prompt}]
+        unary = client.messages.create(**MESSAGES_BODY, extra_body=GREEDY).to_dict()
+        assert text == unary["content"][0]["text"]
+        with client.messages.stream(**MESSAGES_BODY, extra_body={**GREEDY, "return_token_ids": True}) as stream:
+            events = [event.to_dict() for event in stream]
+        start = next(e for e in events if e["type"] == "message_start")
+        delta = next(e for e in events if e["type"] == "message_delta")
+        assert start["message"]["prompt_token_ids"] == prompt and delta["token_ids"] == completion
 
 
 def test_an_invalid_messages_body_gets_stock_vllms_own_400_through_the_plugin(plugin_server, raw):
@@ -179,13 +184,13 @@ def test_an_invalid_messages_body_gets_stock_vllms_own_400_through_the_plugin(pl
 
 
 def test_messages_opt_out_is_stock(server_url, raw):
-    client = _anthropic(server_url)
-    message = client.messages.create(**MESSAGES_BODY, extra_body=GREEDY).to_dict()
-    stock = post(raw, "/v1/messages", {**MESSAGES_BODY, **GREEDY})
-    assert without_agent_volatile(message) == without_agent_volatile(stock)
-    with client.messages.stream(**MESSAGES_BODY, extra_body=GREEDY) as stream:
-        streamed = stream.get_final_message()
-    assert [block.to_dict() for block in streamed.content] == stock["content"]
+    with _anthropic(server_url) as client:
+        message = client.messages.create(**MESSAGES_BODY, extra_body=GREEDY).to_dict()
+        stock = post(raw, "/v1/messages", {**MESSAGES_BODY, **GREEDY})
+        assert without_agent_volatile(message) == without_agent_volatile(stock)
+        with client.messages.stream(**MESSAGES_BODY, extra_body=GREEDY) as stream:
+            streamed = stream.get_final_message()
+        assert [block.to_dict() for block in streamed.content] == stock["content"]
 
 
 # --- every sampled token: a server with a reasoning parser (marker e2e_parser, a pytest run of its own) ---
@@ -258,17 +263,17 @@ def test_messages_tool_use_tokens_are_in_the_ids_through_the_plugin(tool033_serv
         "max_tokens": TOOL_MAX,
         "tools": [{"name": "get_weather", "input_schema": WEATHER_SCHEMA}],
     }
-    client = _anthropic(tool033_server.url)
-    completion, prompt = tool_chat
-    if stream:
-        with client.messages.stream(**body, extra_body=NVEXT_IDS) as events:
-            deltas = [event.to_dict() for event in events if event.type == "message_delta"]
-            message = events.get_final_message().to_dict()
-        assert [d["nvext"] for d in deltas] == [{"completion_token_ids": completion, "prompt_token_ids": prompt}]
-    else:
-        message = client.messages.create(**body, extra_body=NVEXT_IDS).to_dict()
-        assert message["nvext"] == {"completion_token_ids": completion, "prompt_token_ids": prompt}
-    uses = [block for block in message["content"] if block["type"] == "tool_use"]
-    assert [(u["name"], u["input"]) for u in uses] == [("get_weather", WEATHER_ARGUMENTS)]
-    assert message["stop_reason"] == "tool_use"
-    assert len(completion) == message["usage"]["output_tokens"]
+    with _anthropic(tool033_server.url) as client:
+        completion, prompt = tool_chat
+        if stream:
+            with client.messages.stream(**body, extra_body=NVEXT_IDS) as events:
+                deltas = [event.to_dict() for event in events if event.type == "message_delta"]
+                message = events.get_final_message().to_dict()
+            assert [d["nvext"] for d in deltas] == [{"completion_token_ids": completion, "prompt_token_ids": prompt}]
+        else:
+            message = client.messages.create(**body, extra_body=NVEXT_IDS).to_dict()
+            assert message["nvext"] == {"completion_token_ids": completion, "prompt_token_ids": prompt}
+        uses = [block for block in message["content"] if block["type"] == "tool_use"]
+        assert [(u["name"], u["input"]) for u in uses] == [("get_weather", WEATHER_ARGUMENTS)]
+        assert message["stop_reason"] == "tool_use"
+        assert len(completion) == message["usage"]["output_tokens"]
