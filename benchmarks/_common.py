@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_nvext.outbound.sse import EventFramer
 from vllm_nvext.protocol import ENDPOINT_PATHS, Endpoint
-from vllm_nvext.sse import EventFramer
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -32,9 +32,9 @@ from vllm_nvext import NvextMiddleware
 from vllm_nvext.config import Mode
 from vllm_nvext.inbound.request import Plan, plan_request
 from vllm_nvext.outbound.nvext_values import Clock
+from vllm_nvext.outbound.sse import data_payload
 from vllm_nvext.outbound.stream import StreamReshaper
 from vllm_nvext.send import ReshapingSend
-from vllm_nvext.sse import data_payload
 
 from ._common import (
     SSE_HEADERS,

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .outbound.shapes import choice_logprobs, first_difference
+from .outbound.sse import EventFramer, data_payload
 from .protocol import Placement
-from .sse import EventFramer, data_payload
 
 __all__ = [
     "ENGINE_DATA",
@@ -113,7 +113,7 @@ def parse_sse(source: bytes | str | Iterable[bytes | str], *, lines: bool = Fals
     `iter_bytes()`); with `lines=True` it is an iterable of lines without their line ends
     (e.g. httpx's `iter_lines()`). LF, CRLF and CR line ends, comments (`: keep-alive`) and
     multi-line `data:` fields are handled as the SSE spec says. Non-JSON payloads raise
-    TokenIdsError. Framing is the middleware's own (`vllm_nvext.sse`): each byte is scanned
+    TokenIdsError. Framing is the middleware's own (`vllm_nvext.outbound.sse`): each byte is scanned
     once, however the body is split.
     """
     framer = EventFramer()

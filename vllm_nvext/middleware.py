@@ -49,11 +49,11 @@ from .capture.tap import Collector
 from .config import Mode, Settings
 from .inbound import client_params, fields
 from .inbound.optin import OptInScan, opts_in_whole
+from .inbound.plan import Plan
 from .inbound.request import plan as plan_request_for
 from .inbound.request import read_request
 from .kernels import Kernels, pick
 from .outbound.nvext_values import Clock
-from .plan import Plan
 from .protocol import ENDPOINT_PATHS, PATHS, Dialect, Endpoint, RequestError
 from .send import ReshapingSend
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from . import _json, metrics
 from .asgi import Message, Send, is_event_stream, is_json
+from .inbound.plan import Plan
 from .kernels import Kernels, pick
 from .outbound.captured import CapturedStreamReshaper
 from .outbound.chunks import rename_error
@@ -28,7 +29,6 @@ from .outbound.nvext_values import Clock
 from .outbound.stream import StreamReshaper
 from .outbound.unary import plain_body, reshape_unary_body
 from .outbound.unary import serves as unary_serves
-from .plan import Plan
 from .protocol import Endpoint
 
 logger = logging.getLogger("vllm_nvext")

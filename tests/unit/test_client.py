@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.recorded import Recording, recording
-from vllm_nvext import _json, sse
+from vllm_nvext import _json
 from vllm_nvext.client import (
     ENGINE_DATA,
     NVEXT,
@@ -30,6 +30,7 @@ from vllm_nvext.client import (
 )
 from vllm_nvext.config import Mode
 from vllm_nvext.inbound.request import plan_request
+from vllm_nvext.outbound import sse
 from vllm_nvext.outbound.chunks import ChunkReshaper, reshape_unary
 from vllm_nvext.outbound.nvext_values import Clock
 from vllm_nvext.protocol import ENDPOINT_PATHS

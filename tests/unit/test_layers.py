@@ -2,7 +2,8 @@
 
 Read from the source with `ast` (imports inside functions count too). When the layout changes,
 change the two tables: every module of the package sits in exactly one layer of LAYERS, and
-MAY_IMPORT says which layers a layer's modules may import from the package.
+MAY_IMPORT says which layers a layer's modules may import from the package. A module named in a
+layer belongs to it even inside a folder another layer claims with `.*` (the Plan, `inbound.plan`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ PACKAGE = Path(__file__).resolve().parents[2] / "vllm_nvext"
 # fmt: off
 LAYERS: dict[str, frozenset[str]] = {
     # What every side shares: the vocabulary (paths, selectors, errors), settings, JSON that never
-    # alters a value, the SSE framer, the Plan that the request side hands the response side; config
-    # also holds the bound on what is kept per distinct input.
-    "base": frozenset({"protocol", "config", "_json", "sse", "plan"}),
+    # alters a value, the Plan that the request side makes (inbound/plan.py, beside its maker) and hands
+    # the response side; config also holds the bound on what is kept per distinct input.
+    "base": frozenset({"protocol", "config", "_json", "inbound.plan"}),
     # Reading a request and planning it (pure, no ASGI).
     "inbound": frozenset({"inbound", "inbound.*"}),
-    # Reshaping an answer, unary or streamed, driven by the Plan (pure, no ASGI).
+    # Reshaping an answer, unary or streamed, driven by the Plan (pure, no ASGI); its SSE framer
+    # (outbound/sse.py) reads every streamed answer: the client's, the agent routes' and the capture tap's too.
     "outbound": frozenset({"outbound", "outbound.*"}),
     # What the installed vLLM can do, and its `--api-key` check on the scope.
     "vllm": frozenset({"_vllm_compat"}),
@@ -58,15 +60,20 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "beside": frozenset({"beside", "outbound", "base"}),
     "connectors": frozenset({"connectors", "beside"}),
     "tools": frozenset({"tools", "inbound", "outbound", "base", "vllm", "beside", "proxy", "capture"}),
-    "capture": frozenset({"capture", "inbound", "base"}),
+    # The tap frames a streamed answer with the response side's SSE framer.
+    "capture": frozenset({"capture", "inbound", "outbound", "base"}),
 }
 # Only these layers see the ASGI scope (a name `scope`: a parameter or a variable).
 READS_SCOPE = frozenset({"asgi", "vllm", "proxy"})
 
 
 def layer_of(module: str) -> str | None:
+    """The layer that names `module`, else the one whose folder (`name.*`) holds it."""
     for layer, members in LAYERS.items():
-        if module in members or any(m.endswith(".*") and module.startswith(m[:-1]) for m in members):
+        if module in members:
+            return layer
+    for layer, members in LAYERS.items():
+        if any(m.endswith(".*") and module.startswith(m[:-1]) for m in members):
             return layer
     return None
 
@@ -249,23 +256,26 @@ def test_no_code_of_the_repository_changes_sys_path():
 
 
 # The layout's ceilings (CONTRIBUTING.md "Layout") and the margins kept under them: a module, a function or the
-# package's top within 10% of a ceiling needs a seam before it grows, so the test holds the margins.
-TOP_MODULES_HELD, MODULE_LINES_HELD, FUNCTION_LINES_HELD = 18, 405, 54  # the ceilings: 20, 450, 60
-# Functions past the margin but within the ceiling (60 lines), each to be cut along its seams, then removed from here.
-FUNCTION_LINES = 60
-OVER_THE_MARGIN: frozenset[str] = frozenset()
+# package's top within 10% of a ceiling needs a seam before it grows, so the test holds the margins (with room:
+# 16 of 20 top-level modules, 400 of 450 lines, 52 of 60).
+TOP_MODULES_HELD, MODULE_LINES_HELD, FUNCTION_LINES_HELD = 16, 400, 52  # the ceilings: 20, 450, 60
+# Modules and functions past the margin but within the ceilings (450 lines, 60), each to be cut along its seams,
+# then removed from here: the middleware (401 lines) and the hot path's pure-Python send (54), both being reworked
+# for speed by another change, which makes these cuts.
+MODULE_LINES, FUNCTION_LINES = 450, 60
+OVER_THE_MARGIN: frozenset[str] = frozenset({"middleware", "kernels.python_stream_send"})
 
 
 def test_the_package_stays_easy_to_read():
-    """The layout's limits (CONTRIBUTING.md "Layout"), with room to spare: at most 18 modules at the top of the
-    package (20 the ceiling), no module over 405 lines (450), no function of the server over 54 lines (60; the
+    """The layout's limits (CONTRIBUTING.md "Layout"), with room to spare: at most 16 modules at the top of the
+    package (20 the ceiling), no module over 400 lines (450), no function of the server over 52 lines (60; the
     tools are scripts, not counted)."""
     top = sorted(p.stem for p in PACKAGE.glob("*.py")) + sorted(p.name for p in PACKAGE.glob("*.c"))
     assert len(top) <= TOP_MODULES_HELD, top
     too_long = []
     for module, source in package_sources().items():
         lines = source.count("\n")
-        if lines > MODULE_LINES_HELD:
+        if lines > (MODULE_LINES if module in OVER_THE_MARGIN else MODULE_LINES_HELD):
             too_long.append(f"vllm_nvext.{module or '__init__'}: {lines} lines")
         if layer_of(module) == "tools":
             continue

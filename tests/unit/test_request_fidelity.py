@@ -26,8 +26,8 @@ from vllm_nvext.inbound import nvext_schema
 from vllm_nvext.inbound import request as request_module
 from vllm_nvext.inbound.fields import DECISION_FIELDS, DecisionFields, field_reader, read_fields, replica_model
 from vllm_nvext.inbound.optin import OptInScan, might_opt_in, opts_in_whole
+from vllm_nvext.inbound.plan import Plan
 from vllm_nvext.inbound.request import plan, plan_request, read_request
-from vllm_nvext.plan import Plan
 from vllm_nvext.protocol import PATHS, Endpoint, RequestError
 
 vllm_completion = pytest.importorskip("vllm.entrypoints.openai.completion.protocol")

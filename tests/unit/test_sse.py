@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.recorded import recordings
-from vllm_nvext.sse import EventFramer, data_payload
+from vllm_nvext.outbound.sse import EventFramer, data_payload
 
 STREAMS = sorted(name for name, rec in recordings().items() if rec.stream)
 

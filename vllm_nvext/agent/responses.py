@@ -22,6 +22,7 @@ from ..config import Mode
 from ..inbound.fields import DecisionFields
 from ..inbound.nvext_schema import json_type, validate_nvext
 from ..inbound.request import BodyRewrite, Request, apply_nvext_fields, placements
+from ..outbound.sse import EventFramer
 from ..protocol import (
     COMPLETION_TOKEN_IDS,
     ID_SELECTORS,
@@ -32,7 +33,6 @@ from ..protocol import (
     Placement,
     RequestError,
 )
-from ..sse import EventFramer
 
 logger = logging.getLogger("vllm_nvext")
 
@@ -376,9 +376,11 @@ class ResponsesSend:
             await self.send(message)
             return
         self._parts.append(body)
-        if more:
-            return
-        whole = b"".join(self._parts)
+        if not more:
+            await self._send_unary(b"".join(self._parts))
+
+    async def _send_unary(self, whole: bytes) -> None:
+        """The held JSON answer, reshaped (as it came when it cannot be), with the start it held and its new length."""
         try:
             new = reshape_unary(whole, self.plan, self.tap)
         except ValueError:

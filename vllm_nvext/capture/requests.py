@@ -7,8 +7,8 @@ from dataclasses import replace
 from .. import _json
 from ..config import Mode
 from ..inbound.fields import invocation_route, read_fields
+from ..inbound.plan import Plan
 from ..inbound.request import Request, plan
-from ..plan import Plan
 from ..protocol import Dialect, Endpoint, RequestError
 
 

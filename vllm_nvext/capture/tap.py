@@ -16,7 +16,7 @@ import time
 from typing import Any, Protocol
 
 from .. import _json
-from ..sse import EventFramer, data_payload
+from ..outbound.sse import EventFramer, data_payload
 from . import continuation
 from .keys import SessionKey, header_key, session_key
 from .record import Turn

@@ -12,7 +12,6 @@ from typing import Any
 
 from .. import _json
 from ..config import Mode, keep
-from ..plan import Plan
 from ..protocol import (
     COMPLETION_TOKEN_IDS,
     ENGINE_DATA,
@@ -31,6 +30,7 @@ from .fields import DecisionFields, invocation_route, read_fields, reading_key
 from .nvext_map import apply_nvext_fields as apply_nvext_fields  # re-exported: the agent routes map it too
 from .nvext_schema import json_type, read_nvext
 from .optin import might_opt_in
+from .plan import Plan
 from .rewrite import BodyRewrite as BodyRewrite  # re-exported: the agent routes rewrite bodies too
 from .rewrite import SpliceRoot
 

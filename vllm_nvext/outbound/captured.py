@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..plan import Plan
+from ..inbound.plan import Plan
 from .nvext_values import Clock
 from .splice import SpliceArm
 from .stream import StreamKernels, StreamReshaper

@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from .. import _json
-from ..plan import Plan
+from ..inbound.plan import Plan
 from ..protocol import (
     ENGINE_DATA,
     TIMING,

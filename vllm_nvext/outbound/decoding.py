@@ -4,7 +4,7 @@ gives the bytes of (the stream tests compare the two).
 
 from __future__ import annotations
 
-from ..plan import Plan
+from ..inbound.plan import Plan
 from .nvext_values import Clock
 from .stream import StreamReshaper
 

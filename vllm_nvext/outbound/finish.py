@@ -30,7 +30,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from ..plan import Plan
+from ..inbound.plan import Plan
 from ..protocol import Endpoint
 from .chunks import ChunkReshaper
 from .moves import strip_vllm_ids, take_kv

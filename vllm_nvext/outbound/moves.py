@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..plan import Plan
+from ..inbound.plan import Plan
 from ..protocol import DETAILED_FINISH_REASON, PROMPT_LOGPROBS, ROUTED_EXPERTS, STOP_REASON, Endpoint
 from .nvext_values import detailed_finish_reason
 

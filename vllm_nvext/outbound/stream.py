@@ -14,12 +14,12 @@ import re
 from typing import Any, Protocol
 
 from .. import _json
-from ..plan import Plan
-from ..sse import EventFramer, data_payload
+from ..inbound.plan import Plan
 from .chunks import ChunkReshaper
 from .finish import Scanner, finish_chunk, finishes, first_chunk, reshape_single, serves
 from .nvext_values import Clock
 from .splice import FinishArm, Learner, Splice, SpliceArm, kept_json, learn_splice
+from .sse import EventFramer, data_payload
 
 logger = logging.getLogger("vllm_nvext")
 

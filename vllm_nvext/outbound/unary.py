@@ -22,7 +22,7 @@ import secrets
 from typing import Any
 
 from .. import _json
-from ..plan import Plan
+from ..inbound.plan import Plan
 from ..protocol import ENGINE_DATA, PROMPT_LOGPROBS, Endpoint
 from .chunks import reshape_unary
 from .finish import Scanner

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .protocol import Dialect, Endpoint
+from ..protocol import Dialect, Endpoint
 
 
 @dataclass(frozen=True)
