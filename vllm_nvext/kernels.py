@@ -67,8 +67,7 @@ def python_stream_send(general: Send, downstream: Send) -> StreamSendParts:
     prefix = head = tail = mid = root = b""
     lp = lh = lt = lr = 0
     strip = trio = armed = False
-    on_ids: Callable[[bytes, int, int], None] | None = None
-    tally_add: Callable[[int], int] | None = None
+    on_ids, tally_add = _NO_IDS_RECORDER, _NO_TALLY
     left, clock, fin = 0, perf_counter_ns, _FinishChunk()
 
     def send(message: Message) -> Awaitable[None]:
@@ -98,9 +97,7 @@ def python_stream_send(general: Send, downstream: Send) -> StreamSendParts:
                         return general(message)  # ids a decode refuses: the delta as it came
                 elif not fin.served(message, body, prefix, strip):  # choice 0's finish chunk, or the general path
                     return general(message)
-            elif type(body) is not bytes or not (
-                body == b"data: [DONE]\n\n" or _is_usage(body, root, lr) or fin.served(message, body, prefix, strip)
-            ):
+            elif type(body) is not bytes or not fin.beside(message, body, prefix, strip, root, lr):
                 return general(message)
             left = tally_add(clock() - t0) if t0 and tally_add is not None else left - 1
             return downstream(message)
@@ -118,13 +115,24 @@ def python_stream_send(general: Send, downstream: Send) -> StreamSendParts:
     return send, arm, disarm, lambda: left
 
 
+# An unarmed stream send's: no delta's ids recorded, no metrics countdown timed.
+_NO_IDS_RECORDER: Callable[[bytes, int, int], None] | None = None
+_NO_TALLY: Callable[[int], int] | None = None
+
+
 class _FinishChunk:
-    """Choice 0's finish chunk, served once by the Python stream send armed for it (`splice.FinishArm`)."""
+    """The messages an armed Python stream send serves beside the deltas: `data: [DONE]` and the usage chunk as
+    they came, choice 0's finish chunk once when armed for it (`splice.FinishArm`)."""
 
     __slots__ = ("arm",)
 
     def __init__(self) -> None:
         self.arm: FinishArm | None = None
+
+    def beside(self, message: Message, body: bytes, prefix: bytes, strip: bool, root: bytes, lr: int) -> bool:
+        """`body` goes out: as it came (`data: [DONE]`, the usage chunk) or as the finish chunk (`served`); False:
+        the general path's."""
+        return body == b"data: [DONE]\n\n" or _is_usage(body, root, lr) or self.served(message, body, prefix, strip)
 
     def served(self, message: Message, body: bytes, prefix: bytes, strip: bool) -> bool:
         """`body` is the finish chunk, recorded by its owner: `message` holds its bytes (`finish.finish_chunk`'s);

@@ -17,7 +17,7 @@ from collections.abc import Awaitable
 from functools import partial
 from typing import Any
 
-from . import _json, _vllm_compat, metrics
+from . import _vllm_compat, metrics
 from ._vllm_compat import ServerFacts
 from .agent import route as agent_route
 from .agent import websocket
@@ -383,19 +383,13 @@ class _Exchange:
 
         Only reached past vLLM's key check (`NvextMiddleware.__call__`).
         """
-        data = _json.object_as_vllm(body)
-        if data is None:
-            return body  # vLLM refuses it with its own error
-        request_id = data.get("request_id") if self.body_request_id else None
-        if isinstance(request_id, str) and not client_params.is_plain_name(request_id):
-            await self.send_error(RequestError(client_params.not_plain_message("request_id"), "request_id"))
+        checked = client_params.checked_body(body, self.body_request_id, self.strip)
+        if isinstance(checked, RequestError):
+            await self.send_error(checked)
             return None
-        if self.strip:
-            stripped = client_params.strip_remote_address(body, data)
-            if stripped is not None:
-                set_header(self.scope, b"content-length", str(len(stripped)).encode())
-                return stripped
-        return body
+        if checked is not body:
+            set_header(self.scope, b"content-length", str(len(checked)).encode())
+        return checked
 
     async def send_error(self, error: RequestError, payload: bytes | None = None) -> None:
         await send_error(self.send, error, payload)

@@ -107,6 +107,20 @@ def strip_remote_address(body: bytes, data: Any) -> bytes | None:
     return _json.encode_text(_json.splice_object(text, start, frozenset({key}), [(key, encoded)]))
 
 
+def checked_body(body: bytes, request_id: bool, strip: bool) -> bytes | RequestError:
+    """A body read for these checks alone: the refusal of its `request_id` when that must be a plain name
+    (`request_id`) and is not; else the body with the remote address stripped (`strip`), or as it came
+    (the same object: also when vLLM refuses it with its own error)."""
+    data = _json.object_as_vllm(body)
+    if data is None:
+        return body  # vLLM refuses it with its own error
+    value = data.get("request_id") if request_id else None
+    if isinstance(value, str) and not is_plain_name(value):
+        return RequestError(not_plain_message("request_id"), "request_id")
+    stripped = strip_remote_address(body, data) if strip else None
+    return body if stripped is None else stripped
+
+
 def request_mode(setting: Mode, allow_header: bool, values: list[bytes]) -> Mode:
     """The mode of a request that opts in: its mode header's where the server allows one, else the setting; an
     empty header counts as absent. Raises RequestError for a mode it does not know or two different ones."""
