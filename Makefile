@@ -44,7 +44,7 @@ serve: setup ## vllm-nvext serve on the tiny model (ARGS="..." passes options)
 
 # Unit tests first (with the coverage gate), then the e2e tests on real servers, in groups whose
 # servers never run beside another group's (each group is a pytest run of its own).
-test: test-unit test-e2e test-e2e-scaleout test-e2e-versions test-e2e-vllm034 test-e2e-proxy ## everything CI runs: the unit tests, then every e2e group
+test: test-unit test-sanitize test-e2e test-e2e-scaleout test-e2e-versions test-e2e-vllm034 test-e2e-proxy ## everything CI runs: the unit tests, the kernel tests under ASan + UBSan, then every e2e group
 
 # The coverage gate is [tool.coverage.report] fail_under in pyproject.toml (plain `pytest --cov` enforces it).
 # The unit tests run both stream paths and fail, rather than skip, the compiled one if it is missing
