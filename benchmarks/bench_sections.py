@@ -14,7 +14,7 @@ with the probes and without them, so the table prints the added CPU both ways an
 where vLLM calls it (its own part of every message: a delta it serves whole, or the hand-over of one it
 leaves to the general path, which is timed on its own line).
 
-Run: python -m benchmarks.bench_sections [--rounds N] [--case "short stream"]
+Run: python -m benchmarks.bench_sections [--rounds N] [--case "short stream"] [--opt ids] [--pure-python]
 (re-runs itself in the vLLM 0.33 reference venv, as bench_serving does.)
 """
 
@@ -171,7 +171,7 @@ def _middleware_of(app: Any) -> Any:
     raise RuntimeError("NvextMiddleware not found in vLLM's middleware stack")
 
 
-async def measure(rounds: int, case_name: str, opt: str) -> None:
+async def measure(rounds: int, case_name: str, opt: str, middleware: str) -> None:
     h = serving._harness()
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     h._install()
@@ -181,7 +181,7 @@ async def measure(rounds: int, case_name: str, opt: str) -> None:
     async with build_client(stock_args) as engine:
         stock = await serving._build_app(build_app, init_state, engine, stock_args)
         app = await serving._build_app(build_app, init_state, engine,
-                                       serving._vllm_args(["--middleware", serving.MIDDLEWARE]))  # fmt: skip
+                                       serving._vllm_args(["--middleware", middleware]))  # fmt: skip
         mw = _middleware_of(app)
         s_body, m_body = serving.request_body(case, "ids"), serving.request_body(case, opt)
         for _ in range(20):
@@ -208,7 +208,7 @@ async def measure(rounds: int, case_name: str, opt: str) -> None:
                     _, m_cpu = await serving.exchange(app, m_body)
                     _, s_cpu = await serving.exchange(stock, s_body)
                 added[probed].append(m_cpu - s_cpu)
-        _print(case, opt, rounds, per_request, calls, added)
+        _print(case, f"{opt} request, {mw.kernels.impl} path", rounds, per_request, calls, added)
 
 
 def _print(case: Any, opt: str, rounds: int, per_request: dict[str, list[float]], calls: dict[str, int],
@@ -223,7 +223,7 @@ def _print(case: Any, opt: str, rounds: int, per_request: dict[str, list[float]]
             continue
         rows.append([("  " * probe.depth) + probe.label, fmt(calls[probe.label] / probed_n, 1), fmt(median(values), 1)])
     print_table(
-        f"Where the added CPU goes, in vLLM 0.33's app: {case.name}, {opt} request ({case.max_tokens} tokens)",
+        f"Where the added CPU goes, in vLLM 0.33's app: {case.name} ({case.max_tokens} tokens), {opt}",
         ["step (indented: inside the step above)", "calls/req", "in app us/req"],
         rows,
         notes=[
@@ -243,6 +243,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=400, help="pairs per side, probed and not (default 400)")
     parser.add_argument("--case", choices=CASE_NAMES, action="append", help="default: every case")
     parser.add_argument("--opt", choices=("nvext", "ids"), default="nvext", help="the middleware's request")
+    parser.add_argument("--pure-python", action="store_true", help="NvextMiddleware on its pure-Python path")
     return parser
 
 
@@ -254,7 +255,8 @@ def main() -> None:
         os.execve(argv[0], argv, serving._child_env())
     for case in args.case or CASE_NAMES:
         rounds = args.rounds if case != "long stream" else max(args.rounds // 4, 20)
-        run_loop(measure(rounds, case, args.opt))
+        middleware = serving.MIDDLEWARES["python" if args.pure_python else "default"]
+        run_loop(measure(rounds, case, args.opt, middleware))
 
 
 if __name__ == "__main__":
