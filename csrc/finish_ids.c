@@ -1,6 +1,7 @@
 /* finish_ids: where the ids of choice 0's finish chunk sit.
  *
- * Python twin: `outbound.finish.finish_ids`
+ * Python twin: `outbound.finish.finish_ids`; for the armed send (stream_send.c), the bytes
+ *   `kernels._FinishChunk.served` writes (`finish_render`)
  * Oracle: tests/unit/test_stream_finish.py
  *
  * The compiled twin of `finish.finish_ids`: where the ids of choice 0's finish chunk sit, when the chunk is
@@ -178,3 +179,29 @@ py_finish_ids(PyObject *module, PyObject *args)
     return Py_BuildValue("(nn)", start, end);
 }
 
+
+/* `finish.finish_chunk`'s bytes for choice 0's finish chunk `body`, its ids at [fs:fe], with its `nvext` (bytes):
+   vLLM's copy of the ids nulled (`strip`), the nvext member added at the chunk's end. A new reference, or NULL
+   with an exception set. Python twin: the bytes `kernels._FinishChunk.served` writes. */
+PyObject *
+finish_render(PyObject *body, Py_ssize_t fs, Py_ssize_t fe, int strip, PyObject *nvext)
+{
+    const char *b = PyBytes_AsString(body);
+    Py_ssize_t n = PyBytes_Size(body);
+    Py_ssize_t cut = strip ? fs : n - 3, kept = strip ? n - 3 - fe : 0, lv = PyBytes_Size(nvext);
+    PyObject *finished = PyBytes_FromStringAndSize(NULL, cut + (strip ? 4 : 0) + kept + 9 + lv + 3);
+    if (finished == NULL)
+        return NULL;
+    char *o = PyBytes_AsString(finished);
+    memcpy(o, b, cut);
+    o += cut;
+    if (strip) {
+        memcpy(o, "null", 4);
+        memcpy(o + 4, b + fe, kept);
+        o += 4 + kept;
+    }
+    memcpy(o, ",\"nvext\":", 9);
+    memcpy(o + 9, PyBytes_AsString(nvext), lv);
+    memcpy(o + 9 + lv, "}\n\n", 3);
+    return finished;
+}

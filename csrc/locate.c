@@ -1,6 +1,8 @@
-/* The checks of an armed splice: a kept text, where a delta's ids start.
+/* The checks of an armed splice (a kept text, where a delta's ids start) and the bytes it writes.
  *
- * Python twin: `outbound.splice.kept_text` (`kept_text`) and `outbound.splice.Splice.locate` (`splice_locate`)
+ * Python twin: `outbound.splice.kept_text` (`kept_text`) and `outbound.splice.Splice.locate` (`splice_locate`);
+ *   for the armed send (stream_send.c): the delta branch of `kernels.python_stream_send` (`splice_render`) and
+ *   `kernels._is_usage` (`usage_as_it_came`)
  * Oracle: tests/unit/test_attack_shortcuts.py (kept_text on texts with escapes), tests/unit/test_stream_send.py
  */
 #include "speedups.h"
@@ -121,3 +123,58 @@ py_kept_text(PyObject *module, PyObject *arg)
     return PyBool_FromLong(kept_text((const unsigned char *)PyBytes_AsString(arg), PyBytes_Size(arg)));
 }
 
+
+/* `Splice.render`'s bytes for a delta whose ids sit at body[start:end], `mid` the splice's bytes between the
+   delta and its ids in nvext: a new reference (`body` itself when it neither strips nor adds), or NULL with an
+   exception set. Python twin: the delta branch of `kernels.python_stream_send`. */
+PyObject *
+splice_render(PyObject *body, Py_ssize_t start, Py_ssize_t end, PyObject *mid, int strip, int trio)
+{
+    const char *b = PyBytes_AsString(body), *m = PyBytes_AsString(mid);
+    Py_ssize_t lm = PyBytes_Size(mid);
+    PyObject *out;
+    if (trio) {
+        Py_ssize_t cut = strip ? start : end, ids = end - start;
+        out = PyBytes_FromStringAndSize(NULL, cut + lm + ids + 4);
+        if (out != NULL) {
+            char *o = PyBytes_AsString(out);
+            memcpy(o, b, cut);
+            memcpy(o + cut, m, lm);
+            memcpy(o + cut + lm, b + start, ids);
+            memcpy(o + cut + lm + ids, "}}\n\n", 4);
+        }
+        return out;
+    }
+    if (strip) {
+        out = PyBytes_FromStringAndSize(NULL, start + lm);
+        if (out != NULL) {
+            char *o = PyBytes_AsString(out);
+            memcpy(o, b, start);
+            memcpy(o + start, m, lm);
+        }
+        return out;
+    }
+    Py_INCREF(body);
+    return body; /* neither: the delta goes out as vLLM wrote it */
+}
+
+/* The usage chunk `stream.StreamReshaper` forwards as it came: one whole event, the root (lr bytes; none: no
+   usage chunk does), `]`, no `"choices":` after it. Python twin: `kernels._is_usage`. */
+int
+usage_as_it_came(const char *b, Py_ssize_t n, const char *root, Py_ssize_t lr)
+{
+    if (lr == 0 || n < lr + 3 || b[lr] != ']' || memcmp(b, root, lr) != 0)
+        return 0;
+    const char *nl = memchr(b, '\n', n);
+    if (nl == NULL || nl - b != n - 2 || b[n - 1] != '\n' || memchr(b, '\r', n) != NULL)
+        return 0;
+    for (Py_ssize_t i = lr; i + 10 <= n; i++) {
+        const char *q = memchr(b + i, '"', n - i);
+        if (q == NULL)
+            break;
+        i = q - b;
+        if (i + 10 <= n && memcmp(q, "\"choices\":", 10) == 0)
+            return 0;
+    }
+    return 1;
+}

@@ -29,6 +29,10 @@ NVEXT_INTERNAL int kept_text(const unsigned char *t, Py_ssize_t n);
 NVEXT_INTERNAL Py_ssize_t splice_locate(const char *b, Py_ssize_t n, const char *prefix, Py_ssize_t lp,
                                         const char *head, Py_ssize_t lh, const char *tail, Py_ssize_t lt);
 NVEXT_INTERNAL PyObject *py_kept_text(PyObject *module, PyObject *arg);
+/* locate.c: what an armed send writes for a delta (`Splice.render`), which usage chunk goes out as it came. */
+NVEXT_INTERNAL PyObject *splice_render(PyObject *body, Py_ssize_t start, Py_ssize_t end, PyObject *mid, int strip,
+                                       int trio);
+NVEXT_INTERNAL int usage_as_it_came(const char *b, Py_ssize_t n, const char *root, Py_ssize_t lr);
 
 /* plain_chunk.c: the plain grammar's scanners (an id; a string of printable ASCII without escapes). */
 NVEXT_INTERNAL Py_ssize_t id_end(const char *b, Py_ssize_t i, Py_ssize_t n);
@@ -39,6 +43,8 @@ NVEXT_INTERNAL PyObject *plain_chunk(PyObject *module, PyObject *arg);
 NVEXT_INTERNAL int finish_span(const char *b, Py_ssize_t n, const char *prefix, Py_ssize_t lp, const char *fh,
                                Py_ssize_t lf, Py_ssize_t root_end, Py_ssize_t *start, Py_ssize_t *end);
 NVEXT_INTERNAL PyObject *py_finish_ids(PyObject *module, PyObject *args);
+/* finish_ids.c: the finish chunk's bytes with its nvext (`finish.finish_chunk`'s). */
+NVEXT_INTERNAL PyObject *finish_render(PyObject *body, Py_ssize_t fs, Py_ssize_t fe, int strip, PyObject *nvext);
 
 /* learn_splice.c, splice_root.c */
 NVEXT_INTERNAL PyObject *learn_splice(PyObject *module, PyObject *args);

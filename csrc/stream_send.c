@@ -107,192 +107,115 @@ clock_ns(void)
     Py_DECREF(now);
     return ns;
 }
-/* Where the ids of a delta the armed splice serves start; -1 for any other event. */
-static Py_ssize_t
-locate(StreamSend *self, const char *b, Py_ssize_t n)
-{
-    return splice_locate(b, n, PyBytes_AsString(self->prefix), PyBytes_Size(self->prefix),
-                         PyBytes_AsString(self->head), PyBytes_Size(self->head), PyBytes_AsString(self->tail),
-                         PyBytes_Size(self->tail));
-}
+/* What an armed send does with `message`. */
+enum { TO_GENERAL, CLOSING, SERVABLE };
 
-/* The usage chunk `stream.StreamReshaper` forwards as it came: one whole event, the root, `]`, no
-   `"choices":` after it. */
+/* SERVABLE: a body message with more to come, whose body (borrowed, into *body) is bytes; CLOSING: the stream's
+   closing empty message, out as it came (nothing is held or waits while armed; not counted: the general path
+   counts it as a framed message of no event); TO_GENERAL: anything else, or the send is not armed; -1: an error. */
 static int
-is_usage(StreamSend *self, const char *b, Py_ssize_t n)
+classify(StreamSend *self, PyObject *message, PyObject **body)
 {
-    Py_ssize_t lr = PyBytes_Size(self->root);
-    if (lr == 0 || n < lr + 3 || b[lr] != ']' || memcmp(b, PyBytes_AsString(self->root), lr) != 0)
-        return 0;
-    const char *nl = memchr(b, '\n', n);
-    if (nl == NULL || nl - b != n - 2 || b[n - 1] != '\n' || memchr(b, '\r', n) != NULL)
-        return 0;
-    for (Py_ssize_t i = lr; i + 10 <= n; i++) {
-        const char *q = memchr(b + i, '"', n - i);
-        if (q == NULL)
-            break;
-        i = q - b;
-        if (i + 10 <= n && memcmp(q, "\"choices\":", 10) == 0)
-            return 0;
-    }
-    return 1;
-}
-
-static PyObject *
-StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
-{
-    (void)kwds;
-    PyObject *message;
-    if (!PyArg_UnpackTuple(args, "send", 1, 1, &message))
-        return NULL;
     if (!self->armed || !PyDict_Check(message))
-        goto general;
+        return TO_GENERAL;
     PyObject *kind = PyDict_GetItemWithError(message, s_type);
-    if (kind == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
-        goto general;
-    }
+    if (kind == NULL)
+        return PyErr_Occurred() ? -1 : TO_GENERAL;
     int is_body = PyObject_RichCompareBool(kind, s_body_type, Py_EQ);
-    if (is_body < 0)
-        return NULL;
-    if (!is_body)
-        goto general;
+    if (is_body <= 0)
+        return is_body < 0 ? -1 : TO_GENERAL;
     PyObject *more = PyDict_GetItemWithError(message, s_more_body);
     if (more == NULL && PyErr_Occurred())
-        return NULL;
+        return -1;
     int truth = more == NULL ? 0 : PyObject_IsTrue(more);
     if (truth < 0)
-        return NULL;
-    PyObject *body = PyDict_GetItemWithError(message, s_body);
-    if (body == NULL && PyErr_Occurred())
-        return NULL;
-    if (!truth) {
-        /* the stream's closing message, empty: out as it came (nothing is held or waits while armed), not
-           counted (the general path counts it as a framed message of no event) */
-        if (body == NULL || (PyBytes_CheckExact(body) && PyBytes_Size(body) == 0))
-            return PyObject_CallFunctionObjArgs(self->downstream, message, NULL);
-        goto general;
-    }
-    if (body == NULL || !PyBytes_CheckExact(body))
-        goto general;
-    long long t0 = 0;
-    if (self->left == 1 && self->tally_add != Py_None) {
-        t0 = clock_ns();
-        if (t0 < 0)
-            return NULL;
-    }
-    const char *b = PyBytes_AsString(body);
-    Py_ssize_t n = PyBytes_Size(body);
-    Py_ssize_t start = locate(self, b, n);
-    if (start < 0) {
-        if ((n == 14 && memcmp(b, "data: [DONE]\n\n", 14) == 0) || is_usage(self, b, n))
-            goto count; /* the end of the stream, the usage chunk: out as they came (nothing waits while armed) */
-        Py_ssize_t fs, fe;
-        if (self->finish_head == NULL
-            || !finish_span(b, n, PyBytes_AsString(self->prefix), PyBytes_Size(self->prefix),
-                            PyBytes_AsString(self->finish_head), PyBytes_Size(self->finish_head), self->finish_root,
-                            &fs, &fe))
-            goto general;
-        /* the finish chunk of choice 0: recorded by its owner (ChunkReshaper.finish_first_choice), which gives
-           its nvext; then finish.finish_chunk's bytes */
-        PyObject *record = self->finish_record; /* held across the call below (which could arm the send anew) */
-        int strip = self->strip;
-        Py_INCREF(body);
-        Py_INCREF(record);
-        Py_CLEAR(self->finish_head); /* served once: a second finish chunk goes to the general path */
-        PyObject *nvext = PyObject_CallFunction(record, "Onn", body, fs, fe);
-        Py_DECREF(record);
-        if (nvext == NULL || !PyBytes_CheckExact(nvext)) {
-            /* None (already finished), or it failed: the general path tries it again, and forwards it unchanged
-               if it fails again */
-            PyErr_Clear();
-            Py_XDECREF(nvext);
-            Py_DECREF(body);
-            goto general;
-        }
-        Py_ssize_t cut = strip ? fs : n - 3, kept = strip ? n - 3 - fe : 0, lv = PyBytes_Size(nvext);
-        PyObject *finished = PyBytes_FromStringAndSize(NULL, cut + (strip ? 4 : 0) + kept + 9 + lv + 3);
-        if (finished == NULL) {
-            Py_DECREF(nvext);
-            Py_DECREF(body);
-            return NULL;
-        }
-        char *o = PyBytes_AsString(finished);
-        memcpy(o, b, cut);
-        o += cut;
-        if (strip) {
-            memcpy(o, "null", 4);
-            memcpy(o + 4, b + fe, kept);
-            o += 4 + kept;
-        }
-        memcpy(o, ",\"nvext\":", 9);
-        memcpy(o + 9, PyBytes_AsString(nvext), lv);
-        memcpy(o + 9 + lv, "}\n\n", 3);
-        Py_DECREF(nvext);
-        Py_DECREF(body);
-        int unset = PyDict_SetItem(message, s_body, finished);
-        Py_DECREF(finished);
-        if (unset)
-            return NULL;
-        goto count;
-    }
+        return -1;
+    *body = PyDict_GetItemWithError(message, s_body);
+    if (*body == NULL && PyErr_Occurred())
+        return -1;
+    if (!truth)
+        return *body == NULL || (PyBytes_CheckExact(*body) && PyBytes_Size(*body) == 0) ? CLOSING : TO_GENERAL;
+    return *body != NULL && PyBytes_CheckExact(*body) ? SERVABLE : TO_GENERAL;
+}
+
+/* `message`'s body becomes `out` (a new reference, released here; NULL: an error already set): 1, or -1. */
+static int
+set_body(PyObject *message, PyObject *out)
+{
+    if (out == NULL)
+        return -1;
+    int failed = PyDict_SetItem(message, s_body, out);
+    Py_DECREF(out);
+    return failed ? -1 : 1;
+}
+
+/* A delta the armed splice serves, its ids at b[start:] (`body`'s bytes, n of them), reported to `on_ids` and
+   rendered by the splice it was matched against (both held across the call, which could arm the send anew):
+   1, `message` holds its bytes; 0, the general path's (ids a decode refuses: it forwards the delta unchanged and
+   counts it, as it does without the armed send); -1, an error. */
+static int
+serve_delta(StreamSend *self, PyObject *message, PyObject *body, Py_ssize_t n, Py_ssize_t start)
+{
     Py_ssize_t end = n - PyBytes_Size(self->tail);
-    /* The splice this delta matched, held across the call below (which could arm the send anew):
-       the delta is served by the parts it was matched against. */
-    PyObject *mid_bytes = self->mid;
+    PyObject *mid = self->mid;
     int strip = self->strip, trio = self->trio;
     Py_INCREF(body); /* the message's body is replaced below */
-    Py_INCREF(mid_bytes);
+    Py_INCREF(mid);
     if (self->on_ids != Py_None) {
         PyObject *r = PyObject_CallFunction(self->on_ids, "Onn", body, start, end);
         if (r == NULL) {
             Py_DECREF(body);
-            Py_DECREF(mid_bytes);
+            Py_DECREF(mid);
             if (!PyErr_ExceptionMatches(PyExc_Exception))
-                return NULL;
-            /* ids a decode refuses (kernels.python_stream_send): the general path forwards the delta unchanged and
-               counts it, as it does without the armed send */
+                return -1;
             PyErr_Clear();
-            goto general;
+            return 0;
         }
         Py_DECREF(r);
     }
-    PyObject *out = NULL;
-    const char *mid = PyBytes_AsString(mid_bytes);
-    Py_ssize_t lm = PyBytes_Size(mid_bytes);
-    if (trio) {
-        Py_ssize_t cut = strip ? start : end, ids = end - start;
-        out = PyBytes_FromStringAndSize(NULL, cut + lm + ids + 4);
-        if (out != NULL) {
-            char *o = PyBytes_AsString(out);
-            memcpy(o, b, cut);
-            memcpy(o + cut, mid, lm);
-            memcpy(o + cut + lm, b + start, ids);
-            memcpy(o + cut + lm + ids, "}}\n\n", 4);
-        }
-    }
-    else if (strip) {
-        out = PyBytes_FromStringAndSize(NULL, start + lm);
-        if (out != NULL) {
-            char *o = PyBytes_AsString(out);
-            memcpy(o, b, start);
-            memcpy(o + start, mid, lm);
-        }
-    }
-    else {
-        Py_INCREF(body);
-        out = body; /* neither: the delta goes out as vLLM wrote it */
-    }
+    PyObject *out = splice_render(body, start, end, mid, strip, trio);
     Py_DECREF(body);
-    Py_DECREF(mid_bytes);
-    if (out == NULL)
-        return NULL;
-    int failed = PyDict_SetItem(message, s_body, out);
-    Py_DECREF(out);
-    if (failed)
-        return NULL;
-count:
+    Py_DECREF(mid);
+    return set_body(message, out);
+}
+
+/* Choice 0's finish chunk, when the send was armed for one and `body` is it (`finish.finish_chunk`'s bytes):
+   recorded by its owner (ChunkReshaper.finish_first_choice, held across the call, which could arm the send
+   anew), which gives its nvext. 1, `message` holds its bytes; 0, the general path's (not it; None, already
+   finished; or the record failed: the general path tries it again, and forwards it unchanged if it fails
+   again); -1, an error. */
+static int
+serve_finish(StreamSend *self, PyObject *message, PyObject *body, const char *b, Py_ssize_t n)
+{
+    Py_ssize_t fs, fe;
+    if (self->finish_head == NULL
+        || !finish_span(b, n, PyBytes_AsString(self->prefix), PyBytes_Size(self->prefix),
+                        PyBytes_AsString(self->finish_head), PyBytes_Size(self->finish_head), self->finish_root,
+                        &fs, &fe))
+        return 0;
+    PyObject *record = self->finish_record;
+    int strip = self->strip;
+    Py_INCREF(body);
+    Py_INCREF(record);
+    Py_CLEAR(self->finish_head); /* served once: a second finish chunk goes to the general path */
+    PyObject *nvext = PyObject_CallFunction(record, "Onn", body, fs, fe);
+    Py_DECREF(record);
+    if (nvext == NULL || !PyBytes_CheckExact(nvext)) {
+        PyErr_Clear();
+        Py_XDECREF(nvext);
+        Py_DECREF(body);
+        return 0;
+    }
+    PyObject *out = finish_render(body, fs, fe, strip, nvext);
+    Py_DECREF(nvext);
+    Py_DECREF(body);
+    return set_body(message, out);
+}
+
+/* The message goes out: the metrics countdown kept (the message at 1 timed from `t0`); `downstream`'s awaitable. */
+static PyObject *
+count_and_send(StreamSend *self, PyObject *message, long long t0)
+{
     if (t0) {
         long long t1 = clock_ns();
         if (t1 < 0)
@@ -309,8 +232,46 @@ count:
         self->left -= 1;
     }
     return PyObject_CallFunctionObjArgs(self->downstream, message, NULL);
-general:
-    return PyObject_CallFunctionObjArgs(self->general, message, NULL);
+}
+
+static PyObject *
+StreamSend_call(StreamSend *self, PyObject *args, PyObject *kwds)
+{
+    (void)kwds;
+    PyObject *message, *body = NULL;
+    if (!PyArg_UnpackTuple(args, "send", 1, 1, &message))
+        return NULL;
+    int kind = classify(self, message, &body);
+    if (kind < 0)
+        return NULL;
+    if (kind == CLOSING)
+        return PyObject_CallFunctionObjArgs(self->downstream, message, NULL);
+    if (kind == TO_GENERAL)
+        return PyObject_CallFunctionObjArgs(self->general, message, NULL);
+    long long t0 = 0;
+    if (self->left == 1 && self->tally_add != Py_None) {
+        t0 = clock_ns();
+        if (t0 < 0)
+            return NULL;
+    }
+    const char *b = PyBytes_AsString(body);
+    Py_ssize_t n = PyBytes_Size(body);
+    Py_ssize_t start = splice_locate(b, n, PyBytes_AsString(self->prefix), PyBytes_Size(self->prefix),
+                                     PyBytes_AsString(self->head), PyBytes_Size(self->head),
+                                     PyBytes_AsString(self->tail), PyBytes_Size(self->tail));
+    int served;
+    if (start >= 0)
+        served = serve_delta(self, message, body, n, start);
+    else if ((n == 14 && memcmp(b, "data: [DONE]\n\n", 14) == 0)
+             || usage_as_it_came(b, n, PyBytes_AsString(self->root), PyBytes_Size(self->root)))
+        served = 1; /* the end of the stream, the usage chunk: out as they came (nothing waits while armed) */
+    else
+        served = serve_finish(self, message, body, b, n);
+    if (served < 0)
+        return NULL;
+    if (served == 0)
+        return PyObject_CallFunctionObjArgs(self->general, message, NULL);
+    return count_and_send(self, message, t0);
 }
 
 /* arm(countdown, tally_add, splice): `splice` a splice.SpliceArm (its fields read in order, as a tuple),
