@@ -63,6 +63,16 @@ def test_every_compiled_twin_builds_with_every_warning_an_error(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.c")))
+def test_each_c_file_stays_within_the_layouts_margin(source: str) -> None:
+    """A file of csrc/ is held to a module's margin (tests/unit/test_layers.py: 400 lines of the 450 ceiling):
+    a twin that outgrows it is cut into steps, the bytes it writes beside their checks (as stream_send.c's)."""
+    from tests.unit.test_layers import MODULE_LINES_HELD
+
+    lines = (CSRC / source).read_text(encoding="utf-8").count("\n")
+    assert lines <= MODULE_LINES_HELD, f"csrc/{source}: {lines} lines"
+
+
+@pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.c")))
 def test_each_c_file_names_its_python_twin_and_its_oracle(source: str) -> None:
     """Each file's head says which Python function it must agree with and which test proves that it does,
     and the test it names exists."""
