@@ -80,6 +80,91 @@ fs_ids(const char *b, Py_ssize_t i, Py_ssize_t n)
     }
 }
 
+/* The names of the finish tail's keys, in order: each one's place and length. */
+typedef struct {
+    Py_ssize_t at[2 * FS_MAX_KEYS];
+    int count;
+} Keys;
+
+static void
+add_key(Keys *keys, Py_ssize_t at, Py_ssize_t len)
+{
+    keys->at[2 * keys->count] = at;
+    keys->at[2 * keys->count + 1] = len;
+    keys->count++;
+}
+
+/* From the finish reason's key at b[tail] to the ids: the finish reason, kept members, `,"token_ids":`. The
+   index where the ids' list starts, or -1. */
+static Py_ssize_t
+up_to_ids(const char *b, Py_ssize_t n, Py_ssize_t tail, Keys *keys)
+{
+    Py_ssize_t i = tail + 17;
+    if (i > n || memcmp(b + tail, "\"finish_reason\":\"", 17) != 0)
+        return -1;
+    add_key(keys, tail + 1, 13);
+    Py_ssize_t reason = i;
+    while (i < n && ((b[i] >= 'a' && b[i] <= 'z') || b[i] == '_'))
+        i++;
+    if (i == reason || i >= n || b[i] != '"')
+        return -1;
+    i++;
+    for (;;) { /* kept members, then the ids */
+        if (i + 13 <= n && memcmp(b + i, ",\"token_ids\":", 13) == 0) {
+            add_key(keys, i + 2, 9);
+            return i + 13;
+        }
+        Py_ssize_t at, len;
+        i = fs_kept(b, i, n, &at, &len);
+        if (i < 0 || keys->count == FS_MAX_KEYS - 1)
+            return -1;
+        add_key(keys, at, len);
+    }
+}
+
+/* From past the ids at b[i] to the chunk's end: kept members, the end of the choice and of `choices`, kept root
+   members, `}\n\n`. 1, or 0. */
+static int
+after_ids(const char *b, Py_ssize_t n, Py_ssize_t i, Keys *keys)
+{
+    for (int closed = 0;;) {
+        if (!closed && i + 2 <= n && b[i] == '}' && b[i + 1] == ']') {
+            closed = 1;
+            i += 2;
+            continue;
+        }
+        if (closed && i + 3 == n && memcmp(b + i, "}\n\n", 3) == 0)
+            return 1;
+        Py_ssize_t at, len;
+        i = fs_kept(b, i, n, &at, &len);
+        if (i < 0 || keys->count == FS_MAX_KEYS)
+            return 0;
+        add_key(keys, at, len);
+    }
+}
+
+/* finish._key_twice: a key of the tail written twice, or before it (`"name":` in b[:tail]). */
+static int
+key_twice(const char *b, const Keys *keys, Py_ssize_t tail)
+{
+    for (int k = 0; k < keys->count; k++) {
+        const char *name = b + keys->at[2 * k];
+        Py_ssize_t len = keys->at[2 * k + 1];
+        for (int o = k + 1; o < keys->count; o++)
+            if (keys->at[2 * o + 1] == len && memcmp(b + keys->at[2 * o], name, len) == 0)
+                return 1;
+        for (Py_ssize_t p = 0; p + len + 3 <= tail; p++) { /* `"name":` before the tail */
+            const char *r = memchr(b + p, '"', tail - len - 3 - p + 1);
+            if (r == NULL)
+                break;
+            p = r - b;
+            if (memcmp(r + 1, name, len) == 0 && r[len + 1] == '"' && r[len + 2] == ':')
+                return 1;
+        }
+    }
+    return 0;
+}
+
 /* `finish.finish_ids`: 1 with the ids at b[*start:*end] when the finish chunk b is served, else 0. */
 int
 finish_span(const char *b, Py_ssize_t n, const char *prefix, Py_ssize_t lp, const char *fh, Py_ssize_t lf,
@@ -96,73 +181,17 @@ finish_span(const char *b, Py_ssize_t n, const char *prefix, Py_ssize_t lp, cons
     Py_ssize_t close = q - b;
     if (close + lf > n || memcmp(b + close, fh, lf) != 0 || !kept_text((const unsigned char *)b + lp, close - lp))
         return 0;
-    Py_ssize_t keys[2 * FS_MAX_KEYS]; /* each key's name: where it starts, its length */
-    int count = 0;
-    Py_ssize_t tail = close + lf, i = tail + 17;
-    if (i > n || memcmp(b + tail, "\"finish_reason\":\"", 17) != 0)
+    Keys keys; /* each key's name: where it starts, its length */
+    keys.count = 0;
+    Py_ssize_t tail = close + lf, i = up_to_ids(b, n, tail, &keys);
+    if (i < 0)
         return 0;
-    keys[count * 2] = tail + 1;
-    keys[count * 2 + 1] = 13;
-    count++;
-    Py_ssize_t reason = i;
-    while (i < n && ((b[i] >= 'a' && b[i] <= 'z') || b[i] == '_'))
-        i++;
-    if (i == reason || i >= n || b[i] != '"')
-        return 0;
-    i++;
-    for (;;) { /* kept members, then the ids */
-        if (i + 13 <= n && memcmp(b + i, ",\"token_ids\":", 13) == 0) {
-            keys[count * 2] = i + 2;
-            keys[count * 2 + 1] = 9;
-            count++;
-            i += 13;
-            break;
-        }
-        Py_ssize_t at, len;
-        i = fs_kept(b, i, n, &at, &len);
-        if (i < 0 || count == FS_MAX_KEYS - 1)
-            return 0;
-        keys[count * 2] = at;
-        keys[count * 2 + 1] = len;
-        count++;
-    }
     *start = i;
     i = fs_ids(b, i, n);
     if (i < 0)
         return 0;
     *end = i;
-    for (int closed = 0;;) { /* kept members, the end of the choice and of `choices`, kept root members, the end */
-        if (!closed && i + 2 <= n && b[i] == '}' && b[i + 1] == ']') {
-            closed = 1;
-            i += 2;
-            continue;
-        }
-        if (closed && i + 3 == n && memcmp(b + i, "}\n\n", 3) == 0)
-            break;
-        Py_ssize_t at, len;
-        i = fs_kept(b, i, n, &at, &len);
-        if (i < 0 || count == FS_MAX_KEYS)
-            return 0;
-        keys[count * 2] = at;
-        keys[count * 2 + 1] = len;
-        count++;
-    }
-    for (int k = 0; k < count; k++) { /* finish._key_twice */
-        const char *name = b + keys[2 * k];
-        Py_ssize_t len = keys[2 * k + 1];
-        for (int o = k + 1; o < count; o++)
-            if (keys[2 * o + 1] == len && memcmp(b + keys[2 * o], name, len) == 0)
-                return 0;
-        for (Py_ssize_t p = 0; p + len + 3 <= tail; p++) { /* `"name":` before the tail */
-            const char *r = memchr(b + p, '"', tail - len - 3 - p + 1);
-            if (r == NULL)
-                break;
-            p = r - b;
-            if (memcmp(r + 1, name, len) == 0 && r[len + 1] == '"' && r[len + 2] == ':')
-                return 0;
-        }
-    }
-    return 1;
+    return after_ids(b, n, i, &keys) && !key_twice(b, &keys, tail);
 }
 
 PyObject *

@@ -48,12 +48,59 @@ renders(const char *b, Py_ssize_t n, Py_ssize_t start, Py_ssize_t end, const cha
     return lo == n && memcmp(o, b, n) == 0;
 }
 
+/* The delta's text before its ids (b[6:start]): where it starts (past its key, splice._TEXT_KEYS in order) and its
+   closing quote (the first quote not escaped), into *text and *close: 1, or 0 when there is none. */
+static int
+text_span(const char *b, Py_ssize_t start, Py_ssize_t *text, Py_ssize_t *close)
+{
+    Py_ssize_t at = -1;
+    for (size_t k = 0; k < sizeof(text_keys) / sizeof(text_keys[0]) && at < 0; k++) {
+        Py_ssize_t lk = (Py_ssize_t)strlen(text_keys[k]);
+        at = find_in(b, 6, start, text_keys[k], lk); /* after `data: ` (stream._JSON_AT) */
+        *text = at + lk;
+    }
+    if (at < 0)
+        return 0;
+    Py_ssize_t c = *text;
+    for (;;) {
+        const char *q = c < start ? memchr(b + c, '"', start - c) : NULL;
+        if (q == NULL)
+            return 0;
+        c = q - b;
+        Py_ssize_t k = c;
+        while (k > *text && b[k - 1] == '\\')
+            k--;
+        if ((c - k) % 2 == 0)
+            break;
+        c += 1;
+    }
+    *close = c;
+    return 1;
+}
+
+/* The splice's `mid` for a delta whose ids end at b[end] (n bytes): null (strip), then the tail up to the chunk's
+   closing brace and the nvext key (trio), or the tail. A new reference, or NULL with an exception set. */
+static PyObject *
+splice_mid(const char *b, Py_ssize_t n, Py_ssize_t end, int strip, int trio)
+{
+    Py_ssize_t lt = n - end, kept = trio ? (lt > 3 ? lt - 3 : 0) : lt;
+    Py_ssize_t lnull = strip ? 4 : 0, lids = trio ? (Py_ssize_t)strlen(NVEXT_IDS) : 0;
+    PyObject *mid = PyBytes_FromStringAndSize(NULL, lnull + kept + lids);
+    if (mid == NULL)
+        return NULL;
+    char *m = PyBytes_AsString(mid);
+    memcpy(m, "null", lnull);
+    memcpy(m + lnull, b + end, kept);
+    memcpy(m + lnull + kept, NVEXT_IDS, lids);
+    return mid;
+}
+
 PyObject *
 learn_splice(PyObject *module, PyObject *args)
 {
     (void)module;
     PyObject *event, *out;
-    Py_ssize_t start, end;
+    Py_ssize_t start, end, text, close;
     int strip, trio;
     if (!PyArg_ParseTuple(args, "SnnppS:learn_splice", &event, &start, &end, &strip, &trio, &out))
         return NULL;
@@ -67,42 +114,14 @@ learn_splice(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "learn_splice: the ids must lie inside the event");
         return NULL;
     }
-    Py_ssize_t at = -1, text = 0;
-    for (size_t k = 0; k < sizeof(text_keys) / sizeof(text_keys[0]) && at < 0; k++) {
-        Py_ssize_t lk = (Py_ssize_t)strlen(text_keys[k]);
-        at = find_in(b, 6, start, text_keys[k], lk); /* after `data: ` (stream._JSON_AT) */
-        text = at + lk;
-    }
-    if (at < 0)
-        Py_RETURN_NONE;
-    Py_ssize_t close = text; /* the text's closing quote: the first quote not escaped */
-    for (;;) {
-        const char *q = close < start ? memchr(b + close, '"', start - close) : NULL;
-        if (q == NULL)
-            Py_RETURN_NONE;
-        close = q - b;
-        Py_ssize_t k = close;
-        while (k > text && b[k - 1] == '\\')
-            k--;
-        if ((close - k) % 2 == 0)
-            break;
-        close += 1;
-    }
-    if (memchr(b + end, '[', n - end) != NULL)
-        Py_RETURN_NONE; /* the ids are found as the last list of the event */
-    /* mid: null (strip), then the tail up to the chunk's closing brace and the nvext key (trio), or the tail */
-    Py_ssize_t lt = n - end, kept = trio ? (lt > 3 ? lt - 3 : 0) : lt;
-    Py_ssize_t lnull = strip ? 4 : 0, lids = trio ? (Py_ssize_t)strlen(NVEXT_IDS) : 0;
-    Py_ssize_t lm = lnull + kept + lids;
-    PyObject *mid = PyBytes_FromStringAndSize(NULL, lm);
+    if (!text_span(b, start, &text, &close) || memchr(b + end, '[', n - end) != NULL)
+        Py_RETURN_NONE; /* no text a splice serves, or the ids are not the last list of the event */
+    PyObject *mid = splice_mid(b, n, end, strip, trio);
     if (mid == NULL)
         return NULL;
-    char *m = PyBytes_AsString(mid);
-    memcpy(m, "null", lnull);
-    memcpy(m + lnull, b + end, kept);
-    memcpy(m + lnull + kept, NVEXT_IDS, lids);
-    if (splice_locate(b, n, b, text, b + close, start - close, b + end, lt) != start
-        || !renders(b, n, start, end, m, lm, strip, trio, PyBytes_AsString(out), PyBytes_Size(out))) {
+    if (splice_locate(b, n, b, text, b + close, start - close, b + end, n - end) != start
+        || !renders(b, n, start, end, PyBytes_AsString(mid), PyBytes_Size(mid), strip, trio, PyBytes_AsString(out),
+                    PyBytes_Size(out))) {
         Py_DECREF(mid);
         Py_RETURN_NONE; /* not armed: the splice does not reproduce the delta */
     }
@@ -114,6 +133,5 @@ learn_splice(PyObject *module, PyObject *args)
         Py_DECREF(mid);
         return NULL;
     }
-    return Py_BuildValue("(y#y#y#NN)", b, text, b + close, start - close, b + end, lt, mid, finish_head);
+    return Py_BuildValue("(y#y#y#NN)", b, text, b + close, start - close, b + end, n - end, mid, finish_head);
 }
-

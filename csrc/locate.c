@@ -18,11 +18,62 @@ lower_hex(unsigned char c)
     return -1;
 }
 
+/* The length of the escape orjson writes whose backslash is t[i] (`\"` `\\` `\b` `\f` `\n` `\r` `\t`, `\u00xx` in
+   lowercase for another byte below 0x20); 0: none of those (a backslash that ends the bytes starts none). */
+static Py_ssize_t
+orjson_escape(const unsigned char *t, Py_ssize_t i, Py_ssize_t n)
+{
+    if (i + 1 >= n)
+        return 0;
+    unsigned char e = t[i + 1];
+    if (e == '"' || e == '\\' || e == 'b' || e == 'f' || e == 'n' || e == 'r' || e == 't')
+        return 2;
+    if (e != 'u' || i + 5 >= n || t[i + 2] != '0' || t[i + 3] != '0')
+        return 0;
+    int hi = lower_hex(t[i + 4]), lo = lower_hex(t[i + 5]);
+    if (hi < 0 || hi > 1 || lo < 0)
+        return 0;
+    int v = hi * 16 + lo;
+    return v == 0x08 || v == 0x09 || v == 0x0a || v == 0x0c || v == 0x0d ? 0 : 6;
+}
+
+/* The length of the valid UTF-8 sequence whose lead byte t[i] is 0x80 or above (no surrogate, no overlong,
+   nothing past U+10FFFF); 0: not one. */
+static Py_ssize_t
+utf8_sequence(const unsigned char *t, Py_ssize_t i, Py_ssize_t n)
+{
+    unsigned char c = t[i], lo = 0x80, hi = 0xbf; /* the bounds of the second byte */
+    Py_ssize_t len;
+    if (c >= 0xc2 && c <= 0xdf)
+        len = 2;
+    else if (c >= 0xe0 && c <= 0xef) {
+        len = 3;
+        if (c == 0xe0)
+            lo = 0xa0;
+        else if (c == 0xed)
+            hi = 0x9f;
+    }
+    else if (c >= 0xf0 && c <= 0xf4) {
+        len = 4;
+        if (c == 0xf0)
+            lo = 0x90;
+        else if (c == 0xf4)
+            hi = 0x8f;
+    }
+    else
+        return 0;
+    if (i + len > n || t[i + 1] < lo || t[i + 1] > hi)
+        return 0;
+    for (Py_ssize_t k = 2; k < len; k++)
+        if (t[i + k] < 0x80 || t[i + k] > 0xbf)
+            return 0;
+    return len;
+}
+
 /* `splice.kept_text`: the n bytes at t, one JSON string's bytes, are ones a decode and orjson's encode give
-   back as they are: no raw byte below 0x20, no raw quote, valid UTF-8 (no surrogate, no overlong, nothing
-   past U+10FFFF), every backslash the start of one of orjson's escapes (`\"` `\\` `\b` `\f` `\n` `\r` `\t`,
-   `\u00xx` in lowercase for another byte below 0x20), read from the string's start: a backslash that ends the
-   bytes starts no escape (the quote after it is escaped), so it is refused. */
+   back as they are: no raw byte below 0x20, no raw quote, valid UTF-8, every backslash the start of one of
+   orjson's escapes, read from the string's start: a backslash that ends the bytes starts no escape (the quote
+   after it is escaped), so it is refused. */
 int
 kept_text(const unsigned char *t, Py_ssize_t n)
 {
@@ -33,52 +84,11 @@ kept_text(const unsigned char *t, Py_ssize_t n)
             i++;
             continue;
         }
-        if (c == '\\') {
-            if (i + 1 >= n)
-                return 0;
-            unsigned char e = t[i + 1];
-            if (e == '"' || e == '\\' || e == 'b' || e == 'f' || e == 'n' || e == 'r' || e == 't') {
-                i += 2;
-                continue;
-            }
-            if (e != 'u' || i + 5 >= n || t[i + 2] != '0' || t[i + 3] != '0')
-                return 0;
-            int hi = lower_hex(t[i + 4]), lo = lower_hex(t[i + 5]);
-            if (hi < 0 || hi > 1 || lo < 0)
-                return 0;
-            int v = hi * 16 + lo;
-            if (v == 0x08 || v == 0x09 || v == 0x0a || v == 0x0c || v == 0x0d)
-                return 0;
-            i += 6;
-            continue;
-        }
-        if (c < 0x80)  /* a byte below 0x20 or a quote */
+        if (c < 0x80 && c != '\\') /* a byte below 0x20 or a quote */
             return 0;
-        Py_ssize_t len;
-        unsigned char lo = 0x80, hi = 0xbf;  /* the bounds of the second byte */
-        if (c >= 0xc2 && c <= 0xdf)
-            len = 2;
-        else if (c >= 0xe0 && c <= 0xef) {
-            len = 3;
-            if (c == 0xe0)
-                lo = 0xa0;
-            else if (c == 0xed)
-                hi = 0x9f;
-        }
-        else if (c >= 0xf0 && c <= 0xf4) {
-            len = 4;
-            if (c == 0xf0)
-                lo = 0x90;
-            else if (c == 0xf4)
-                hi = 0x8f;
-        }
-        else
+        Py_ssize_t len = c == '\\' ? orjson_escape(t, i, n) : utf8_sequence(t, i, n);
+        if (len == 0)
             return 0;
-        if (i + len > n || t[i + 1] < lo || t[i + 1] > hi)
-            return 0;
-        for (Py_ssize_t k = 2; k < len; k++)
-            if (t[i + k] < 0x80 || t[i + k] > 0xbf)
-                return 0;
         i += len;
     }
     return 1;

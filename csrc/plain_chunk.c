@@ -74,6 +74,32 @@ pc_key_is(const char *b, Py_ssize_t start, Py_ssize_t end, const char *name)
     return (size_t)(end - start - 2) == len && memcmp(b + start + 1, name, len) == 0;
 }
 
+/* Where the value of the key at b[start:end] (its quotes included) goes among the spans, at this `level`; -1:
+   nowhere (PC_CHOICES: the root's `choices`, whose elements pc_value counts). */
+static int
+pc_slot(const char *b, Py_ssize_t start, Py_ssize_t end, int level)
+{
+    if (level == LEVEL_ROOT) {
+        if (pc_key_is(b, start, end, "choices"))
+            return PC_CHOICES;
+        if (pc_key_is(b, start, end, "prompt_token_ids"))
+            return PC_ROOT_PROMPT;
+        if (pc_key_is(b, start, end, "nvext"))
+            return PC_NVEXT;
+    }
+    else if (level == LEVEL_CHOICE) {
+        if (pc_key_is(b, start, end, "index"))
+            return PC_INDEX;
+        if (pc_key_is(b, start, end, "token_ids"))
+            return PC_IDS;
+        if (pc_key_is(b, start, end, "prompt_token_ids"))
+            return PC_PROMPT;
+        if (pc_key_is(b, start, end, "finish_reason"))
+            return PC_FINISH;
+    }
+    return -1;
+}
+
 static Py_ssize_t
 pc_object(const char *b, Py_ssize_t i, Py_ssize_t n, int depth, int level, Py_ssize_t *spans)
 {
@@ -98,25 +124,7 @@ pc_object(const char *b, Py_ssize_t i, Py_ssize_t n, int depth, int level, Py_ss
         Py_ssize_t value = key_end + 1;
         if (value >= n)
             return -1;
-        int slot = -1, inner = LEVEL_OTHER;
-        if (level == LEVEL_ROOT) {
-            if (pc_key_is(b, i, key_end, "choices"))
-                slot = PC_CHOICES; /* its elements: see pc_value */
-            else if (pc_key_is(b, i, key_end, "prompt_token_ids"))
-                slot = PC_ROOT_PROMPT;
-            else if (pc_key_is(b, i, key_end, "nvext"))
-                slot = PC_NVEXT;
-        }
-        else if (level == LEVEL_CHOICE) {
-            if (pc_key_is(b, i, key_end, "index"))
-                slot = PC_INDEX;
-            else if (pc_key_is(b, i, key_end, "token_ids"))
-                slot = PC_IDS;
-            else if (pc_key_is(b, i, key_end, "prompt_token_ids"))
-                slot = PC_PROMPT;
-            else if (pc_key_is(b, i, key_end, "finish_reason"))
-                slot = PC_FINISH;
-        }
+        int slot = pc_slot(b, i, key_end, level);
         Py_ssize_t end;
         if (slot == PC_CHOICES) {
             if (b[value] != '[')
@@ -124,7 +132,7 @@ pc_object(const char *b, Py_ssize_t i, Py_ssize_t n, int depth, int level, Py_ss
             end = pc_value(b, value, n, depth + 1, LEVEL_CHOICE, spans); /* counts its elements */
         }
         else
-            end = pc_value(b, value, n, depth + 1, inner, spans);
+            end = pc_value(b, value, n, depth + 1, LEVEL_OTHER, spans);
         if (end < 0)
             return -1;
         if (slot >= 0 && slot != PC_CHOICES) {

@@ -85,6 +85,107 @@ skip_value(const char *b, Py_ssize_t i, Py_ssize_t n)
     return i > start ? i : -1;
 }
 
+/* The kept root members' spans (start, end) in the body, grown as needed, and their bytes in all. */
+typedef struct {
+    Py_ssize_t *at;
+    Py_ssize_t count, cap, size;
+} Members;
+
+/* The member whose key is the klen bytes at `key` is one `drop` names (every duplicate goes). */
+static int
+dropped(PyObject *drop, const char *key, Py_ssize_t klen)
+{
+    for (Py_ssize_t d = 0; d < PyTuple_Size(drop); d++) {
+        PyObject *name = PyTuple_GetItem(drop, d);
+        if (PyBytes_Size(name) == klen && memcmp(PyBytes_AsString(name), key, klen) == 0)
+            return 1;
+    }
+    return 0;
+}
+
+/* The member b[i:value_end] kept: 0, or -1 with MemoryError set. */
+static int
+keep(Members *m, Py_ssize_t i, Py_ssize_t value_end)
+{
+    if (m->count == m->cap) {
+        Py_ssize_t *grown = PyMem_Realloc(m->at, sizeof(Py_ssize_t) * 2 * m->cap * 2);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        m->at = grown;
+        m->cap *= 2;
+    }
+    m->at[2 * m->count] = i;
+    m->at[2 * m->count + 1] = value_end;
+    m->count++;
+    m->size += value_end - i;
+    return 0;
+}
+
+/* The root object's members from its first (b[i], past the opening brace and whitespace), those `drop` does
+   not name kept in `m`: the index past its closing brace; -1, the Python path's (an escaped key, or not an
+   object as far as this scan can tell); -2, an error set. */
+static Py_ssize_t
+root_members(const char *b, Py_ssize_t n, Py_ssize_t i, PyObject *drop, Members *m)
+{
+    if (i < n && b[i] == '}')
+        return i + 1;
+    for (;;) {
+        if (i >= n || b[i] != '"')
+            return -1;
+        Py_ssize_t key_end = skip_string(b, i, n);
+        if (key_end < 0 || memchr(b + i + 1, '\\', key_end - i - 2) != NULL)
+            return -1; /* an escaped key: the Python path decodes it */
+        Py_ssize_t j = skip_ws(b, key_end, n);
+        if (j >= n || b[j] != ':')
+            return -1;
+        j = skip_ws(b, j + 1, n);
+        Py_ssize_t value_end = j < n ? skip_value(b, j, n) : -1;
+        if (value_end < 0)
+            return -1;
+        if (!dropped(drop, b + i + 1, key_end - i - 2) && keep(m, i, value_end) < 0)
+            return -2;
+        i = skip_ws(b, value_end, n);
+        if (i < n && b[i] == '}')
+            return i + 1;
+        if (i >= n || b[i] != ',')
+            return -1;
+        i = skip_ws(b, i + 1, n);
+    }
+}
+
+/* The body with its root object's members replaced by the kept ones joined by commas, then a comma and `extra`
+   when there is one; the bytes before the object (b[:start]) and after it (b[end:]) as they were. */
+static PyObject *
+joined(const char *b, Py_ssize_t n, Py_ssize_t start, Py_ssize_t end, const Members *m, PyObject *extra)
+{
+    Py_ssize_t lx = PyBytes_Size(extra);
+    Py_ssize_t commas = (m->count > 0 ? m->count - 1 : 0) + (lx > 0 && m->count > 0 ? 1 : 0);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, start + 1 + m->size + commas + lx + 1 + (n - end));
+    if (out == NULL)
+        return NULL;
+    char *p = PyBytes_AsString(out);
+    memcpy(p, b, start);
+    p += start;
+    *p++ = '{';
+    for (Py_ssize_t k = 0; k < m->count; k++) {
+        if (k)
+            *p++ = ',';
+        memcpy(p, b + m->at[2 * k], m->at[2 * k + 1] - m->at[2 * k]);
+        p += m->at[2 * k + 1] - m->at[2 * k];
+    }
+    if (lx > 0) {
+        if (m->count)
+            *p++ = ',';
+        memcpy(p, PyBytes_AsString(extra), lx);
+        p += lx;
+    }
+    *p++ = '}';
+    memcpy(p, b + end, n - end);
+    return out;
+}
+
 PyObject *
 splice_root(PyObject *module, PyObject *args)
 {
@@ -94,8 +195,7 @@ splice_root(PyObject *module, PyObject *args)
         return NULL;
     const char *b = PyBytes_AsString(body);
     Py_ssize_t n = PyBytes_Size(body);
-    Py_ssize_t ndrop = PyTuple_Size(drop);
-    for (Py_ssize_t d = 0; d < ndrop; d++) {
+    for (Py_ssize_t d = 0; d < PyTuple_Size(drop); d++) {
         if (!PyBytes_CheckExact(PyTuple_GetItem(drop, d))) {
             PyErr_SetString(PyExc_TypeError, "splice_root: the keys to drop must be bytes");
             return NULL;
@@ -108,91 +208,13 @@ splice_root(PyObject *module, PyObject *args)
     Py_ssize_t start = skip_ws(b, 0, n);
     if (start >= n || b[start] != '{')
         Py_RETURN_NONE;
-    /* the kept members' spans (start, end), grown as needed */
-    Py_ssize_t cap = 16, count = 0, size = 0;
-    Py_ssize_t *spans = PyMem_Malloc(sizeof(Py_ssize_t) * 2 * cap);
-    if (spans == NULL)
+    Members m = {PyMem_Malloc(sizeof(Py_ssize_t) * 2 * 16), 0, 16, 0};
+    if (m.at == NULL)
         return PyErr_NoMemory();
-    Py_ssize_t i = skip_ws(b, start + 1, n), end = -1;
-    if (i < n && b[i] == '}')
-        end = i + 1;
-    while (end < 0) {
-        if (i >= n || b[i] != '"')
-            goto fallback;
-        Py_ssize_t key_end = skip_string(b, i, n);
-        if (key_end < 0 || memchr(b + i + 1, '\\', key_end - i - 2) != NULL)
-            goto fallback; /* an escaped key: the Python path decodes it */
-        Py_ssize_t j = skip_ws(b, key_end, n);
-        if (j >= n || b[j] != ':')
-            goto fallback;
-        j = skip_ws(b, j + 1, n);
-        if (j >= n)
-            goto fallback;
-        Py_ssize_t value_end = skip_value(b, j, n);
-        if (value_end < 0)
-            goto fallback;
-        int dropped = 0;
-        Py_ssize_t klen = key_end - i - 2;
-        for (Py_ssize_t d = 0; d < ndrop && !dropped; d++) {
-            PyObject *name = PyTuple_GetItem(drop, d);
-            dropped = PyBytes_Size(name) == klen && memcmp(PyBytes_AsString(name), b + i + 1, klen) == 0;
-        }
-        if (!dropped) {
-            if (count == cap) {
-                cap *= 2;
-                Py_ssize_t *grown = PyMem_Realloc(spans, sizeof(Py_ssize_t) * 2 * cap);
-                if (grown == NULL) {
-                    PyMem_Free(spans);
-                    return PyErr_NoMemory();
-                }
-                spans = grown;
-            }
-            spans[2 * count] = i;
-            spans[2 * count + 1] = value_end;
-            count++;
-            size += value_end - i;
-        }
-        i = skip_ws(b, value_end, n);
-        if (i < n && b[i] == '}')
-            end = i + 1;
-        else if (i < n && b[i] == ',')
-            i = skip_ws(b, i + 1, n);
-        else
-            goto fallback;
-    }
-    Py_ssize_t lx = PyBytes_Size(extra);
-    /* the kept members joined by commas, then a comma and extra when there is one */
-    Py_ssize_t commas = (count > 0 ? count - 1 : 0) + (lx > 0 && count > 0 ? 1 : 0);
-    Py_ssize_t total = start + 1 + size + commas + lx + 1 + (n - end);
-    PyObject *out = PyBytes_FromStringAndSize(NULL, total);
-    if (out == NULL) {
-        PyMem_Free(spans);
-        return NULL;
-    }
-    char *p = PyBytes_AsString(out);
-    memcpy(p, b, start);
-    p += start;
-    *p++ = '{';
-    for (Py_ssize_t k = 0; k < count; k++) {
-        if (k)
-            *p++ = ',';
-        memcpy(p, b + spans[2 * k], spans[2 * k + 1] - spans[2 * k]);
-        p += spans[2 * k + 1] - spans[2 * k];
-    }
-    if (lx > 0) {
-        if (count)
-            *p++ = ',';
-        memcpy(p, PyBytes_AsString(extra), lx);
-        p += lx;
-    }
-    *p++ = '}';
-    memcpy(p, b + end, n - end);
-    p += n - end;
-    PyMem_Free(spans);
+    Py_ssize_t end = root_members(b, n, skip_ws(b, start + 1, n), drop, &m);
+    PyObject *out = end >= 0 ? joined(b, n, start, end, &m, extra) : NULL;
+    PyMem_Free(m.at);
+    if (end == -1)
+        Py_RETURN_NONE; /* the Python path's */
     return out;
-fallback:
-    PyMem_Free(spans);
-    Py_RETURN_NONE;
 }
-
-

@@ -72,6 +72,39 @@ def test_each_c_file_stays_within_the_layouts_margin(source: str) -> None:
     assert lines <= MODULE_LINES_HELD, f"csrc/{source}: {lines} lines"
 
 
+def c_functions(text: str) -> dict[str, int]:
+    """Each function defined in a C file of csrc/'s style (its name at the start of a line, its type on the line
+    before, its body closed by a `}` at the start of a line): its length in lines, type line included."""
+    lines = text.split("\n")
+    lengths: dict[str, int] = {}
+    name, start = None, 0
+    for number, line in enumerate(lines):
+        found = re.match(r"([A-Za-z_]\w*)\(", line)
+        if found and number > 0 and lines[number - 1] and not lines[number - 1].startswith((" ", "#", "/", "}")):
+            name, start = found.group(1), number - 1
+        elif line.startswith("}") and name is not None:
+            lengths[name] = number - start + 1
+            name = None
+    return lengths
+
+
+@pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.c")))
+def test_each_c_function_stays_within_the_layouts_margin(source: str) -> None:
+    """A function of csrc/ is held to a server function's margin (tests/unit/test_layers.py: 52 lines of the 60
+    ceiling): a long one is cut into steps (StreamSend's call, splice_root, finish_span, learn_splice)."""
+    from tests.unit.test_layers import FUNCTION_LINES_HELD
+
+    functions = c_functions((CSRC / source).read_text(encoding="utf-8"))
+    assert functions, f"csrc/{source}: no function found"
+    assert {name: n for name, n in functions.items() if n > FUNCTION_LINES_HELD} == {}
+
+
+def test_the_c_function_reader_sees_a_long_function() -> None:
+    body = "\n".join(f"    x += {k};" for k in range(60))
+    text = f"/* a file */\nstatic int\nlong_one(int x)\n{{\n{body}\n    return x;\n}}\n"
+    assert c_functions(text) == {"long_one": 65}
+
+
 @pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.c")))
 def test_each_c_file_names_its_python_twin_and_its_oracle(source: str) -> None:
     """Each file's head says which Python function it must agree with and which test proves that it does,
