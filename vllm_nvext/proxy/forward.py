@@ -154,7 +154,7 @@ class Forwarder:
                 raise  # this request's own task cancelled (the exchange with it), not the client gone
         finally:
             watch.cancel()
-            if not exchange.done():
+            if not exchange.done():  # not after `await exchange` as asyncio goes; no upstream request outlives this
                 exchange.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await exchange
