@@ -354,6 +354,33 @@ async def test_a_client_that_goes_away_mid_stream_closes_the_upstream_stream():
     assert [m.get("body") for m in sent if m["type"] == "http.response.body"] == [b"data: 1\n\n"]
 
 
+async def test_a_request_its_server_cancels_closes_the_upstream_stream_and_stays_cancelled():
+    stream = Stream([b"data: 1\n\n", b"data: 2\n\n"])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
+
+    app = await mock_proxy(handler)
+    stream.release[0].set()
+    first = asyncio.Event()
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message.get("body"):
+            first.set()
+
+    # The client stays: only its server (shutting down) cancels the request's task.
+    receive = _receiver([{"type": "http.request", "body": b"", "more_body": False}], then=None)
+    task = asyncio.ensure_future(app(_scope("/v1/other", method="GET"), receive, send))
+    await asyncio.wait_for(first.wait(), 30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 30)  # not taken for a client gone: the cancellation goes on up
+    await asyncio.wait_for(stream.closed.wait(), 30)  # the upstream request is closed, so vLLM aborts it
+    assert [m.get("body") for m in sent if m["type"] == "http.response.body"] == [b"data: 1\n\n"]
+
+
 async def test_a_client_that_goes_away_while_its_body_comes_ends_the_exchange():
     calls: list[httpx.Request] = []
 

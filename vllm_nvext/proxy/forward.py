@@ -144,14 +144,20 @@ class Forwarder:
         headers = [(_text(n), _text(v)) for n, v in self.headers(scope)]
         exchange = asyncio.ensure_future(self._exchange(scope["method"], self.url(scope), headers, data, body, send))
         watch = asyncio.ensure_future(_client_gone(receive, body))
+        # The client gone cancels the exchange, which closes the upstream connection: vLLM aborts the request.
+        # (A done-callback, not `asyncio.wait`: no waiter future and set bookkeeping on each request's path.)
+        watch.add_done_callback(lambda _: exchange.cancel())
         try:
-            await asyncio.wait((exchange, watch), return_when=asyncio.FIRST_COMPLETED)
+            await exchange  # re-raises a failure mid-response: the server cuts the connection
+        except asyncio.CancelledError:
+            if not watch.done() or watch.cancelled():
+                raise  # this request's own task cancelled (the exchange with it), not the client gone
         finally:
             watch.cancel()
-            if not exchange.done():
-                exchange.cancel()  # closes the upstream connection: vLLM aborts the request
-            with contextlib.suppress(asyncio.CancelledError):
-                await exchange  # re-raises a failure mid-response: the server cuts the connection
+            if not exchange.done():  # not after `await exchange` as asyncio goes; no upstream request outlives this
+                exchange.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await exchange
 
     def headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
         """The headers the upstream gets: the client's (`request_headers`) with the proxy's X-Forwarded-*."""

@@ -8,6 +8,7 @@ reach the upstream as the client sent them (`_text`, `_serialize_headers`).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Sequence
 from typing import Any
@@ -86,6 +87,13 @@ def is_trusted(peer: str | None, networks: Networks | None) -> bool:
         return False
     if networks is None:
         return True
+    if not networks:
+        return False  # nobody trusted (the default): no address to parse on each request's path
+    return _in_networks(peer, networks)
+
+
+@functools.lru_cache(maxsize=1024)
+def _in_networks(peer: str, networks: Networks) -> bool:
     try:
         address = ipaddress.ip_address(peer)
     except ValueError:
