@@ -376,3 +376,28 @@ def test_a_turn_redis_cannot_append_is_the_only_one_dropped(redis_url):
     finally:
         sink.close()
         client.close()
+
+
+def test_an_idle_servers_store_still_removes_sessions_past_their_retention(tmp_path, monkeypatch):
+    """Retention holds while no request comes: the writer prunes on its own clock, not only when a turn arrives
+    (docs/capture.md, "a session is removed this many seconds after its last turn")."""
+    monkeypatch.setattr(store_module, "PRUNE_EVERY_S", 0.02)
+    sink = open_sink(f"sqlite:///{tmp_path / 'c.sqlite3'}", retention_s=100)
+    try:
+        sink.submit(make_turn("old", [1]))
+        assert sink.flush() and sink.read("old") is not None
+
+        class Later:  # the writer's clock, 101 s on: the session's last turn is past its retention
+            monotonic, sleep = staticmethod(time.monotonic), staticmethod(time.sleep)
+
+            @staticmethod
+            def time() -> float:
+                return time.time() + 101
+
+        monkeypatch.setattr(store_module, "time", Later)
+        deadline = time.monotonic() + 10
+        while sink.read("old") is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sink.read("old") is None, "no turn came after it, and the session is still there"
+    finally:
+        sink.close()
