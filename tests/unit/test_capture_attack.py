@@ -3,6 +3,7 @@ client's answer is the one it gets without capture (docs/capture.md, "What the c
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -43,3 +44,67 @@ async def test_a_captured_responses_request_through_the_proxy_to_vllm_rs_is_answ
         assert seen == [RESPONSES_BODY], "the request reaches vllm-rs as the client sent it"
         answers.append((result.status, json.loads(result.body)))
     assert answers[0][0] == 200 and answers[1] == answers[0]
+
+
+class _Gone(Exception):
+    """What a server's `send` raises once the client went away."""
+
+
+async def _cut_short(app: Any, path: str, request: dict[str, Any], events_sent: int) -> int:
+    """`request` through `app`, the client gone after `events_sent` whole events: how many it got."""
+    body = json.dumps(request).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "root_path": "", "raw_path": path.encode(), "query_string": b"", "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 8000), "headers": [(b"content-type", b"application/json"),
+             (b"content-length", str(len(body)).encode()), (b"x-nvext-session-id", b"cut-1")]}  # fmt: skip
+    got = b""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return pending.pop() if pending else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal got
+        if message["type"] == "http.response.body":
+            if got.count(b"\n\n") >= events_sent:
+                raise _Gone
+            got += message.get("body", b"")
+
+    with contextlib.suppress(_Gone):
+        await app(scope, receive, send)
+    return got.count(b"\n\n")
+
+
+async def test_a_stream_the_client_cut_short_is_a_turn_on_chat_and_none_on_responses(tmp_path):
+    """docs/capture.md: a chat stream cut short is recorded as far as it went (no finish reason); a /v1/responses
+    stream reports its ids in its last event alone, so one cut short is no turn."""
+    from tests.recorded import recording
+    from tests.unit.asgi import Upstream
+    from tests.unit.test_responses_api import _rec
+    from vllm_nvext import NvextMiddleware
+    from vllm_nvext.capture.store import Sink
+
+    rec = recording("chat_stream_ids")
+    chat = NvextMiddleware(Upstream(content_type=rec.content_type, body=rec.body, cuts=range(1, len(rec.body), 97)),
+                           capture=f"sqlite:///{tmp_path / 'chat.sqlite3'}")  # fmt: skip
+    request = {k: v for k, v in rec.request.items() if k != "return_token_ids"}
+    assert await _cut_short(chat, rec.path, request, 3) == 3
+    sink: Sink | None = chat.sink
+    assert sink is not None and sink.flush()
+    (turn,) = sink.read("cut-1") or []
+    every = [i for e in rec.events() for c in e["choices"] for i in c.get("token_ids") or []]
+    got = [i for e in rec.events()[:3] for c in e["choices"] for i in c.get("token_ids") or []]
+    ids = turn["completion_token_ids"]
+    assert got == ids[: len(got)] and ids == every[: len(ids)] and len(ids) < len(every), "as far as vLLM sent it"
+    assert turn["finish_reason"] is None
+    sink.close()
+
+    request, body, content_type = _rec("responses_stream_messages")
+    responses = NvextMiddleware(Upstream(content_type=content_type, body=body, cuts=range(1, len(body), 97)),
+                                capture=f"sqlite:///{tmp_path / 'responses.sqlite3'}")  # fmt: skip
+    plain = {k: v for k, v in request.items() if k != "enable_response_messages"}
+    assert await _cut_short(responses, "/v1/responses", plain, 3) == 3
+    sink = responses.sink
+    assert sink is not None and sink.flush()
+    assert sink.read("cut-1") is None
+    sink.close()
