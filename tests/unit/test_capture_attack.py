@@ -108,3 +108,21 @@ async def test_a_stream_the_client_cut_short_is_a_turn_on_chat_and_none_on_respo
     assert sink is not None and sink.flush()
     assert sink.read("cut-1") is None
     sink.close()
+
+
+def test_an_atif_step_of_a_responses_turn_has_its_token_counts():
+    """docs/capture.md: each step's metrics carry `prompt_tokens`, `completion_tokens`, `cached_tokens`; a
+    /v1/responses turn's usage names them `input_tokens`, `output_tokens`, `input_tokens_details.cached_tokens`."""
+    import jsonschema
+
+    from tests.support.capture import make_turn
+    from tests.unit.test_capture_api import SCHEMA
+    from vllm_nvext.capture.atif import trajectory
+
+    usage = {"input_tokens": 43, "input_tokens_details": {"cached_tokens": 16}, "output_tokens": 8, "total_tokens": 51}
+    turn = make_turn("codex-1", [1] * 43, [2] * 8, route="/v1/responses", request_id="resp_1", usage=usage)
+    doc = trajectory("codex-1", [turn.to_json()])
+    jsonschema.validate(doc, SCHEMA)
+    metrics = doc["steps"][0]["metrics"]
+    assert (metrics["prompt_tokens"], metrics["completion_tokens"], metrics["cached_tokens"]) == (43, 8, 16)
+    assert doc["final_metrics"] == {"total_steps": 1, "total_prompt_tokens": 43, "total_completion_tokens": 8}
