@@ -7,6 +7,8 @@ import contextlib
 import json
 from typing import Any
 
+import pytest
+
 from tests.unit.test_proxy import RESPONSES_BODY, _stop_what_started, call, proxy_over  # noqa: F401 (a fixture)
 from vllm_nvext import Settings
 
@@ -126,3 +128,48 @@ def test_an_atif_step_of_a_responses_turn_has_its_token_counts():
     metrics = doc["steps"][0]["metrics"]
     assert (metrics["prompt_tokens"], metrics["completion_tokens"], metrics["cached_tokens"]) == (43, 8, 16)
     assert doc["final_metrics"] == {"total_steps": 1, "total_prompt_tokens": 43, "total_completion_tokens": 8}
+
+
+def _completions_batch(stream: bool) -> bytes:
+    """vLLM's answer to a /v1/completions request with two prompts and `return_token_ids` (each choice carries its
+    prompt's ids: vLLM's CompletionResponseChoice / its stream chunks), choice i answering prompt i."""
+    choices = [(0, [1, 2], [5, 7]), (1, [3, 4], [6, 8])]
+    if not stream:
+        body = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "tiny",
+                "choices": [{"index": i, "text": "xy", "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                             "token_ids": out, "prompt_token_ids": p, "prompt_logprobs": None}
+                            for i, p, out in choices],
+                "usage": {"prompt_tokens": 4, "total_tokens": 8, "completion_tokens": 4}}  # fmt: skip
+        return json.dumps(body).encode()
+    events = []
+    for i, p, out in choices:
+        for k, token in enumerate(out):
+            first = {"prompt_token_ids": p} if k == 0 else {}
+            choice = {"index": i, "text": "x", "logprobs": None, "finish_reason": "length" if k else None,
+                      "stop_reason": None, "token_ids": [token], **first}  # fmt: skip
+            events.append({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "tiny",
+                           "choices": [choice]})  # fmt: skip
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+async def test_a_completions_batch_of_prompts_records_each_prompt_with_its_own_completion(stream, tmp_path):
+    """Choice 1 answers prompt 1, not prompt 0: it is no other choice of prompt 0's turn but a turn of its own
+    (a trainer pairs each turn's prompt with its completions)."""
+    from tests.unit.asgi import Upstream
+    from tests.unit.asgi import call as asgi_call
+    from vllm_nvext import NvextMiddleware
+
+    content_type = "text/event-stream" if stream else "application/json"
+    upstream = Upstream(content_type=content_type, body=_completions_batch(stream))
+    app = NvextMiddleware(upstream, capture=f"sqlite:///{tmp_path / 'c.sqlite3'}")
+    request = {"model": "tiny", "prompt": ["a", "b"], "max_tokens": 2, "stream": stream}
+    headers = ((b"content-type", b"application/json"), (b"x-nvext-session-id", b"batch-1"))
+    result = await asgi_call(app, "/v1/completions", json.dumps(request).encode(), headers=headers)
+    assert result.status == 200
+    assert app.sink is not None and app.sink.flush()
+    turns = app.sink.read("batch-1") or []
+    app.sink.close()
+    pairs = [(t["prompt_token_ids"], t["completion_token_ids"], t["choices"]) for t in turns]
+    assert pairs == [([1, 2], [5, 7], None), ([3, 4], [6, 8], None)]
+    assert {t["request_id"] for t in turns} == {"cmpl-1"}
