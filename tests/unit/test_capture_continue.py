@@ -101,6 +101,25 @@ def test_an_edited_history_or_answer_falls_back_to_vllms_rendering():
     assert outcome == "continued" and ids is not None and ids[len(prompt) : len(prompt) + len(reasoned)] == reasoned
 
 
+def test_an_answer_the_client_cut_the_head_off_falls_back_unless_the_head_is_reasoning():
+    """The client's answer a tail of the one served: the model would see the whole served answer where the
+    client's history holds its tail; only a head of reasoning (closed by its tag) is what a template leaves out."""
+    tokenizer = _tokenizer()
+    history = [{"role": "user", "content": "Hi."}]
+    prompt = _render(history)
+    after = [{"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "More."}]
+    rendered = _render([*history, *after])
+    eos = [tokenizer.eos_token_id]
+    for head in ("Sure. ", "I will think about it. ", "<think>hmm</think> Sure. ", "think> "):
+        served = tokenizer.encode(head + "Hello there.", add_special_tokens=False) + eos
+        assert _splice(prompt, served, rendered) == (None, ANSWER), head
+    for head in ("<think>hmm</think>", "<think>\nhmm\n</think>\n\n", "<seed:think>x</seed:think>"):
+        served = tokenizer.encode(head + "Hello there.", add_special_tokens=False) + eos
+        ids, outcome = _splice(prompt, served, rendered)
+        assert outcome == "continued" and ids is not None
+        assert ids[len(prompt) : len(prompt) + len(served) - 1] == served[:-1], "the answer as the model sampled it"
+
+
 def _recorded() -> list[tuple[str, list[dict[str, Any]]]]:
     index = json.loads((CONVERSATIONS / "index.json").read_text())
     return [(name, json.loads((CONVERSATIONS / f).read_text())["turns"]) for name, f in index["conversations"].items()]

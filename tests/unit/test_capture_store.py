@@ -376,3 +376,65 @@ def test_a_turn_redis_cannot_append_is_the_only_one_dropped(redis_url):
     finally:
         sink.close()
         client.close()
+
+
+def test_an_idle_servers_store_still_removes_sessions_past_their_retention(tmp_path, monkeypatch):
+    """Retention holds while no request comes: the writer prunes on its own clock, not only when a turn arrives
+    (docs/capture.md, "a session is removed this many seconds after its last turn")."""
+    monkeypatch.setattr(store_module, "PRUNE_EVERY_S", 0.02)
+    sink = open_sink(f"sqlite:///{tmp_path / 'c.sqlite3'}", retention_s=100)
+    try:
+        sink.submit(make_turn("old", [1]))
+        assert sink.flush() and sink.read("old") is not None
+
+        class Later:  # the writer's clock, 101 s on: the session's last turn is past its retention
+            monotonic, sleep = staticmethod(time.monotonic), staticmethod(time.sleep)
+
+            @staticmethod
+            def time() -> float:
+                return time.time() + 101
+
+        monkeypatch.setattr(store_module, "time", Later)
+        deadline = time.monotonic() + 10
+        while sink.read("old") is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sink.read("old") is None, "no turn came after it, and the session is still there"
+    finally:
+        sink.close()
+
+
+def test_the_sqlite_writers_memory_of_last_turns_is_bounded_by_ids_not_by_sessions_alone(tmp_path, monkeypatch):
+    """The writer keeps each recent session's last turn to place the next one without a re-read: with long
+    prompts (an agent's 100k-token context) 256 of them held as Python lists were gigabytes. Bounded by ids."""
+    import gc
+    import tracemalloc
+
+    from vllm_nvext.capture import sqlite_store
+
+    monkeypatch.setattr(sqlite_store, "_LAST_IDS", 1 << 18)  # 256 Ki ids kept at most (1 MiB)
+    sink = open_sink(f"sqlite:///{tmp_path / 'c.sqlite3'}")
+    try:
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for n in range(12):  # 12 sessions of 100k ids: 1.2 M ids, 43 MB as Python ints
+            sink.submit(make_turn(f"long-{n}", list(range(1000 + n, 101_000 + n)), [7, 8]))
+            assert sink.flush()
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    try:
+        assert held < 8 << 20, f"{held >> 20} MiB held after the turns were written"
+        # The kept turns still place the next ones: a session continued past the memory, and one in it.
+        sink.submit(make_turn("long-0", [*range(1000, 101_000), 7, 8, 9], [1]))
+        sink.submit(make_turn("long-11", [*range(1011, 101_011), 7, 8, 9], [1]))
+        sink.submit(make_turn("long-10", [5], [1]))
+        assert sink.flush()
+        assert [(sink.read(s) or [])[-1]["extends_previous"] for s in ("long-0", "long-11", "long-10")] == [
+            True,
+            True,
+            False,
+        ]
+    finally:
+        sink.close()

@@ -50,12 +50,11 @@ async def serve(exchange: Exchange, route: AgentRoute, body: bytes, found: bool,
         plan = planner(body, mode, dp_rank_header=headers.dp_rank, capture=captured) if found or captured else None
         if isinstance(plan, MessagesPlan) and plan.ids and not exchange.serve_messages:
             raise plan.refusal()
-        if (
-            isinstance(plan, ResponsesPlan)
-            and plan.asks_ids
-            and (rs := _vllm_compat.rust_frontend_version(exchange.scope))
-        ):
-            raise rust_frontend_refusal(plan, rs)  # through the proxy (docs/scaling-out.md)
+        if isinstance(plan, ResponsesPlan) and (rs := _vllm_compat.rust_frontend_version(exchange.scope)):
+            if plan.asks_ids:
+                raise rust_frontend_refusal(plan, rs)  # through the proxy (docs/scaling-out.md)
+            if plan.capture:  # vllm-rs refuses enable_response_messages: not captured, never a 400 for capture
+                plan = plan_responses(body, mode, dp_rank_header=headers.dp_rank) if found else None
     except RequestError as exc:
         await exchange.send_error(exc, anthropic_error_body(exc) if messages else None)
         return

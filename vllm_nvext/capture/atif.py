@@ -77,10 +77,12 @@ def _metrics(turn: dict[str, Any]) -> dict[str, Any]:
     metrics: dict[str, Any] = {}
     usage = turn.get("usage")
     if isinstance(usage, dict):
-        for key in ("prompt_tokens", "completion_tokens"):
-            if isinstance(usage.get(key), int):
-                metrics[key] = usage[key]
-        details = usage.get("prompt_tokens_details")
+        # Chat and completions' names, else /v1/responses' (`input_tokens`, `output_tokens`, `input_tokens_details`).
+        for key, other in (("prompt_tokens", "input_tokens"), ("completion_tokens", "output_tokens")):
+            value = usage.get(key, usage.get(other))
+            if isinstance(value, int):
+                metrics[key] = value
+        details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             metrics["cached_tokens"] = details["cached_tokens"]
     for key in ("prompt_token_ids", "completion_token_ids"):

@@ -10,6 +10,7 @@ the middleware's tap (capture/tap.py) to vLLM's renderer (capture/render_hook.py
 from __future__ import annotations
 
 import contextvars
+import re
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Sequence
@@ -21,6 +22,10 @@ TURNS_PER_SESSION = 4  # the last turns of one session a new request may continu
 MAX_IDS = 64 * 1024 * 1024  # ids remembered in all (4 bytes each): past it, the oldest sessions go
 # The routes whose requests vLLM renders with the chat template (completions takes its prompt as sent).
 ROUTES = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
+
+# The close of a reasoning block at the end of a text, as the reasoning parsers' models write it (`</think>`,
+# `</seed:think>`, `[/THINK]`, `◁/think▷`): the only head of a served answer a client's answer may leave out.
+_REASONING_CLOSE = re.compile(r"(?:</[\w:.-]*think[\w:.-]*>|\[/think\]|◁/think▷)\Z", re.IGNORECASE)
 
 # Why a request was not continued (the log says it; the turn's `break` says where its prompt parts).
 HISTORY, ANSWER, NO_MARKER, LENGTH = "history", "answer", "no_marker", "length"
@@ -171,9 +176,9 @@ def continued(
     vLLM's rendering of its prompt up to the generation prompt (the ids after its last stop id), and
     then renders, as text, the generation prompt and an answer the client sent back unchanged
     (`decode(completion)`, as the client got it: whitespace and U+FFFD aside; an answer whose reasoning
-    the template dropped counts too), closed by a stop id. The ids are then the previous prompt + its
-    completion (less a trailing stop id, which the template re-adds) + `rendered` from that closing
-    stop id on. (None, why) otherwise: vLLM's own rendering stands.
+    the template dropped counts too, the part dropped ending with a reasoning's closing tag), closed by a
+    stop id. The ids are then the previous prompt + its completion (less a trailing stop id, which the
+    template re-adds) + `rendered` from that closing stop id on. (None, why) otherwise: vLLM's own rendering stands.
     """
     base = prompt if previous_rendered is None else previous_rendered
     start = _last(base, stops)
@@ -192,6 +197,10 @@ def continued(
             return None, HISTORY  # not the assistant's answer that comes next
         sent = text[len(generation) :]
     ours, theirs = _plain(decode(answer)), _plain(sent)
-    if ours != theirs and not (theirs and ours.endswith(theirs)):
-        return None, ANSWER  # the client sent back another answer than it was served
+    # Another answer than the one served falls back, a tail of it too (the model would see the head the client
+    # left out) unless that head is reasoning, closed by its tag: what a template leaves out of an earlier answer.
+    if ours != theirs and not (
+        theirs and ours.endswith(theirs) and _REASONING_CLOSE.search(ours, 0, len(ours) - len(theirs))
+    ):
+        return None, ANSWER
     return [*prompt, *answer, *rendered[close:]], "continued"

@@ -12,6 +12,7 @@ import json
 import os
 import sqlite3
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
@@ -27,7 +28,8 @@ _SCHEMA = (
 )
 BUSY_TIMEOUT_MS = 5000
 PRUNE_CHUNK = 500  # sessions removed per transaction
-_LAST_TURNS = 256  # sessions whose last turn the writer keeps decoded (extends_previous without a re-read)
+_LAST_TURNS = 256  # sessions whose last turn the writer keeps (extends_previous without a re-read)
+_LAST_IDS = 16 * 1024 * 1024  # the ids those turns hold in all (4 bytes each: 64 MiB); past it the least recent go
 
 
 def sqlite_path(url: str) -> str:
@@ -49,7 +51,9 @@ class SQLiteBackend:
         self.retention_s = retention_s
         self._conn: sqlite3.Connection | None = None  # the writer thread's
         self._inode: int | None = None
-        self._last: OrderedDict[str, Turn] = OrderedDict()
+        # Each recent session's last turn: (its index, its prompt + completion ids, None: no prompt ids reported).
+        self._last: OrderedDict[str, tuple[int, array[int] | None]] = OrderedDict()
+        self._last_ids = 0
         self._lock = threading.Lock()
         try:
             self._writer_conn().close()  # create the file and schema now: a bad path stops start-up
@@ -77,7 +81,7 @@ class SQLiteBackend:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-            self._last.clear()
+            self._forget()
         conn = self._connect()
         for statement in _SCHEMA:
             conn.execute(statement)
@@ -92,7 +96,7 @@ class SQLiteBackend:
                 if self._conn is not None:  # reopen on the next batch: the file may have been replaced
                     self._conn.close()
                     self._conn = None
-                    self._last.clear()
+                    self._forget()
                 raise
 
     def _write(self, turns: Sequence[Turn], now: float) -> None:
@@ -116,7 +120,7 @@ class SQLiteBackend:
                 self._remember(placed)
             conn.execute("COMMIT")
         except BaseException:
-            self._last.clear()
+            self._forget()
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
@@ -125,16 +129,39 @@ class SQLiteBackend:
         if index == 0:
             return None
         cached = self._last.get(sid)
-        if cached is not None and cached.index == index - 1:
-            return cached
+        if cached is not None and cached[0] == index - 1:
+            ids = None if cached[1] is None else cached[1].tolist()  # what `Turn.placed` reads of it
+            return Turn(sid, "", "", 0.0, "", prompt_token_ids=ids, index=index - 1)
         row = conn.execute("SELECT body FROM turns WHERE session_id = ? AND idx = ?", (sid, index - 1)).fetchone()
         return None if row is None else Turn.from_json(json.loads(row[0]))
 
     def _remember(self, turn: Turn) -> None:
-        self._last[turn.session_id] = turn
-        self._last.move_to_end(turn.session_id)
-        while len(self._last) > _LAST_TURNS:
-            self._last.popitem(last=False)
+        """Keep `turn`'s ids compactly for the session's next turn, within _LAST_TURNS sessions and _LAST_IDS ids."""
+        self._forget(turn.session_id)
+        ids: array[int] | None = None
+        if turn.prompt_token_ids is not None:
+            try:
+                ids = array("i", turn.prompt_token_ids)
+                ids.extend(turn.completion_token_ids or ())
+            except (OverflowError, TypeError):
+                return  # not kept: the next turn reads it back
+            if len(ids) > _LAST_IDS:
+                return
+        assert turn.index is not None
+        self._last[turn.session_id] = (turn.index, ids)
+        self._last_ids += len(ids or ())
+        while len(self._last) > _LAST_TURNS or self._last_ids > _LAST_IDS:
+            self._forget(next(iter(self._last)))
+
+    def _forget(self, session_id: str | None = None) -> None:
+        """Drop one session's kept turn (None: every one)."""
+        if session_id is None:
+            self._last.clear()
+            self._last_ids = 0
+            return
+        kept = self._last.pop(session_id, None)
+        if kept is not None:
+            self._last_ids -= len(kept[1] or ())
 
     @staticmethod
     def _used(conn: sqlite3.Connection) -> int:
@@ -181,7 +208,7 @@ class SQLiteBackend:
         finally:
             conn.close()
         with self._lock:
-            self._last.pop(session_id, None)
+            self._forget(session_id)
         return found
 
     def sessions(self, since: float | None) -> Iterator[str]:
@@ -209,7 +236,7 @@ class SQLiteBackend:
                     for (sid,) in old:
                         conn.execute("DELETE FROM turns WHERE session_id = ?", (sid,))
                         conn.execute("DELETE FROM sessions WHERE session_id = ?", (sid,))
-                        self._last.pop(sid, None)
+                        self._forget(sid)
                     conn.execute("COMMIT")
                 except BaseException:
                     if conn.in_transaction:

@@ -172,7 +172,14 @@ class Sink:
     def _run(self) -> None:
         next_prune = 0.0
         while True:
-            first = self._queue.get()
+            try:  # woken at least every PRUNE_EVERY_S: an idle server's store still honours the retention
+                first = self._queue.get(timeout=PRUNE_EVERY_S)
+            except queue.Empty:
+                now = time.time()
+                if now >= next_prune:
+                    next_prune = now + PRUNE_EVERY_S
+                    self._prune(now)
+                continue
             batch: list[Turn] = [] if first is None else [first]
             stop = first is None
             while not stop and len(batch) < BATCH:

@@ -34,7 +34,7 @@ class Sink(Protocol):
 class _Choice:
     """One choice's record: its ids, logprobs and spans so far."""
 
-    __slots__ = ("ids", "logprobs", "finish_reason", "spans", "withheld", "tools")
+    __slots__ = ("ids", "logprobs", "finish_reason", "spans", "withheld", "tools", "prompt")
 
     def __init__(self) -> None:
         self.ids: list[int] = []
@@ -43,6 +43,7 @@ class _Choice:
         self.spans: list[dict[str, Any]] = []
         self.withheld = False  # some chunk said `token_ids: null`: the ids are not reported
         self.tools: dict[int, tuple[str | None, str | None]] = {}  # tool call index -> (id, name)
+        self.prompt: list[int] | None = None  # the prompt it answers, where the choice says (completions)
 
     def add(self, ids: list[int] | None, logprobs: list[float] | None, kind: str | None, tool: int | None) -> None:
         if ids is None:
@@ -163,6 +164,15 @@ class Collector:
             state = self._choices[index] = _Choice()
         return state
 
+    def _choice_prompt(self, state: _Choice, choice: dict[str, Any]) -> None:
+        """A completions choice's own prompt ids (the turn's are the first reported)."""
+        prompt = choice.get("prompt_token_ids")
+        if isinstance(prompt, list):
+            if state.prompt is None:
+                state.prompt = prompt
+            if self.prompt is None:
+                self.prompt = prompt
+
     def stream_bytes(self, body: bytes) -> None:
         """One body message of a chat or completions stream, as vLLM sent it: held, read in bulk."""
         self._held.append(body)
@@ -206,9 +216,8 @@ class Collector:
         for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict):
                 continue
-            if self.prompt is None and isinstance(choice.get("prompt_token_ids"), list):
-                self.prompt = choice["prompt_token_ids"]  # completions: per choice
             state = self._choice(choice.get("index"))
+            self._choice_prompt(state, choice)  # completions: per choice
             delta = choice.get("delta")
             kind, tool, call = _delta_kind(delta, choice)
             if call is not None:
@@ -235,9 +244,8 @@ class Collector:
         for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict):
                 continue
-            if self.prompt is None and isinstance(choice.get("prompt_token_ids"), list):
-                self.prompt = choice["prompt_token_ids"]
             state = self._choice(choice.get("index"))
+            self._choice_prompt(state, choice)
             ids = choice.get("token_ids")
             message = choice.get("message")
             calls = message.get("tool_calls") if isinstance(message, dict) else None
@@ -298,17 +306,21 @@ class Collector:
             return
         self._done = True
         try:
-            self.sink.submit(self.turn())
+            for turn in self.turns():
+                self.sink.submit(turn)
         except Exception:  # the sink never raises; a turn that cannot be made is dropped, never the answer
             logger.exception("vllm-nvext could not record a captured turn")
 
-    def fields(self) -> dict[str, Any]:
-        """The turn's fields as the read API writes them (capture/record.py's Turn), less what the store adds."""
-        first = self._choices.get(0) or _Choice()
+    def fields(self, group: dict[int, _Choice] | None = None, prompt: list[int] | None = None) -> dict[str, Any]:
+        """The turn's fields as the read API writes them (capture/record.py's Turn), less what the store adds;
+        `group`: of a completions batch, the choices that answer one prompt (`prompt`), else all of them."""
+        choices = self._choices if group is None else group
+        lead = 0 if group is None else min(group)
+        first = choices.get(lead) or _Choice()
         choice = first.fields()
         if not self.spans_known:
             choice["spans"] = None
-        others = [{"index": i, **c.fields()} for i, c in sorted(self._choices.items()) if i != 0]
+        others = [{"index": i, **c.fields()} for i, c in sorted(choices.items()) if i != lead]
         if not self.spans_known:
             for other in others:
                 other["spans"] = None
@@ -323,7 +335,7 @@ class Collector:
             "parent_id": key.parent_id,
             "agent_id": key.agent_id,
             "session_source": key.source,
-            "prompt_token_ids": self.prompt,
+            "prompt_token_ids": self.prompt if group is None else prompt,
             **choice,
             "usage": self.usage,
             "choices": others or None,
@@ -331,6 +343,17 @@ class Collector:
 
     def turn(self) -> Turn:
         return Turn(**self.fields())
+
+    def turns(self) -> list[Turn]:
+        """The turn, or of a /v1/completions batch of prompts one turn per prompt, each with the choices that
+        answer it (docs/capture.md), in the order of their first choice."""
+        groups: dict[tuple[int, ...] | None, dict[int, _Choice]] = {}
+        for index, state in sorted(self._choices.items()):
+            key = None if state.prompt is None or state.prompt == self.prompt else tuple(state.prompt)
+            groups.setdefault(key, {})[index] = state
+        if len(groups) < 2:
+            return [self.turn()]
+        return [Turn(**self.fields(group, self.prompt if key is None else list(key))) for key, group in groups.items()]
 
 
 def _message_kinds(message: Any) -> list[str]:
