@@ -32,6 +32,8 @@ from .nvext_values import Clock, engine_data, kv_cache_hit, timing
 from .prompt_ids import PromptIds
 from .shapes import choice_logprobs
 
+_LIST = ord("[")
+
 
 def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
     """Reshape a unary chat.completion / text_completion in place; False if left unchanged.
@@ -141,7 +143,7 @@ class ChunkReshaper(PromptIds):
     and is not taken while `decode_every_chunk` is set.
     """
 
-    __slots__ = ("plan", "clock", "ids", "logprobs", "ttft_ms", "engine", "_choices", "pending", "_echoed",
+    __slots__ = ("plan", "clock", "ids", "logprobs", "ttft_ms", "engine", "_choices", "first", "pending", "_echoed",
                  "decode_every_chunk", "timed")  # fmt: skip
 
     def __init__(self, plan: Plan, clock: Clock) -> None:
@@ -152,7 +154,9 @@ class ChunkReshaper(PromptIds):
         self.logprobs: list[Any] | None = [] if plan.logprobs_requested else None
         self.ttft_ms: float | None = None
         self.engine, self.timed = ENGINE_DATA in plan.nvext_only_selectors, TIMING in plan.nvext_only_selectors
-        self._choices: dict[int, _Choice] = {0: _Choice(self.ids, self.logprobs)}
+        # Choice 0's state, also read (never written) by the byte-level paths: `first_choice` records what they serve.
+        self.first = _Choice(self.ids, self.logprobs)
+        self._choices: dict[int, _Choice] = {0: self.first}
         # With plan.finish_waits_for_usage: the finish chunk's nvext and engine_data arguments, to be
         # completed from the usage chunk (`complete_from_usage`) before the chunk goes out.
         self.pending: tuple[dict[str, Any], dict[str, Any] | None] | None = None
@@ -169,15 +173,32 @@ class ChunkReshaper(PromptIds):
             if self.engine:
                 self.ids.extend(_json.loads(event[start:end]))
 
+    def first_choice(self, event: bytes, start: int, end: int, finishes: bool = False) -> bool:
+        """What `reshape` records of choice 0 from a chunk a byte-level path serves, in one call: its ids at
+        event[start:end] (a list, as `delta_ids` records it; `null`: withheld) and, where the chunk `finishes` it,
+        its finish. False, nothing recorded: a finish chunk once choice 0 had finished (it counts once)."""
+        state = self.first
+        if finishes:
+            if state.finished:
+                return False
+            state.finished = True
+        if event[start] != _LIST:
+            state.withheld = True
+        elif end - start > 2:  # `delta_ids`, inlined: no call of its own
+            if self.timed and self.ttft_ms is None:
+                self.ttft_ms = self.clock.elapsed_ms()
+            if self.engine:
+                state.ids.extend(_json.loads(event[start:end]))
+        return True
+
     def finish_first_choice(self, event: bytes, start: int, end: int) -> bytes | None:
         """What `reshape` records from choice 0's finish chunk (ids at event[start:end]; see finish.serves), for
         whoever serves it (finish_chunk, either stream send), and its `nvext`; None, nothing recorded, once finished."""
-        if self._choices[0].finished:
+        if self.first.finished:
             return None
         kept, ids = self._prompt_json, self._prompt_ids  # the prompt ids as `_json.dumps` writes them
         prompt = b"" if kept is None and ids is None else b',"prompt_token_ids":' + (kept or _json.dumps(ids))
-        self.delta_ids(event, start, end)
-        self.record_choice(0, False, True)
+        self.first_choice(event, start, end, True)
         return b'{"completion_token_ids":' + event[start:end] + prompt + b"}"
 
     def record_choice(self, index: Any, withheld: bool, finishes: bool) -> bool:
@@ -189,7 +210,7 @@ class ChunkReshaper(PromptIds):
 
     def withhold_ids(self) -> None:
         """The byte-level path saw `token_ids: null` on the only choice (see `reported_ids`)."""
-        self._choices[0].withheld = True
+        self.first.withheld = True
 
     def drop_pending(self) -> None:
         """The finish chunk waiting for the usage chunk goes out as it stands (no usage chunk came)."""

@@ -289,7 +289,7 @@ class StreamReshaper:
             return None
         chunks = self.chunks
         finish = None
-        if self._finish_head is not None and not chunks.choice_state(0).finished:  # finish.finish_chunk's bytes
+        if self._finish_head is not None and not chunks.first.finished:  # finish.finish_chunk's bytes
             finish = _record(FinishArm, (self._finish_head, len(self.root), chunks.finish_first_choice))
         usage_root = b"" if self._renames else self.root  # the general path may rename an error in it
         on_ids = chunks.delta_ids if chunks.engine or (chunks.timed and chunks.ttft_ms is None) else None
@@ -301,10 +301,8 @@ class StreamReshaper:
         ids = event[start:end]
         listed = ids[0] == _LIST  # else null: vLLM withheld the ids, which stay unreported
         chunks = self.chunks
-        if not listed:
-            chunks.withhold_ids()
-        elif chunks.engine or chunks.timed:  # else nothing reads a delta's ids
-            chunks.delta_ids(event, start, end)
+        if not listed or chunks.engine or chunks.timed:  # else nothing reads a listed delta's ids
+            chunks.first_choice(event, start, end)
         strip = self._strip and listed  # vLLM's copy goes back to null, an empty one too
         if self._trio:
             return b"".join(
