@@ -256,8 +256,8 @@ def count_refusal(param: str | None, status: int) -> None:
 _reshaping: dict[tuple[Any, str], tuple[Any, ...]] = {}  # the three counters' adders by (endpoint, kind)
 
 
-def count_reshaping(endpoint: Any, kind: str, events: int, seconds: float, unchanged: int = 0) -> None:
-    """One response's reshaping, added once when the response is over."""
+def _reshaping_adders(endpoint: Any, kind: str) -> tuple[Any, ...]:
+    """The adders of the events, seconds and unchanged counters for (endpoint, kind), made on first use."""
     children = _reshaping.get((endpoint, kind))
     if children is None:
         state = _counters()
@@ -267,6 +267,12 @@ def count_reshaping(endpoint: Any, kind: str, events: int, seconds: float, uncha
             labels = (_label(endpoint), kind)
             children = tuple(_adder(c.labels(*labels)) for c in (state.events, state.seconds, state.unchanged))
         _reshaping[(endpoint, kind)] = children
+    return children
+
+
+def count_reshaping(endpoint: Any, kind: str, events: int, seconds: float, unchanged: int = 0) -> None:
+    """One response's reshaping, added once when the response is over (a stream's: `StreamTally.count`)."""
+    children = _reshaping.get((endpoint, kind)) or _reshaping_adders(endpoint, kind)
     if events > 0:
         children[0](events)
     if seconds > 0:
@@ -307,15 +313,20 @@ class StreamTally:
         self._last_index += 1 if self._samples == 2 else STRIDE
         return STRIDE
 
-    def messages(self, left: int) -> int:
-        """The body messages seen, with `left` the countdown when the stream ended."""
-        if not self._samples:
-            return 0
-        return self._last_index + (1 if self._samples == 1 else STRIDE) - left
-
-    def seconds(self, left: int) -> float:
-        """The estimated time, with `left` the countdown when the stream ended."""
-        return (self._ns + self._last_ns * (1 + STRIDE - left)) / 1e9
+    def count(self, endpoint: Any, left: int, beside: int, unchanged: int) -> None:
+        """The stream is over, with `left` the countdown then: its events (the body messages seen, plus `beside`:
+        the events framed beyond one per message, less the messages framed), its estimated time and the events
+        forwarded unchanged, added to the counters in one call (`count_reshaping`'s, inlined)."""
+        samples = self._samples
+        events = beside + (self._last_index + (1 if samples == 1 else STRIDE) - left if samples else 0)
+        seconds = (self._ns + self._last_ns * (1 + STRIDE - left)) / 1e9
+        children = _reshaping.get((endpoint, STREAM)) or _reshaping_adders(endpoint, STREAM)
+        if events > 0:
+            children[0](events)
+        if seconds > 0:
+            children[1](seconds)
+        if unchanged > 0:
+            children[2](unchanged)
 
 
 class CaptureCounts:

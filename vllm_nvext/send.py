@@ -219,9 +219,7 @@ class ReshapingSend:
         if stream is not None and tally is not None:
             self._tally = None
             left = self._countdown() if self._armed else self._left
-            events = tally.messages(left) - stream.framed + stream.framed_events
-            seconds = tally.seconds(left)
-            metrics.count_reshaping(self.route, metrics.STREAM, events, seconds, stream.unchanged)
+            tally.count(self.route, left, stream.framed_events - stream.framed, stream.unchanged)
 
 
 _BODY_KINDS: dict[bytes, tuple[bool, bool]] = {}

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.kernels import kernels_for
+from tests.unit.test_metrics import counted_since, scrape
 from tests.unit.test_request_fidelity import BASE, _made_anew, _outcome
 from tests.unit.test_stream_finish import _both, _finish_at, _recording
 from tests.unit.test_stream_layouts import _events, _first_difference, _plan
@@ -283,20 +284,16 @@ def test_an_unusual_usage_chunk_or_done_through_the_armed_send_gets_the_general_
     plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
     if renames:  # the general path may rename an error in a chunk: no usage chunk is forwarded unread
         plan = replace(plan, error_params=(("temperature", "nvext.greed_sampling"),))
-    counted: list[tuple[int, int]] = []
     monkeypatch.setattr(metrics, "enabled", lambda: True)
-    monkeypatch.setattr(
-        metrics, "count_reshaping", lambda _e, _k, events, _s, unchanged=0: counted.append((events, unchanged))
-    )
     for label, events in _usage_cases(_events(rec.body)).items():
         counts = []
         for impl in ("python", "c"):
-            counted.clear()
+            before = scrape()
             got, reshaping = _through_send(plan, events, kernels_for(impl))
             reshaping.count_stream()
             want = _stream_general(plan, events)
             assert got == want, f"{impl}, {label}: {_first_difference(got, want)}"
-            counts.append(list(counted))
+            counts.append(counted_since(before))
         assert counts[0] == counts[1], f"{label}: the metrics differ by path: {counts}"
 
 

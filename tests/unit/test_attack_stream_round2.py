@@ -22,9 +22,10 @@ from hypothesis import strategies as st
 
 from tests.recorded import recordings
 from tests.support.kernels import IMPLS, kernels_for
+from tests.unit.test_metrics import Sample, counted_since, scrape
 from tests.unit.test_stream_finish import _run, _Sink
 from tests.unit.test_stream_layouts import _events, _first_difference, _plan
-from vllm_nvext import Mode, metrics
+from vllm_nvext import Mode
 from vllm_nvext.kernels import PYTHON, Kernels
 from vllm_nvext.outbound.decoding import DecodingStreamReshaper
 from vllm_nvext.outbound.nvext_values import Clock
@@ -63,25 +64,17 @@ NEVER_ARMED = replace(PYTHON, stream_send=_never_armed)  # the Python kernels wh
 Messages = list[tuple[bytes, bool]]
 
 
-def _sent(plan: Any, messages: Messages, kernels: Kernels) -> tuple[bytes, list[tuple[int, int]]]:
-    """The client's bytes and the metrics' (events, unchanged) for a stream sent through `kernels`' send."""
-    counted: list[tuple[int, int]] = []
-    real = metrics.count_reshaping
-
-    def count(endpoint: Any, kind: str, events: int, seconds: float, unchanged: int = 0) -> None:
-        counted.append((events, unchanged))
-
-    metrics.count_reshaping = count
-    try:
-        sink = _Sink()
-        reshaping = ReshapingSend(plan, _CountingClock(), sink, kernels)
-        _run(reshaping.app_send(dict(START)))
-        for body, more in messages:
-            _run(reshaping.app_send({"type": "http.response.body", "body": body, "more_body": more}))
-        reshaping.count_stream()
-    finally:
-        metrics.count_reshaping = real
-    return b"".join(sink.bodies), counted
+def _sent(plan: Any, messages: Messages, kernels: Kernels) -> tuple[bytes, dict[Sample, float]]:
+    """The client's bytes and what the counters added (events, events forwarded unchanged) for a stream sent
+    through `kernels`' send."""
+    before = scrape()
+    sink = _Sink()
+    reshaping = ReshapingSend(plan, _CountingClock(), sink, kernels)
+    _run(reshaping.app_send(dict(START)))
+    for body, more in messages:
+        _run(reshaping.app_send({"type": "http.response.body", "body": body, "more_body": more}))
+    reshaping.count_stream()
+    return b"".join(sink.bodies), counted_since(before)
 
 
 def _decoded(plan: Any, messages: Messages) -> bytes:

@@ -55,6 +55,11 @@ def delta(before: dict[Sample, float]) -> dict[Sample, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
 
 
+def counted_since(before: dict[Sample, float]) -> dict[Sample, float]:
+    """What the counters added since `before` (a `scrape`), less the reshaping time (it differs run to run)."""
+    return {k: v for k, v in delta(before).items() if k[0] != metrics.PREFIX + "reshaping_seconds_total"}
+
+
 def sample(name: str, **labels: str) -> Sample:
     return (metrics.PREFIX + name + "_total", tuple(sorted(labels.items())))
 
@@ -198,7 +203,8 @@ async def test_responses_that_need_no_reshaping_count_no_events():
 
 
 def _estimate(costs: list[int]) -> tuple[float, list[int]]:
-    """What the middleware's stream path does with a tally: (the estimate, the messages timed)."""
+    """What the middleware's stream path does with a tally: (the estimate the counters read once the stream is
+    counted, the messages timed)."""
     tally = metrics.StreamTally()
     left = metrics.StreamTally.FIRST
     timed = []
@@ -207,8 +213,11 @@ def _estimate(costs: list[int]) -> tuple[float, list[int]]:
         if not left:
             timed.append(n)
             left = tally.add(cost)
-    assert tally.messages(left) == len(costs)
-    return tally.seconds(left), timed
+    before = scrape()
+    tally.count(Endpoint.CHAT, left, 0, 0)
+    got = delta(before)
+    assert got.get(sample("reshaped_events", endpoint="chat", kind="stream"), 0) == len(costs)
+    return got.get(sample("reshaping_seconds", endpoint="chat", kind="stream"), 0.0), timed
 
 
 def test_stream_time_estimate_is_exact_when_every_message_costs_the_same():
@@ -226,6 +235,48 @@ def test_stream_time_estimate_times_few_messages():
     _, timed = _estimate([1000] * 400)
     stride = metrics.STRIDE
     assert timed[:4] == [1, 2, 2 + stride, 2 + 2 * stride] and len(timed) == 2 + 398 // stride
+
+
+def _exposed(scraped: bytes) -> dict[str, float]:
+    """The `vllm_nvext:*_total` lines of a /metrics answer (the text exposition), by name and labels."""
+    out = {}
+    for line in scraped.decode().splitlines():
+        if line.startswith(metrics.PREFIX) and "_total{" in line:
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+@pytest.mark.parametrize("pure_python", [False, True], ids=["compiled send", "python send"])
+@pytest.mark.parametrize("name", ["chat_stream_ids_long", "vllm-0.33/completions_stream_ids"])
+async def test_a_finished_streams_counters_are_what_a_metrics_scrape_reads(name, pure_python):
+    """What a user scraping /metrics (prometheus_client's exposition of the registry vLLM serves) reads once a
+    stream is over: its events ([DONE] included), the time spent on them, none forwarded unchanged; whichever send
+    served its deltas."""
+    from prometheus_client import make_asgi_app
+
+    exposition = make_asgi_app()
+    rec = recording(name)
+    app, _ = _app(rec, pure_python=pure_python)
+
+    async def exposed() -> dict[str, float]:
+        return _exposed((await call(exposition, "/metrics", b"", method="GET", headers=())).body)
+
+    before = await exposed()
+    result = await call(app, rec.path, _body(rec, "nvext"))
+    assert b'"nvext"' in result.body
+    after = await exposed()
+    got = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    labels = f'{{endpoint="{_endpoint(rec)}",kind="stream"}}'
+    events, seconds = (
+        got.pop("vllm_nvext:reshaped_events_total" + labels),
+        got.pop("vllm_nvext:reshaping_seconds_total" + labels),
+    )
+    assert events == _count_events(rec.body) == _count_events(result.body)
+    assert 0 < seconds < 1.0
+    assert list(got) == [
+        f'vllm_nvext:requests_total{{dialect="nvext",endpoint="{_endpoint(rec)}",kind="stream",placement="auto"}}'
+    ], "nothing forwarded unchanged, no other counter"
 
 
 # --- responses forwarded unchanged ---------------------------------------------------------

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.recorded import recordings
+from tests.unit.test_metrics import delta, sample, scrape
 from tests.unit.test_stream_layouts import (
     RECORDED_CASES,
     _events,
@@ -103,21 +104,19 @@ def test_the_armed_send_serves_the_deltas_without_the_general_path(name, kernels
     )
 
 
-def test_the_metrics_count_every_event_whichever_path_serves_it(kernels, monkeypatch):
+def test_the_metrics_count_every_event_whichever_path_serves_it(kernels):
     rec = recordings()["chat_stream_ids_long"]
     plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
-    counted: list[tuple[int, float]] = []
-    monkeypatch.setattr(
-        metrics,
-        "count_reshaping",
-        lambda endpoint, kind, events, seconds, unchanged=0: counted.append((events, seconds)),
-    )
     events = _events(rec.body)
+    before = scrape()
     _, reshaping = _through_send(plan, events, kernels)
     reshaping.count_stream()
-    assert counted and counted[0][0] == len(events) and counted[0][1] > 0, (
-        f"{kernels.impl}: the reshaped-events metric reads {counted}, the stream had {len(events)} events"
-    )
+    reshaping.count_stream()  # once: a second call adds nothing
+    got = delta(before)
+    counted = got.pop(sample("reshaped_events", endpoint="chat", kind="stream"), 0)
+    assert counted == len(events), f"{kernels.impl}: the reshaped-events counter reads {counted}, not {len(events)}"
+    assert 0 < got.pop(sample("reshaping_seconds", endpoint="chat", kind="stream"), 0) < 1.0
+    assert got == {}, f"{kernels.impl}: nothing forwarded unchanged, no other counter"
 
 
 @pytest.mark.parametrize("selectors", [["timing"], ["completion_token_ids", "timing"]])
