@@ -5,10 +5,12 @@ complete, reshaped by `unary.reshape_unary_body` and sent with its new length. A
 a field the middleware set from an nvext field is renamed to that field (`chunks.rename_error`);
 other errors, 204/206/304 and encoded bodies pass untouched. Used by `NvextMiddleware`; public for benchmarks.
 
-vLLM is handed `ReshapingSend.app_send`, the stream send of the kernels that run (`kernels.Kernels`): a plain
-function (`kernels.python_stream_send`) or the compiled `_speedups.StreamSend`, which serve an armed stream's
-mid-stream deltas and finish chunk themselves (`splice.SpliceArm`) and hand every other message to the
-`ReshapingSend`. Same bytes as the general path, both implementations: tests/unit/test_stream_send.py.
+vLLM is handed `ReshapingSend.app_send`: for a stream request, the stream send of the kernels that run
+(`kernels.Kernels`): a plain function (`kernels.python_stream_send`) or the compiled `_speedups.StreamSend`, which
+serve an armed stream's mid-stream deltas and finish chunk themselves (`splice.SpliceArm`) and hand every other
+message to the `ReshapingSend`; for a unary request, the `ReshapingSend` itself (no stream send is made; an event
+stream it gets all the same takes the general path). Same bytes as the general path, both implementations:
+tests/unit/test_stream_send.py.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from typing import Any
 from . import _json, metrics
 from .asgi import Message, Send, is_event_stream, is_json
 from .inbound.plan import Plan
-from .kernels import Kernels, pick
+from .kernels import Arm, Kernels, pick
 from .outbound.captured import CapturedStreamReshaper
 from .outbound.chunks import rename_error
 from .outbound.nvext_values import Clock
+from .outbound.splice import SpliceArm
 from .outbound.stream import StreamReshaper
 from .outbound.unary import plain_body, reshape_unary_body
 from .outbound.unary import serves as unary_serves
@@ -75,10 +78,14 @@ class ReshapingSend:
         self._stream: StreamReshaper | None = None
         self._tally: metrics.StreamTally | None = None  # None: metrics off, nothing timed
         self._left = metrics.StreamTally.FIRST  # body messages until the next timed one
-        # The kernels that run (None: those of the default settings), and the send to hand vLLM from them:
-        # it serves armed streams' deltas itself, everything else through this object.
+        # The kernels that run (None: those of the default settings), and the send to hand vLLM: a stream's from
+        # the kernels, which serves armed streams' deltas itself, everything else through this object; for a
+        # unary request, this object (made lazily, at the response start, only for an event stream: `_on_start`).
         self.kernels = pick(False) if kernels is None else kernels
-        self.app_send, self._arm, self._disarm, self._countdown = self.kernels.stream_send(self, send)
+        if plan.stream:
+            self.app_send, self._arm, self._disarm, self._countdown = self.kernels.stream_send(self, send)
+        else:
+            self.app_send = self
         self._armed = False  # app_send is armed: its countdown is the one that counts
 
     async def __call__(self, message: Message) -> None:
@@ -158,6 +165,8 @@ class ReshapingSend:
             self._kind = self._PASS  # only vLLM's errors could change (error events come in streams); a tap reads it
         elif event_stream:
             self._kind = self._STREAM
+            if self.app_send is self:  # a unary request answered by a stream: nothing but this object serves it
+                self._arm, self._disarm, self._countdown = _general_only()
             if self.tap is None:
                 self._stream = StreamReshaper(self.plan, self.clock, self.kernels)
             else:
@@ -220,6 +229,22 @@ class ReshapingSend:
             self._tally = None
             left = self._countdown() if self._armed else self._left
             tally.count(self.route, left, stream.framed_events - stream.framed, stream.unchanged)
+
+
+def _general_only() -> tuple[Arm, Callable[[], None], Callable[[], int]]:
+    """(arm, disarm, countdown) where vLLM calls the `ReshapingSend` itself: nothing is served beside it, and the
+    countdown it is armed with is the one that counts (it arms or disarms again on every message while armed)."""
+    left = metrics.StreamTally.FIRST
+
+    def arm(countdown: int, add: Callable[[int], int] | None, parts: SpliceArm) -> None:
+        nonlocal left
+        left = countdown
+
+    return arm, _nothing, lambda: left
+
+
+def _nothing() -> None:
+    return None
 
 
 _BODY_KINDS: dict[bytes, tuple[bool, bool]] = {}

@@ -142,6 +142,21 @@ def test_with_the_metrics_off_the_send_gives_the_general_paths_bytes(kernels, mo
         assert reshaping._tally is None
 
 
+@pytest.mark.parametrize("name", ["chat_stream_ids_long", "vllm-0.33/completions_stream_ids"])
+def test_an_event_stream_answering_a_unary_request_gets_the_general_paths_bytes_and_counts(name, kernels):
+    # A unary request's send is the ReshapingSend itself (no stream send made); should its answer be an event
+    # stream all the same, the general path serves every message, and the metrics count every event.
+    rec = recordings()[name]
+    plan = replace(_plan(rec, Mode.NVEXT, ["completion_token_ids"]), stream=False)
+    events = _events(rec.body)
+    before = scrape()
+    got, reshaping = _through_send(plan, events, kernels)
+    reshaping.count_stream()
+    assert got == _general(plan, events), f"{kernels.impl}: other bytes than the general path"
+    endpoint = "chat" if name.startswith("chat") else "completions"
+    assert delta(before).get(sample("reshaped_events", endpoint=endpoint, kind="stream")) == len(events)
+
+
 def test_the_send_serves_memoryview_bodies_and_message_shapes_it_does_not_know_through_the_general_path(kernels):
     rec = recordings()["chat_stream_ids_long"]
     plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
