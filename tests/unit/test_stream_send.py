@@ -31,6 +31,7 @@ from tests.unit.test_stream_layouts import (
 from vllm_nvext import NvextMiddleware, Settings, metrics
 from vllm_nvext.config import ConfigError, Mode
 from vllm_nvext.kernels import KERNELS, PYTHON, Kernels
+from vllm_nvext.outbound import stream as stream_module
 from vllm_nvext.outbound.decoding import DecodingStreamReshaper
 from vllm_nvext.outbound.nvext_values import Clock
 from vllm_nvext.outbound.splice import Splice, learn_splice
@@ -325,18 +326,24 @@ def test_a_splice_that_does_not_give_the_byte_level_paths_bytes_is_never_armed(k
         assert learner(event, start, end, strip, trio, wrong) is None, (
             f"{kernels.impl} arms a splice that renders {out!r}"
         )
-    # Through the send: a byte-level path that gives other bytes than the splice leaves every delta to it.
-    real = StreamReshaper._delta
+    # Through the send: byte-level paths that give other bytes than the splice leave every delta to them (the
+    # first delta is served as the first chunk is, the later ones by `_delta`).
+    real, real_first = StreamReshaper._delta, stream_module.first_chunk
 
     def other_bytes(self: StreamReshaper, event: bytes, start: int, end: int) -> bytes | None:
         new = real(self, event, start, end)
         return (event if new is None else new)[:-2] + b" \n\n"
 
+    def other_first(*args: Any) -> tuple[bytes, int, int] | None:
+        served = real_first(*args)
+        return None if served is None else (served[0][:-2] + b" \n\n", *served[1:])
+
     monkeypatch.setattr(StreamReshaper, "_delta", other_bytes)
+    monkeypatch.setattr(stream_module, "first_chunk", other_first)
     got, reshaping = _through_send(plan, events, kernels)
     stream = reshaping._stream
     assert stream is not None and stream.splice is None, f"{kernels.impl}: armed a splice the byte-level path disowns"
-    alone = StreamReshaper(plan, Clock())  # the stream path by itself, no splice served by the send
+    alone = StreamReshaper(plan, Clock(), kernels)  # the stream path by itself, no splice served by the send
     want = b"".join(alone.feed(e) for e in events) + alone.flush()
     assert got.count(b" \n\n") > 300 and got == want, (
         f"{kernels.impl}: a delta went out other than the byte-level path made it"

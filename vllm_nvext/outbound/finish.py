@@ -15,7 +15,8 @@ stream send handed to vLLM serves it itself (`kernels.Kernels.stream_send`, eith
 `first_chunk` serves, with the compiled scanner (`_speedups.plain_chunk`, the `plain_chunk` of the
 kernels `stream.StreamReshaper` runs), a decoded chunk's
 general-path bytes without the decode: a chunk of choice 0 that does not finish it (the role
-chunk with vLLM's prompt ids, every chunk of a stream no splice serves) whose JSON is plain
+chunk with vLLM's prompt ids, the delta that arms the splice, which is learned from these bytes, every
+chunk of a stream no splice serves) whose JSON is plain
 (every value one orjson writes as vLLM does, no key twice), so vLLM's copies of the ids go back
 to null in place and `"nvext":{"completion_token_ids":...}` goes at its end; the chunk's prompt ids
 are kept as vLLM wrote them (plain: the bytes their decode encodes back to) for `finish_chunk`.
@@ -165,8 +166,10 @@ FinishIds = Callable[[bytes, bytes, bytes, int], "tuple[int, int] | None"]
 Scanner = Callable[[bytes], "tuple[int, ...] | None"]
 
 
-def first_chunk(event: bytes, plan: Plan, chunks: ChunkReshaper, scan: Scanner) -> bytes | None:
-    """The client's bytes for a plain chunk of choice 0 that does not finish it; None (nothing recorded): decode it."""
+def first_chunk(event: bytes, plan: Plan, chunks: ChunkReshaper, scan: Scanner) -> tuple[bytes, int, int] | None:
+    """The client's bytes for a plain chunk of choice 0 that does not finish it, and where its listed ids sit
+    (-1, -1: it lists none), for the splice a delta teaches (`stream.StreamReshaper`); None (nothing recorded):
+    decode it."""
     spans = scan(event)
     if spans is None:
         return None
@@ -189,10 +192,12 @@ def first_chunk(event: bytes, plan: Plan, chunks: ChunkReshaper, scan: Scanner) 
     if strip_prompt and completions and plan.vllm_sends_prompt_ids:
         strip_prompt = False
     tail = b',"nvext":{"completion_token_ids":' + delta + b"}}\n\n"
+    if delta[0] != _LIST:
+        ids = ids_end = -1  # no ids listed here (null)
     if strip_ids and strip_prompt:
         a, a_end, b, b_end = (ids, ids_end, prompt, prompt_end) if ids < prompt else (prompt, prompt_end, ids, ids_end)
-        return b"".join((event[:a], b"null", event[a_end:b], b"null", event[b_end:-_CHUNK_END], tail))
+        return b"".join((event[:a], b"null", event[a_end:b], b"null", event[b_end:-_CHUNK_END], tail)), ids, ids_end
     if strip_ids or strip_prompt:
         a, a_end = (ids, ids_end) if strip_ids else (prompt, prompt_end)
-        return b"".join((event[:a], b"null", event[a_end:-_CHUNK_END], tail))
-    return event[:-_CHUNK_END] + tail
+        return b"".join((event[:a], b"null", event[a_end:-_CHUNK_END], tail)), ids, ids_end
+    return event[:-_CHUNK_END] + tail, ids, ids_end

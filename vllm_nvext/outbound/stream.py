@@ -216,7 +216,7 @@ class StreamReshaper:
                     and self._only_choice(event, pos)
                 ):
                     if self._armings and (splice is None or not event.startswith(splice.prefix)):
-                        return self._arm(event, start, end)  # the first delta, or the layout changed
+                        return self._arm(event, start, end, self._delta(event, start, end))  # the layout changed
                     return self._delta(event, start, end)
             return self._matched_delta(event, splice)
         elif (scan := self._scan) is not None and self._waiting is None:
@@ -224,8 +224,13 @@ class StreamReshaper:
         return self._decoded_event(event)
 
     def _matched_delta(self, event: bytes, splice: Splice | None) -> bytes | None:
-        """`reshape_event` for a delta whose bytes around the ids are not the last delta's: matched by
-        `_DELTA_TAIL` (and its bytes learned when it lists ids), else decoded."""
+        """`reshape_event` for a delta whose bytes around the ids are not the last delta's: while a splice is to be
+        armed, one served as the first chunk is (`_first_delta`); else matched by `_DELTA_TAIL` (and its bytes
+        learned when it lists ids), else decoded."""
+        # A splice is to be armed: the first delta, or the layout changed.
+        arms = self._armings and (splice is None or not event.startswith(splice.prefix))
+        if arms and self._scan is not None and (out := self._first_delta(event, self._scan)) is not None:
+            return out
         pos = event.rfind(_FINISH_KEY)
         # first == last occurrence: exactly one choice in this chunk
         m = _DELTA_TAIL.match(event, pos) if pos > 0 and self._only_choice(event, pos) else None
@@ -235,19 +240,28 @@ class StreamReshaper:
         if event[start] == _LIST:  # learn the bytes around a list of ids
             self._head = event[pos:start]
             self._tail = m.group(2)
-            if self._armings and (splice is None or not event.startswith(splice.prefix)):
-                return self._arm(event, start, end)  # the first delta, or the layout changed
+            if arms:
+                return self._arm(event, start, end, self._delta(event, start, end))
         return self._delta(event, start, end)
+
+    def _first_delta(self, event: bytes, scan: Scanner) -> bytes | None:
+        """A delta served as the first chunk is (finish.first_chunk: the general path's bytes without a decode), and the
+        splice it teaches armed from those bytes when it lists ids; None (nothing recorded): not served so."""
+        served = first_chunk(event, self.chunks.plan, self.chunks, scan) if event.startswith(self.root) else None
+        if served is None:
+            return None
+        out, start, end = served
+        return out if start < 0 else self._arm(event, start, end, out)
 
     def _plain_chunk(self, event: bytes, scan: Scanner) -> bytes:
         """The general path's bytes for a plain chunk without a decode (finish.first_chunk), and what the
         general path learns from a decoded chunk; else the chunk decoded."""
         chunks = self.chunks
-        out = first_chunk(event, chunks.plan, chunks, scan)
-        if out is None:
+        served = first_chunk(event, chunks.plan, chunks, scan)
+        if served is None:
             return self._decoded_event(event)
         self._fast = not chunks.decode_every_chunk and self._learn_root(event)
-        return out
+        return served[0]
 
     def _only_choice(self, event: bytes, pos: int) -> bool:
         """The finish key at `pos` is the only one after the root (one choice), and the chunk's strings
@@ -262,18 +276,18 @@ class StreamReshaper:
             return None
         return finish_chunk(event, splice.prefix, self._finish_head, len(self.root), self._strip, self.chunks)
 
-    def _arm(self, event: bytes, start: int, end: int) -> bytes:
-        """Serve a mid-stream delta by the byte-level path, and arm the splice it teaches if that reproduces it.
+    def _arm(self, event: bytes, start: int, end: int, served: bytes | None) -> bytes:
+        """Arm the splice the delta `event` (its ids at event[start:end]) teaches if it reproduces what a byte-level
+        path has served the delta with (`served`; None: the delta as it came), and give those bytes back.
 
-        The byte-level path (`_delta`) gives the general path's bytes for the deltas it takes
-        (tests/unit/test_stream_layouts.py::test_byte_level_path_gives_the_general_paths_bytes) and
-        serves every later delta when no splice is armed, so the splice is checked against it
-        without decoding the delta; the stream tests run the armed splice against the decoding path.
+        Either path gives the general path's bytes for the deltas it takes (`_delta`:
+        tests/unit/test_stream_layouts.py::test_byte_level_path_gives_the_general_paths_bytes; finish.first_chunk:
+        test_stream_finish.py), so the splice is checked against them without decoding the delta; the stream tests
+        run the armed splice against the decoding path.
         """
+        out = event if served is None else served
         self._armings -= 1
         self.splice = splice = None
-        new = self._delta(event, start, end)
-        out = event if new is None else new
         if (parts := self._learn(event, start, end, self._strip, self._trio, out)) is not None:
             self.splice = splice = Splice(*parts, self._strip, self._trio)
         self._finish_head = None  # the finish chunks it may serve (finish.finish_chunk)
