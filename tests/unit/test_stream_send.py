@@ -327,18 +327,18 @@ def test_a_splice_that_does_not_give_the_byte_level_paths_bytes_is_never_armed(k
             f"{kernels.impl} arms a splice that renders {out!r}"
         )
     # Through the send: byte-level paths that give other bytes than the splice leave every delta to them (the
-    # first delta is served as the first chunk is, the later ones by `_delta`).
-    real, real_first = StreamReshaper._delta, stream_module.first_chunk
+    # first delta is served as the first chunk is, the later ones by `delta_bytes`).
+    real, real_first = stream_module.delta_bytes, stream_module.first_chunk
 
-    def other_bytes(self: StreamReshaper, event: bytes, start: int, end: int) -> bytes | None:
-        new = real(self, event, start, end)
+    def other_bytes(event: bytes, start: int, end: int, *args: Any) -> bytes | None:
+        new = real(event, start, end, *args)
         return (event if new is None else new)[:-2] + b" \n\n"
 
     def other_first(*args: Any) -> tuple[bytes, int, int] | None:
         served = real_first(*args)
         return None if served is None else (served[0][:-2] + b" \n\n", *served[1:])
 
-    monkeypatch.setattr(StreamReshaper, "_delta", other_bytes)
+    monkeypatch.setattr(stream_module, "delta_bytes", other_bytes)
     monkeypatch.setattr(stream_module, "first_chunk", other_first)
     got, reshaping = _through_send(plan, events, kernels)
     stream = reshaping._stream

@@ -3,48 +3,31 @@
 `StreamReshaper` owns the SSE framer and every hot-path shortcut. The general path frames the
 bytes into events, decodes each `data:` payload, lets `chunks.ChunkReshaper` reshape the
 chunk and encodes it again; each shortcut below names the test that proves it gives the same
-bytes as that path. `splice.Splice`, the cheapest, is also what the `send` handed to vLLM serves
+bytes as that path. A mid-stream delta is read and served at the byte level by `delta`, the
+first and finish chunks by `finish`. `splice.Splice`, the cheapest, is also what the `send` handed to vLLM serves
 deltas with (`kernels.python_stream_send`, csrc/stream_send.c). Nothing here knows ASGI.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any, Protocol
 
 from .. import _json
 from ..inbound.plan import Plan
 from .chunks import ChunkReshaper
+from .delta import chunk_root, delta_bytes, ids_between, tail_match
 from .finish import Scanner, finish_chunk, finishes, first_chunk, reshape_single, serves
 from .nvext_values import Clock
-from .splice import FinishArm, Learner, Splice, SpliceArm, kept_json, learn_splice
+from .splice import FinishArm, Learner, Splice, SpliceArm, learn_splice
 from .sse import EventFramer, data_payload
 
 logger = logging.getLogger("vllm_nvext")
 
-_FINISH_KEY = b'"finish_reason":'
-# A null-valued key other than those the general path reads or writes (no duplicate can hide).
-_NULL_KEY = rb',"(?!(?:token_ids|finish_reason|choices|nvext)")[a-z_]+":null'
-# The tail vLLM writes for a mid-stream delta of its only choice: an unfinished finish_reason,
-# then only null-valued keys (stop_reason, prompt_token_ids, ...), then the delta's ids, then
-# only null-valued keys (0.33: weight_versions), the end of the choice and of `choices`, only
-# null-valued root keys (0.33: kv_transfer_params) and the end of the chunk. Group 1: the ids;
-# group 2: everything after them. Anything else is decoded.
-_DELTA_TAIL = re.compile(
-    rb'"finish_reason":null(?:' + _NULL_KEY + rb')*,"token_ids":(null|\[[0-9,]*\])'
-    rb"((?:" + _NULL_KEY + rb")*\}\](?:" + _NULL_KEY + rb")*\}\n\n)\Z"
-)
-_ID_BYTES = b"0123456789,"
-_CHOICES = b'"choices":['
-# Root keys the general path rewrites on a mid-stream delta (docs/protocol.md §3.4): a chunk with
-# one of them before `choices` is never served by the byte-level path.
-_ROOT_REWRITTEN = (b'"prompt_token_ids":', b'"nvext":')
 # The shape vLLM writes each event in: `data: ` + one JSON object + a blank line.
 _DATA = b"data: "
 _JSON_AT = len(_DATA)  # where the chunk's JSON object starts
 _EVENT_END = b"\n\n"
-_CHUNK_END = len(b"}" + _EVENT_END)  # the chunk object's closing brace and the event's end
 _LIST = ord("[")
 _NOT_JSON = object()
 
@@ -180,13 +163,10 @@ class StreamReshaper:
     def reshape_event(self, event: bytes) -> bytes | None:
         """The new bytes for one whole `data: {...}\\n\\n` event, or None to forward it as sent.
 
-        Shortcut: mid-stream deltas take a byte-level path (_DELTA_TAIL, any layout that only
-        adds null-valued keys after the ids or at the root): inside a JSON string every quote is
-        escaped, so the key tokens matched here cannot come from text. vLLM writes the same bytes
-        around every delta of a stream, so the bytes around the last match are checked literally
-        first. Same bytes as decoding (for the valid JSON vLLM writes):
-        tests/unit/test_stream_layouts.py::test_byte_level_path_gives_the_general_paths_bytes.
-        Everything else, the first and final chunks among them, is decoded. Cheapest of all, an
+        Shortcut: mid-stream deltas take the byte-level path (delta.py; same bytes as decoding:
+        tests/unit/test_stream_layouts.py::test_byte_level_path_gives_the_general_paths_bytes). vLLM writes the
+        same bytes around every delta of a stream, so the bytes around the last match are checked literally
+        first. Everything else, the first and final chunks among them, is decoded. Cheapest of all, an
         armed `Splice` (same bytes: tests/unit/test_stream_layouts.py and test_stream_send.py).
         """
         if event == b"data: [DONE]\n\n":  # first: no shortcut below takes it (none matches a non-JSON event)
@@ -204,20 +184,12 @@ class StreamReshaper:
             if splice is not None and (out := self._plain_finish(event, splice)) is not None:
                 return out
             tail = self._tail
-            if tail and event.endswith(tail):
+            if tail and event.endswith(tail) and (start := ids_between(event, self.root, self._head, tail)) >= 0:
                 end = len(event) - len(tail)
-                start = event.rfind(b"[", 0, end)
-                pos = start - len(self._head)
-                if (
-                    pos > _JSON_AT
-                    and event.startswith(self._head, pos)
-                    and not event[start + 1 : end - 1].translate(None, _ID_BYTES)
-                    and event[end - 1 : end] == b"]"
-                    and self._only_choice(event, pos)
-                ):
-                    if self._armings and (splice is None or not event.startswith(splice.prefix)):
-                        return self._arm(event, start, end, self._delta(event, start, end))  # the layout changed
-                    return self._delta(event, start, end)
+                out = delta_bytes(event, start, end, self.chunks, self._strip, self._trio)
+                if self._armings and (splice is None or not event.startswith(splice.prefix)):
+                    return self._arm(event, start, end, out)  # the layout changed
+                return out
             return self._matched_delta(event, splice)
         elif (scan := self._scan) is not None and self._waiting is None:
             return self._plain_chunk(event, scan)
@@ -225,24 +197,21 @@ class StreamReshaper:
 
     def _matched_delta(self, event: bytes, splice: Splice | None) -> bytes | None:
         """`reshape_event` for a delta whose bytes around the ids are not the last delta's: while a splice is to be
-        armed, one served as the first chunk is (`_first_delta`); else matched by `_DELTA_TAIL` (and its bytes
+        armed, one served as the first chunk is (`_first_delta`); else matched by `delta.tail_match` (and its bytes
         learned when it lists ids), else decoded."""
         # A splice is to be armed: the first delta, or the layout changed.
         arms = self._armings and (splice is None or not event.startswith(splice.prefix))
         if arms and self._scan is not None and (out := self._first_delta(event, self._scan)) is not None:
             return out
-        pos = event.rfind(_FINISH_KEY)
-        # first == last occurrence: exactly one choice in this chunk
-        m = _DELTA_TAIL.match(event, pos) if pos > 0 and self._only_choice(event, pos) else None
+        m = tail_match(event, self.root)
         if m is None:
             return self._decoded_event(event)
         start, end = m.span(1)
         if event[start] == _LIST:  # learn the bytes around a list of ids
-            self._head = event[pos:start]
+            self._head = event[m.start() : start]
             self._tail = m.group(2)
-            if arms:
-                return self._arm(event, start, end, self._delta(event, start, end))
-        return self._delta(event, start, end)
+        out = delta_bytes(event, start, end, self.chunks, self._strip, self._trio)
+        return self._arm(event, start, end, out) if arms and event[start] == _LIST else out
 
     def _first_delta(self, event: bytes, scan: Scanner) -> bytes | None:
         """A delta served as the first chunk is (finish.first_chunk: the general path's bytes without a decode), and the
@@ -262,12 +231,6 @@ class StreamReshaper:
             return self._decoded_event(event)
         self._fast = not chunks.decode_every_chunk and self._learn_root(event)
         return served[0]
-
-    def _only_choice(self, event: bytes, pos: int) -> bool:
-        """The finish key at `pos` is the only one after the root (one choice), and the chunk's strings
-        before it are ones a decode writes back as they are (`splice.kept_json`)."""
-        root = len(self.root)
-        return event.startswith(self.root) and event.find(_FINISH_KEY, root) == pos and kept_json(event, root, pos)
 
     def _plain_finish(self, event: bytes, splice: Splice) -> bytes | None:
         """The general path's bytes for a finish chunk (finish.finish_chunk); None: not served (and, without a
@@ -310,26 +273,6 @@ class StreamReshaper:
         parts = (splice.prefix, splice.head, splice.tail, splice.mid, self._strip, self._trio, on_ids, usage_root)
         return _record(SpliceArm, (*parts, finish))
 
-    def _delta(self, event: bytes, start: int, end: int) -> bytes | None:
-        """A mid-stream delta whose ids (a list, or null) sit at event[start:end]."""
-        ids = event[start:end]
-        listed = ids[0] == _LIST  # else null: vLLM withheld the ids, which stay unreported
-        chunks = self.chunks
-        if not listed or chunks.engine or chunks.timed:  # else nothing reads a listed delta's ids
-            chunks.first_choice(event, start, end)
-        strip = self._strip and listed  # vLLM's copy goes back to null, an empty one too
-        if self._trio:
-            return b"".join(
-                (
-                    event[:start] + b"null" if strip else event[:end],
-                    event[end:-_CHUNK_END],  # up to the chunk's closing brace, where nvext goes
-                    b',"nvext":{"completion_token_ids":',
-                    ids,
-                    b"}}" + _EVENT_END,
-                )
-            )
-        return event[:start] + b"null" + event[end:] if strip else None
-
     def _decoded_event(self, event: bytes) -> bytes:
         return self._data_event(_DATA, event[_JSON_AT : -len(_EVENT_END)], _EVENT_END, event)
 
@@ -359,20 +302,12 @@ class StreamReshaper:
         return released + (before + _json.dumps(obj) + after if changed else event)
 
     def _learn_root(self, event: bytes) -> bool:
-        """Learn the root bytes before `choices` from a decoded chunk; False if deltas must stay decoded.
-
-        Inside a JSON string every quote is escaped, so the key tokens found here are keys; the
-        root ends at the last `"choices":[` before the first choice's `finish_reason`, so a root
-        value holding a `choices` list of its own cannot end it early.
-        """
-        end = event.rfind(_CHOICES, 0, max(event.find(_FINISH_KEY), 0))
-        if end < 0 or event[_JSON_AT : _JSON_AT + 1] != b"{":
-            return False
-        root = event[: end + len(_CHOICES)]
-        if _ROOT_REWRITTEN[0] in root or _ROOT_REWRITTEN[1] in root:
-            return False
-        self.root = root
-        return True
+        """Learn the root bytes before `choices` from a decoded chunk (`delta.chunk_root`); False if deltas must
+        stay decoded."""
+        root = chunk_root(event)
+        if root is not None:
+            self.root = root
+        return root is not None
 
     def _release(self) -> bytes:
         """The waiting finish chunk, as it stands (completed from the usage chunk if one came)."""
