@@ -1,0 +1,127 @@
+"""Capture's edge cases (docs/capture.md): what a client, the store and the read API show where vLLM's answer, a
+session id, another process or a second request of the same session is not the usual one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.asgi import Upstream, call
+from vllm_nvext import NvextMiddleware
+from vllm_nvext.capture import continuation
+from vllm_nvext.capture.continuation import Memory
+from vllm_nvext.capture.store import Sink
+
+JSON = (b"content-type", b"application/json")
+SESSION = (b"x-nvext-session-id", b"edge-1")
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+PROMPT = [1, 2, 3]
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _chunk(ids: list[int] | None, content: str = "a", finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    choice = {"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": finish, "token_ids": ids}
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "tiny",
+            "choices": [{**choice, **extra}]}  # fmt: skip
+
+
+def _stream(middle: bytes, ids: bool = True, pad: int = 1200) -> bytes:
+    """A chat stream as vLLM writes it with ids (`ids`) or without: a first chunk with the prompt ids, `pad` chunks
+    of 200 characters (past the tap's bulk read, STREAM_READ_BYTES), `middle`, a last chunk with the finish."""
+    first = _chunk(None, "")
+    first["choices"][0].pop("token_ids")
+    first["prompt_token_ids"] = PROMPT if ids else None
+    body = [_event(first), _event(_chunk([4, 5] if ids else None))]
+    body += [_event(_chunk([7] if ids else None, "x" * 200)) for _ in range(pad)]
+    return b"".join([*body, middle, _event(_chunk([6] if ids else None, finish="stop")), b"data: [DONE]\n\n"])
+
+
+def _app(body: bytes, tmp_path: Path | None, pure: bool) -> NvextMiddleware:
+    upstream = Upstream(content_type="text/event-stream", body=body, cuts=(7, 5000))
+    capture = None if tmp_path is None else f"sqlite:///{tmp_path / f'capture-{pure}.sqlite3'}"
+    return NvextMiddleware(upstream, capture=capture, pure_python=pure)
+
+
+def _stored(app: NvextMiddleware, session: str = "edge-1") -> list[dict[str, Any]] | None:
+    sink: Sink | None = app.sink
+    assert sink is not None and sink.flush()
+    turns = sink.read(session)
+    sink.close()
+    return turns
+
+
+# --- 1. the tap never breaks the client's answer --------------------------------------------------------------
+
+# An event too deep for a JSON decoder (a digit run past 18 sends it to the standard library's, which recurses).
+TOO_DEEP = b"data: " + b"[" * 100_000 + b"1" * 30 + b"]" * 100_000 + b"\n\n"
+# A chunk the tap fails on: a logprob no float holds (JSON allows it; vLLM never writes it).
+HUGE_LOGPROB = {"logprobs": {"content": [{"token": "b", "logprob": 10**400, "bytes": None, "top_logprobs": []}]}}
+
+
+async def _chat(app: NvextMiddleware, *headers: tuple[bytes, bytes]) -> bytes:
+    result = await call(app, "/v1/chat/completions", json.dumps(CHAT).encode(), headers=(JSON, *headers))
+    assert result.status == 200
+    return result.body
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["c", "python"])
+async def test_an_event_the_tap_cannot_decode_reaches_the_client_unchanged_and_the_turn_goes_on(pure, tmp_path):
+    app = _app(_stream(TOO_DEEP), tmp_path, pure)
+    assert await _chat(app, SESSION) == _stream(TOO_DEEP, ids=False), "vLLM's answer without ids, the event as sent"
+    (turn,) = _stored(app) or []
+    assert turn["prompt_token_ids"] == PROMPT
+    assert turn["completion_token_ids"] == [4, 5, *[7] * 1200, 6] and turn["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["c", "python"])
+async def test_a_chunk_the_tap_fails_on_ends_the_turn_there_and_the_client_gets_the_whole_answer(pure, tmp_path):
+    bad, plain = _event(_chunk([9], **HUGE_LOGPROB)), _event(_chunk(None, **HUGE_LOGPROB))
+    app = _app(_stream(bad), tmp_path, pure)
+    assert await _chat(app, SESSION) == _stream(plain, ids=False), "every event, as vLLM writes it without ids"
+    (turn,) = _stored(app) or []
+    assert turn["completion_token_ids"] == [4, 5, *[7] * 1200], "what was read before the chunk"
+    assert turn["finish_reason"] is None, "incomplete, as a stream cut short"
+
+
+async def test_a_turn_the_tap_failed_on_is_never_continued(tmp_path, monkeypatch):
+    """VLLM_NVEXT_CONTINUE_IDS: the next request of the session finds no turn to continue (vLLM's own rendering)."""
+    monkeypatch.setattr(continuation, "MEMORY", Memory())
+    seen: list[continuation.Continuation | None] = []
+
+    class Renderer(Upstream):  # where vLLM's renderer reads the request's turn (capture/render_hook.py)
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            seen.append(continuation.TURN.get())
+            await super().__call__(scope, receive, send)
+
+    bad = _event(_chunk([9], **HUGE_LOGPROB))
+    for middle in (b"", bad, b""):  # a good turn, one the tap fails on, and the next request
+        app = NvextMiddleware(Renderer(content_type="text/event-stream", body=_stream(middle, pad=2)),
+                              capture=f"sqlite:///{tmp_path / 'capture.sqlite3'}")  # fmt: skip
+        await _chat(app, SESSION)
+        app.sink.close()  # type: ignore[union-attr]
+    assert [len(t.previous) if t else None for t in seen] == [0, 1, 1], "the failed turn is not among them"
+    assert continuation.TURN.get() is None
+    (good,) = [t.served() for t in seen[2].previous]  # type: ignore[union-attr]
+    assert list(good[1]) == [4, 5, 7, 7, 6], "the first turn, whole"
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["c", "python"])
+async def test_a_unary_answer_the_tap_fails_on_reaches_the_client_as_without_capture(pure, tmp_path):
+    answer = {"id": "chatcmpl-2", "object": "chat.completion", "created": 1, "model": "tiny",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "b"}, "finish_reason": "stop",
+                           "token_ids": [9], **HUGE_LOGPROB}], "prompt_token_ids": PROMPT}  # fmt: skip
+    body = json.dumps(answer).encode()
+    app = NvextMiddleware(Upstream(body=body), capture=f"sqlite:///{tmp_path / 'c.sqlite3'}", pure_python=pure)
+    result = await call(app, "/v1/chat/completions", json.dumps({**CHAT, "stream": False}).encode(),
+                        headers=(JSON, SESSION))  # fmt: skip
+    expected = {**answer, "prompt_token_ids": None, "choices": [{**answer["choices"][0], "token_ids": None}]}
+    assert result.status == 200 and json.loads(result.body) == expected, "vLLM's ids never reach the client"
+    (turn,) = _stored(app) or []
+    assert turn["prompt_token_ids"] == PROMPT and turn["request_id"] == "chatcmpl-2"
+    assert turn["completion_token_ids"] is None and turn["finish_reason"] is None, "not read: null, never []"
