@@ -125,3 +125,81 @@ async def test_a_unary_answer_the_tap_fails_on_reaches_the_client_as_without_cap
     (turn,) = _stored(app) or []
     assert turn["prompt_token_ids"] == PROMPT and turn["request_id"] == "chatcmpl-2"
     assert turn["completion_token_ids"] is None and turn["finish_reason"] is None, "not read: null, never []"
+
+
+# --- 2. session ids of dots alone, and other odd ids ----------------------------------------------------------
+
+DOTS = [".", "..", "..."]
+
+
+def _unary(answer_id: str) -> bytes:
+    choice = {"index": 0, "message": {"role": "assistant", "content": "b"}, "finish_reason": "stop", "token_ids": [9]}
+    answer = {"id": answer_id, "object": "chat.completion", "created": 1, "model": "tiny", "choices": [choice]}
+    return json.dumps({**answer, "prompt_token_ids": PROMPT}).encode()
+
+
+async def _sessions_call(app: Any, method: str, raw: bytes) -> tuple[int, dict[str, Any]]:
+    """`method` on the read API at `raw` (the path as the client sent it; `path` decoded, as a server gives it)."""
+    from urllib.parse import unquote_to_bytes
+
+    path = unquote_to_bytes(raw).decode("utf-8", "surrogateescape")
+    result = await call(app, path, b"", method=method, headers=(), scope_extra={"raw_path": raw})
+    return result.status, json.loads(result.body)
+
+
+@pytest.mark.parametrize("dots", DOTS)
+async def test_a_session_header_of_dots_alone_is_skipped_and_the_turn_is_its_own_session(dots, store_url):
+    app = NvextMiddleware(Upstream(body=_unary("chatcmpl-3")), capture=store_url)
+    request = json.dumps({**CHAT, "stream": False}).encode()
+    result = await call(app, "/v1/chat/completions", request, headers=(JSON, (b"x-nvext-session-id", dots.encode())))
+    assert result.status == 200 and json.loads(result.body)["choices"][0]["token_ids"] is None
+    sink = app.sink
+    assert sink is not None and sink.flush()
+    assert list(sink.backend.sessions(None)) == ["chatcmpl-3"], "nothing captured under the dots"
+    (turn,) = sink.read("chatcmpl-3") or []
+    assert turn["session_source"] == "request_id" and turn["completion_token_ids"] == [9]
+    for method in ("GET", "DELETE"):
+        status, body = await _sessions_call(app, method, f"/v1/nvext/sessions/{dots}".encode())
+        assert (status, body["error"]["param"]) == (400, "session_id")
+    sink.close()
+
+
+@pytest.mark.parametrize("answer_id", ["..", "a/b", "x" * 300])
+async def test_a_turn_named_by_a_response_id_that_is_no_session_id_is_not_recorded(answer_id, store_url):
+    app = NvextMiddleware(Upstream(body=_unary(answer_id)), capture=store_url)
+    result = await call(app, "/v1/chat/completions", json.dumps({**CHAT, "stream": False}).encode(), headers=(JSON,))
+    assert result.status == 200 and json.loads(result.body)["id"] == answer_id, "the client's answer as vLLM's"
+    sink = app.sink
+    assert sink is not None and sink.flush()
+    assert list(sink.backend.sessions(None)) == [] and sink.tally.recorded_turns == 0
+    sink.close()
+
+
+RULE = "session_id: expected 1 to 256 letters, digits or the characters . _ : ~ -, not dots alone"
+ODD = [  # (the path's last segment as the client sent it, the status GET and DELETE answer)
+    *[(d.encode(), 400) for d in DOTS],
+    (b"%2E%2E", 400),  # dots, percent-encoded
+    (b"a%2Fb", 400),  # an encoded slash: the id would be `a/b`
+    (b"..%2F..%2Fetc%2Fpasswd", 400),
+    (b"x" * 257, 400),
+    (b"x" * 256, 404),  # the longest id: valid, not held
+    ("é".encode().replace(b"\xc3", b"%C3").replace(b"\xa9", b"%A9"), 400),
+    (b"%F0%9F%98%80", 400),  # an emoji
+    (b"a%00b", 400),
+    (b"a%20b", 400),
+    (b".a", 404),  # dots with a letter: an id
+    (b"run-1..", 404),
+]
+
+
+@pytest.mark.parametrize(("segment", "status"), ODD, ids=[s.decode()[:24] for s, _ in ODD])
+async def test_odd_session_ids_on_get_and_delete_are_a_400_naming_session_id_or_a_404(segment, status, store_url):
+    app = NvextMiddleware(Upstream(status=404, body=b'{"detail":"Not Found"}'), capture=store_url)
+    sink = app.sink
+    assert sink is not None
+    for method in ("GET", "DELETE"):
+        got, body = await _sessions_call(app, method, b"/v1/nvext/sessions/" + segment)
+        assert (got, body["error"]["param"], body["error"]["code"]) == (status, "session_id", status)
+        if status == 400:  # the rule, never the id sent back
+            assert body["error"]["message"] == RULE
+    sink.close()

@@ -46,7 +46,8 @@ async def answer(sink: Sink, method: str, path: str, query_string: bytes) -> Ans
     session_id = path[len(SESSIONS_PATH) :]
     if not valid_session_id(session_id):
         return _refusal(
-            f"session_id: expected 1 to {SESSION_ID_MAX} letters, digits or the characters . _ : ~ -", "session_id"
+            f"session_id: expected 1 to {SESSION_ID_MAX} letters, digits or the characters . _ : ~ -, not dots alone",
+            "session_id",
         )
     try:
         query = parse_qs(query_string.decode("latin-1"), keep_blank_values=True, strict_parsing=False)
