@@ -203,3 +203,70 @@ async def test_odd_session_ids_on_get_and_delete_are_a_400_naming_session_id_or_
         if status == 400:  # the rule, never the id sent back
             assert body["error"]["message"] == RULE
     sink.close()
+
+
+# --- 3. one SQLite file, several processes: a session deleted and reused elsewhere ----------------------------
+
+
+def _answer(prompt: list[int], completion: list[int]) -> Upstream:
+    """vLLM's unary chat answer with ids: `prompt`, then `completion`."""
+    choice = {"index": 0, "message": {"role": "assistant", "content": "b"}, "finish_reason": "stop",
+              "token_ids": completion}  # fmt: skip
+    answer = {"id": "chatcmpl-4", "object": "chat.completion", "created": 1, "model": "tiny", "choices": [choice]}
+    return Upstream(body=json.dumps({**answer, "prompt_token_ids": prompt}).encode())
+
+
+async def _turn(app: NvextMiddleware, prompt: list[int], completion: list[int]) -> None:
+    app.app = _answer(prompt, completion)
+    result = await call(app, "/v1/chat/completions", json.dumps({**CHAT, "stream": False}).encode(),
+                        headers=(JSON, SESSION))  # fmt: skip
+    assert result.status == 200
+    assert app.sink is not None and app.sink.flush()
+
+
+async def test_a_session_deleted_and_reused_by_another_process_does_not_bring_its_old_turn_back(tmp_path):
+    """Two servers on one SQLite file (each its own store writer, as two API-server processes): A records two turns,
+    B deletes the session and records two new ones, A records the next. It extends B's last turn, as the file holds
+    it, not A's deleted one."""
+    url = f"sqlite:///{tmp_path / 'shared.sqlite3'}"
+    a, b = NvextMiddleware(Upstream(), capture=url), NvextMiddleware(Upstream(), capture=url)
+    await _turn(a, [1, 2], [3])
+    await _turn(a, [1, 2, 3, 4], [5])  # A holds this one as the session's last
+    status, body = await _sessions_call(b, "DELETE", b"/v1/nvext/sessions/edge-1")
+    assert (status, body) == (200, {"session_id": "edge-1", "deleted": True})
+    await _turn(b, [8, 9], [10])
+    await _turn(b, [8, 9, 10, 11], [12])
+    await _turn(a, [8, 9, 10, 11, 12, 13], [14])  # extends B's last turn
+    status, body = await _sessions_call(a, "GET", b"/v1/nvext/sessions/edge-1")
+    assert status == 200
+    turns = body["turns"]
+    assert [t["prompt_token_ids"] for t in turns] == [[8, 9], [8, 9, 10, 11], [8, 9, 10, 11, 12, 13]]
+    assert [(t["index"], t["extends_previous"], t["break"]) for t in turns] == [
+        (0, None, None), (1, True, None), (2, True, None)]  # fmt: skip
+    for app in (a, b):
+        app.sink.close()  # type: ignore[union-attr]
+
+
+async def test_delete_forgets_the_sessions_turns_for_continue_ids_in_this_process(tmp_path, monkeypatch):
+    """VLLM_NVEXT_CONTINUE_IDS: after `DELETE`, the session's next request finds no turn to continue."""
+    monkeypatch.setattr(continuation, "MEMORY", Memory())
+    seen: list[continuation.Continuation | None] = []
+
+    class Renderer(Upstream):  # where vLLM's renderer reads the request's turn (capture/render_hook.py)
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            seen.append(continuation.TURN.get())
+            await super().__call__(scope, receive, send)
+
+    app = NvextMiddleware(Upstream(), capture=f"sqlite:///{tmp_path / 'capture.sqlite3'}")
+    other = (b"x-nvext-session-id", b"edge-2")
+    for headers in ((SESSION,), (other,), (SESSION, (b"x-claude-code-agent-id", b"sub-1"))):
+        app.app = Renderer(content_type="text/event-stream", body=_stream(b"", pad=1))
+        result = await call(app, "/v1/chat/completions", json.dumps(CHAT).encode(), headers=(JSON, *headers))
+        assert result.status == 200
+    assert await _sessions_call(app, "DELETE", b"/v1/nvext/sessions/edge-1") == (
+        200, {"session_id": "edge-1", "deleted": True})  # fmt: skip
+    for headers in ((SESSION,), (SESSION, (b"x-claude-code-agent-id", b"sub-1")), (other,)):
+        app.app = Renderer(content_type="text/event-stream", body=_stream(b"", pad=1))
+        await call(app, "/v1/chat/completions", json.dumps(CHAT).encode(), headers=(JSON, *headers))
+    assert [len(t.previous) for t in seen if t is not None] == [0, 0, 0, 0, 0, 1], "only edge-2 still continues"
+    app.sink.close()  # type: ignore[union-attr]

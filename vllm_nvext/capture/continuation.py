@@ -124,6 +124,12 @@ class Memory:
             for turn in gone:
                 self._drop(turn)
 
+    def forget(self, session_id: str) -> None:
+        """The session's turns, every agent's, leave the memory: it was deleted (`DELETE /v1/nvext/sessions/{id}`)."""
+        for key in [k for k in self._sessions if k[0] == session_id]:
+            for turn in self._sessions.pop(key):
+                self._drop(turn)
+
     def _drop(self, turn: Any) -> None:
         if isinstance(turn, Kept):
             self._size -= turn.size()
