@@ -105,7 +105,9 @@ def test_the_store_places_a_turn_against_the_previous_prompt_and_completion():
     assert unknown.extends_previous is None  # the ids were not reported: not "false"
 
 
-@pytest.mark.parametrize("value", ["chatcmpl-1", "a" * 256, "0f1e2d3c-uuid", "user_1_session:2", "a.b~c", ".a", "..a", "a.."])
+@pytest.mark.parametrize(
+    "value", ["chatcmpl-1", "a" * 256, "0f1e2d3c-uuid", "user_1_session:2", "a.b~c", ".a", "..a", "a.."]
+)
 def test_a_session_id_of_url_safe_characters_is_valid(value):
     assert valid_session_id(value)
 
