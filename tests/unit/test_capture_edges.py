@@ -9,8 +9,12 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import sse_events
+from tests.recorded import recording
 from tests.unit.asgi import Upstream, call
-from vllm_nvext import NvextMiddleware
+from tests.unit.test_proxy import _stop_what_started, proxy_over  # noqa: F401 (a fixture: the servers started stop)
+from tests.unit.test_proxy import call as proxy_call
+from vllm_nvext import NvextMiddleware, Settings
 from vllm_nvext.capture import continuation
 from vllm_nvext.capture.continuation import Memory
 from vllm_nvext.capture.store import Sink
@@ -270,3 +274,83 @@ async def test_delete_forgets_the_sessions_turns_for_continue_ids_in_this_proces
         await call(app, "/v1/chat/completions", json.dumps(CHAT).encode(), headers=(JSON, *headers))
     assert [len(t.previous) for t in seen if t is not None] == [0, 0, 0, 0, 0, 1], "only edge-2 still continues"
     app.sink.close()  # type: ignore[union-attr]
+
+
+# --- 4. `vllm-nvext proxy --capture` in front of vLLM's Rust frontend ------------------------------------------
+
+RUST_STREAMS = ["chat_stream_ids", "chat_stream_ids_logprobs", "chat_stream_ids_long", "completions_stream_ids",
+                "completions_stream_ids_logprobs", "completions_stream_ids_long"]  # fmt: skip
+ID_KEYS = ("token_ids", "prompt_token_ids")
+
+
+def _vllm_rs(version: str, rec: Any) -> Any:
+    """vllm-rs as recorded: its /version (`rust_frontend_version`, as the 0.33 binary writes it) and the stream."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    async def answer_version(request: Request) -> JSONResponse:
+        return JSONResponse({"version": f"{version}.0", "rust_frontend_version": f"{version}.0"})
+
+    async def answer(request: Request) -> Response:
+        assert (await request.json())["return_token_ids"] is True, "the ids are turned on upstream"
+        return Response(rec.body, media_type=rec.content_type)
+
+    routes = [Route("/version", answer_version), Route(rec.path, answer, methods=["POST"])]
+    return Starlette(routes=routes)
+
+
+def _id_layout(events: list[dict[str, Any]]) -> set[tuple[str, str, bool]]:
+    """Where a stream carries an id key, and whether null: ("root" | "choice", key, null)."""
+    found = {("root", k, e[k] is None) for e in events for k in ID_KEYS if k in e}
+    return found | {("choice", k, c[k] is None) for e in events for c in e.get("choices") or () for k in ID_KEYS
+                    if k in c}  # fmt: skip
+
+
+@pytest.mark.parametrize("version", ["0.33", "0.34"])
+@pytest.mark.parametrize("name", RUST_STREAMS)
+async def test_the_proxy_capturing_in_front_of_vllm_rs_deletes_the_id_keys_vllm_rs_leaves_out(name, version, tmp_path):
+    """vllm-rs leaves a stream's id keys out where no ids were asked; the proxy turns them on for capture, and the
+    client must get them as vllm-rs leaves them: no `"token_ids":null` the stock server never writes."""
+    rec = recording(f"vllm-{version}-rust/{name}")
+    plain = recording(f"vllm-{version}-rust/{name.split('_ids')[0]}_plain")  # the same request, no ids asked
+    app = await proxy_over(_vllm_rs(version, rec), settings=Settings(capture=f"sqlite:///{tmp_path / 'c.sqlite3'}"))
+    await app.forwarder._read_version()
+    request = {k: v for k, v in rec.request.items() if k != "return_token_ids"}  # the client asks for nothing
+    result = await proxy_call(app, rec.path, json.dumps(request).encode(), headers=(JSON, SESSION))
+    assert result.status == 200
+    got = sse_events(result.body)
+    assert _id_layout(got) == _id_layout(plain.events()), "the id keys where vllm-rs writes them without ids"
+    expected = json.loads(json.dumps(rec.events()))
+    for event in expected:
+        for choice in event["choices"]:
+            for key in ID_KEYS:
+                choice.pop(key, None)
+        if "prompt_token_ids" in event:  # chat's root: left out by 0.33, null from 0.34 (its plain stream's)
+            event["prompt_token_ids"] = None
+            if version == "0.33":
+                del event["prompt_token_ids"]
+    assert got == expected, "every other byte is vllm-rs's own"
+    (turn,) = _stored(app.middleware) or []
+    sent = rec.events()
+    assert turn["completion_token_ids"] == [i for e in sent for c in e["choices"] for i in c.get("token_ids") or []]
+    assert turn["prompt_token_ids"] == next(e.get("prompt_token_ids") or e["choices"][0].get("prompt_token_ids")
+                                            for e in sent if e["choices"])  # fmt: skip
+
+
+@pytest.mark.parametrize("version", ["0.33", "0.34"])
+@pytest.mark.parametrize("name", ["chat_stream_ids", "completions_stream_ids"])
+async def test_a_client_asking_nvext_ids_through_the_proxy_to_vllm_rs_gets_no_null_id_keys_either(name, version):
+    rec = recording(f"vllm-{version}-rust/{name}")
+    app = await proxy_over(_vllm_rs(version, rec))
+    await app.forwarder._read_version()
+    request = {**{k: v for k, v in rec.request.items() if k != "return_token_ids"},
+               "nvext": {"extra_fields": ["completion_token_ids"]}}  # fmt: skip
+    result = await proxy_call(app, rec.path, json.dumps(request).encode(), headers=(JSON,))
+    got = sse_events(result.body)
+    ids = [i for e in rec.events() for c in e["choices"] for i in c.get("token_ids") or []]
+    assert [i for e in got for i in (e.get("nvext") or {}).get("completion_token_ids") or []] == ids
+    assert not any(k in c for e in got for c in e["choices"] for k in ID_KEYS), "vLLM's copies left out"
+    assert all(e.get("prompt_token_ids", None) is None for e in got)
+    assert (b'"prompt_token_ids":null' in result.body) == (version == "0.34" and name.startswith("chat"))
