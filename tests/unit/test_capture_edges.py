@@ -267,6 +267,7 @@ async def test_delete_forgets_the_sessions_turns_for_continue_ids_in_this_proces
         app.app = Renderer(content_type="text/event-stream", body=_stream(b"", pad=1))
         result = await call(app, "/v1/chat/completions", json.dumps(CHAT).encode(), headers=(JSON, *headers))
         assert result.status == 200
+    assert app.sink is not None and app.sink.flush(), "the turns are in the store"
     assert await _sessions_call(app, "DELETE", b"/v1/nvext/sessions/edge-1") == (
         200, {"session_id": "edge-1", "deleted": True})  # fmt: skip
     for headers in ((SESSION,), (SESSION, (b"x-claude-code-agent-id", b"sub-1")), (other,)):
