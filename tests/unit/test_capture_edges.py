@@ -355,3 +355,76 @@ async def test_a_client_asking_nvext_ids_through_the_proxy_to_vllm_rs_gets_no_nu
     assert not any(k in c for e in got for c in e["choices"] for k in ID_KEYS), "vLLM's copies left out"
     assert all(e.get("prompt_token_ids", None) is None for e in got)
     assert (b'"prompt_token_ids":null' in result.body) == (version == "0.34" and name.startswith("chat"))
+
+
+# --- 5. overlapping turns of one session --------------------------------------------------------------------
+
+
+def _short_stream(request_id: str, prompt: list[int], ids: list[int]) -> bytes:
+    """A chat stream with ids: the role chunk with the prompt ids, one chunk per id, the finish."""
+    first = {"id": request_id, "object": "chat.completion.chunk", "created": 1, "model": "tiny",
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}], "prompt_token_ids": prompt}  # fmt: skip
+    chunks = [{**_chunk([i]), "id": request_id} for i in ids]
+    chunks[-1]["choices"][0]["finish_reason"] = "stop"
+    return b"".join([_event(first), *map(_event, chunks), b"data: [DONE]\n\n"])
+
+
+class _Overlap:
+    """vLLM answering three requests of one session (header `x-which`): `a` sends its first event, then waits for
+    `gate` while `b` is served whole; `c` comes after both. What each request's renderer saw of its session's
+    turns (`continuation.TURN`: what VLLM_NVEXT_CONTINUE_IDS splices from) is kept in `seen`."""
+
+    BODIES = {"a": _short_stream("chatcmpl-a", [1, 2, 3], [4, 5]), "b": _short_stream("chatcmpl-b", [1, 2, 3], [6]),
+              "c": _short_stream("chatcmpl-c", [1, 2, 3, 4, 5, 9], [10])}  # fmt: skip
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self.gate, self.waiting = asyncio.Event(), asyncio.Event()
+        self.seen: dict[str, list[tuple[list[int], list[int]]]] = {}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        which = dict(scope["headers"])[b"x-which"].decode()
+        turn = continuation.TURN.get()
+        assert turn is not None
+        self.seen[which] = [(list(p or ()), list(c or ())) for p, c, _, _ in (t.served() for t in turn.previous)]
+        while (await receive()).get("more_body"):
+            pass
+        body = self.BODIES[which]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        first = body.index(b"\n\n") + 2
+        await send({"type": "http.response.body", "body": body[:first], "more_body": True})
+        if which == "a":
+            self.waiting.set()
+            await self.gate.wait()
+        await send({"type": "http.response.body", "body": body[first:], "more_body": False})
+
+
+async def test_overlapping_turns_are_stored_as_they_end_and_never_continue_one_still_running(tmp_path, monkeypatch):
+    """docs/capture.md "Overlapping turns": `b` starts while `a` streams and ends first. The store holds `b` then
+    `a` (the order they ended), `a`'s `extends_previous` compared with `b`; `b` had no turn to continue (`a` was
+    still running); `c`, after both, may continue either, the one begun last first."""
+    import asyncio
+
+    monkeypatch.setattr(continuation, "MEMORY", Memory())
+    upstream = _Overlap()
+    app = NvextMiddleware(upstream, capture=f"sqlite:///{tmp_path / 'capture.sqlite3'}")
+
+    async def request(which: str) -> bytes:
+        return await _chat(app, SESSION, (b"x-which", which.encode()))
+
+    a = asyncio.create_task(request("a"))
+    await upstream.waiting.wait()  # `a` is streaming
+    assert sse_events(await request("b"))[-1]["choices"][0]["finish_reason"] == "stop"
+    upstream.gate.set()
+    assert sse_events(await a)[-1]["choices"][0]["finish_reason"] == "stop"
+    await request("c")
+    assert upstream.seen == {"a": [], "b": [], "c": [([1, 2, 3], [6]), ([1, 2, 3], [4, 5])]}
+    assert app.sink is not None and app.sink.flush(), "the turns are in the store"
+    status, body = await _sessions_call(app, "GET", b"/v1/nvext/sessions/edge-1")
+    assert status == 200
+    stored = [(t["index"], t["request_id"], t["completion_token_ids"], t["extends_previous"]) for t in body["turns"]]
+    assert stored == [(0, "chatcmpl-b", [6], None), (1, "chatcmpl-a", [4, 5], False), (2, "chatcmpl-c", [10], True)]
+    assert body["turns"][1]["break"]["index"] == 3, "`a` leaves `b`'s ids where `b`'s answer begins"
+    app.sink.close()  # type: ignore[union-attr]
