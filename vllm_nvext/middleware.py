@@ -49,7 +49,7 @@ from .capture.tap import Collector
 from .config import Mode, Settings
 from .inbound import client_params, fields
 from .inbound.optin import OptInScan, opts_in_whole
-from .inbound.plan import Plan
+from .inbound.plan import Plan, for_upstream
 from .inbound.request import plan as plan_request_for
 from .inbound.request import read_request
 from .kernels import Kernels, pick
@@ -289,6 +289,8 @@ class _Exchange:
                                     hides_reasoning_ids=self.hides_reasoning_ids, splice_root=splice)  # fmt: skip
         if request is None or plan is None:
             return None
+        if _vllm_compat.UPSTREAM in self.scope:  # behind `vllm-nvext proxy`: vllm-rs writes its streams otherwise
+            plan = for_upstream(plan, _vllm_compat.rust_frontend_version(self.scope))
         return plan, mode, request.data
 
     async def _body(self, whole: bytes | None, declared_length: int) -> tuple[bytes, bool] | None:

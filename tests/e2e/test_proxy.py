@@ -28,10 +28,11 @@ from tests.helpers import (
     post,
     rows,
     run_parity,
+    sse_events,
     stream_digest,
     websocket_refusal,
 )
-from tests.support.servers import listen_port
+from tests.support.servers import listen_port, ready
 from vllm_nvext.tools.server import ProxyServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_proxy]
@@ -246,3 +247,29 @@ def test_a_proxy_whose_key_the_upstream_refuses_says_so_at_start_up(raw_server, 
         _when_listening(other.url, lambda client: client.get("/health"))
         assert "vllm-nvext proxy: warning: the upstream refuses the proxy's --api-key" in other.log_text()
     assert "warning:" not in proxy_server.log_text(), "the proxy with the upstream's key says nothing"
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS], ids=["chat", "completions"])
+def test_a_capturing_proxy_in_front_of_vllm_rs_sends_no_null_id_keys(proxy_capture_rust033_server, path):
+    """`vllm-nvext proxy --capture` in front of vLLM 0.33's real vllm-rs: the proxy asks vllm-rs for the ids its
+    store records; the client that asked for none gets vllm-rs's stream as vllm-rs writes it without ids (its
+    token-id keys left out, never `null`), and the session holds the ids (docs/scaling-out.md, vLLM's Rust frontend)."""
+    body = greedy(path, stream=True, stream_options={"include_usage": True})
+    session = "rs" + path.replace("/", "-")  # rs-v1-chat-completions, rs-v1-completions
+    with http_client(ready("rust033").url, auth=True) as raw:  # the proxy's upstream, stock vllm-rs
+        stock = raw.post(path, json=body)
+    with http_client(proxy_capture_rust033_server.url, auth=True) as proxy:
+        got = proxy.post(path, json=body, headers={"x-nvext-session-id": session})
+        assert got.status_code == 200 and stock.status_code == 200, got.text
+        assert b"token_ids" not in stock.content, "vllm-rs writes no id key when none was asked"
+        assert b"token_ids" not in got.content, "nor does the proxy that asked for them for its store"
+        events = sse_events(got.content)
+        assert stream_digest(events) == stream_digest(sse_events(stock.content))
+        deadline = time.monotonic() + 30  # the store's writer thread writes the turn once the answer is over
+        while (read := proxy.get(f"/v1/nvext/sessions/{session}")).status_code == 404 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert read.status_code == 200, read.text
+    turns = read.json()["turns"]
+    assert len(turns) == 1, turns
+    (turn,) = turns
+    assert turn["prompt_token_ids"] and len(turn["completion_token_ids"]) == turn["usage"]["completion_tokens"]

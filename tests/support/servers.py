@@ -632,6 +632,19 @@ def _capture_vllm(kind: str, *args: str, env: dict[str, str] | None = None) -> S
                      env={"VLLM_NVEXT_CAPTURE": capture_url(kind), **(env or {})})()  # fmt: skip
 
 
+def _proxy_capture_rust033() -> Server:
+    """`vllm-nvext proxy --capture` in front of vLLM 0.33's Rust frontend (rust033): it turns ids on upstream for
+    the store, and its client must get vllm-rs's streams as vllm-rs writes them without ids (no null id keys)."""
+    from vllm_nvext.tools.server import ProxyServer
+
+    capture = ("--capture", capture_url("proxy_capture_rust033"))
+    return ProxyServer(upstream=ready("rust033").url, args=("--api-key", API_KEY, *capture),
+                       name="proxy_capture_rust033", port=listen_port())  # fmt: skip
+
+
+# tests/e2e/test_proxy.py (marker e2e_proxy, beside rust033 in the proxy group's run).
+proxy_capture_rust033_server = register("proxy_capture_rust033", _proxy_capture_rust033, reference="setup-vllm033")
+
 capture_stock_server = register("capture_stock", tiny_vllm("capture_stock", "--api-key", API_KEY, *TOOL_ARGS))
 capture_mw_server = register("capture_mw", lambda: _capture_vllm("capture_mw", "--middleware", MIDDLEWARE))
 capture_plugin_server = register(

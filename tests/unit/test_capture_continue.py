@@ -158,13 +158,15 @@ def test_the_memory_keeps_each_sessions_last_turns_compactly_and_forgets_the_old
     assert memory.begin(key, first).previous == []
     first.prompt, first._choice(0).ids = [1, 2, 3], [4, 5]
     second = _tap("s")
-    assert memory.begin(key, second).previous == [first], "a turn still open is read as it is"
+    assert memory.begin(key, second).previous == [], "a turn still running is never continued"
     memory.settle(key, first)
     third = _tap("s")
     found = memory.begin(key, third).previous
-    assert found[1] == Kept(array("i", [1, 2, 3]), array("i", [4, 5]), False) and found[0] is second, "newest first"
+    assert found == [Kept(array("i", [1, 2, 3]), array("i", [4, 5]), False)], "the turn that ended"
     memory.settle(key, second)  # it reported no ids (an error answer): forgotten
-    assert [type(t) for t in memory.begin(key, _tap("s")).previous] == [Collector, Kept]
+    third.prompt, third._choice(0).ids = [1, 2, 3, 4, 5, 6], [7]
+    memory.settle(key, third)
+    assert [t.prompt.tolist() for t in memory.begin(key, _tap("s")).previous] == [[1, 2, 3, 4, 5, 6], [1, 2, 3]]
     memory.begin(("t", None), _tap("t"))
     memory.begin(("u", "agent-1"), _tap("u"))
     assert len(memory) == 2 and memory.begin(key, _tap("s")).previous == [], "the least recently used went"

@@ -105,11 +105,13 @@ def test_the_store_places_a_turn_against_the_previous_prompt_and_completion():
     assert unknown.extends_previous is None  # the ids were not reported: not "false"
 
 
-@pytest.mark.parametrize("value", ["chatcmpl-1", "a" * 256, "0f1e2d3c-uuid", "user_1_session:2", "a.b~c"])
+@pytest.mark.parametrize(
+    "value", ["chatcmpl-1", "a" * 256, "0f1e2d3c-uuid", "user_1_session:2", "a.b~c", ".a", "..a", "a.."]
+)
 def test_a_session_id_of_url_safe_characters_is_valid(value):
     assert valid_session_id(value)
 
 
-@pytest.mark.parametrize("value", ["", "a" * 257, "../etc/passwd", "a b", "a/b", "é", "a\x00"])
+@pytest.mark.parametrize("value", ["", "a" * 257, "../etc/passwd", "a b", "a/b", "é", "a\x00", ".", "..", "..."])
 def test_a_session_id_with_other_characters_or_too_long_is_not(value):
     assert not valid_session_id(value)

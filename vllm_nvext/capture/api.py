@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from urllib.parse import parse_qs
 
 from ..protocol import error_body
+from . import continuation
 from .atif import trajectory
 from .record import SESSION_ID_MAX, valid_session_id
 from .store import READ_MAX_BYTES, Sink
@@ -46,7 +47,8 @@ async def answer(sink: Sink, method: str, path: str, query_string: bytes) -> Ans
     session_id = path[len(SESSIONS_PATH) :]
     if not valid_session_id(session_id):
         return _refusal(
-            f"session_id: expected 1 to {SESSION_ID_MAX} letters, digits or the characters . _ : ~ -", "session_id"
+            f"session_id: expected 1 to {SESSION_ID_MAX} letters, digits or the characters . _ : ~ -, not dots alone",
+            "session_id",
         )
     try:
         query = parse_qs(query_string.decode("latin-1"), keep_blank_values=True, strict_parsing=False)
@@ -61,6 +63,8 @@ async def answer(sink: Sink, method: str, path: str, query_string: bytes) -> Ans
     try:
         if method == "DELETE":
             found = await asyncio.to_thread(sink.delete, session_id)
+            if continuation.MEMORY is not None:  # on the event loop, which owns it: never continued after
+                continuation.MEMORY.forget(session_id)
             body = json.dumps({"session_id": session_id, "deleted": True}).encode() if found else None
         else:
             body = await asyncio.to_thread(_read, sink, session_id, int(raw_start), fmt)

@@ -35,7 +35,7 @@ Ids = Sequence[int]
 
 
 class Served(Protocol):
-    """A previous turn as the next request reads it: a finished one (`Kept`) or a tap still open. `served()`:
+    """A turn as the memory reads it when it ends: a finished one (`Kept`), or its tap (settled). `served()`:
     (prompt ids, choice 0's completion ids, whether it had n > 1 choices, vLLM's own rendering of its
     prompt where the prompt was continued, else None)."""
 
@@ -91,12 +91,13 @@ class Memory:
         self._size = 0
 
     def begin(self, key: tuple[str, str | None], tap: Served) -> Continuation:
-        """The request `tap` records joins its session: it gets the session's last turns, and is the newest."""
+        """The request `tap` records joins its session: it gets the session's last turns that had ended (never
+        one still running: its answer is not whole, docs/capture.md "Overlapping turns"), and is the newest."""
         turns = self._sessions.get(key)
         if turns is None:
             turns = self._sessions[key] = deque()
         self._sessions.move_to_end(key)
-        found = Continuation(list(reversed(turns)))
+        found = Continuation([turn for turn in reversed(turns) if isinstance(turn, Kept)])
         if len(turns) == TURNS_PER_SESSION:
             self._drop(turns.popleft())
         turns.append(tap)
@@ -122,6 +123,12 @@ class Memory:
         while self._size > self._max_ids and self._sessions:
             _, gone = self._sessions.popitem(last=False)
             for turn in gone:
+                self._drop(turn)
+
+    def forget(self, session_id: str) -> None:
+        """The session's turns, every agent's, leave the memory: it was deleted (`DELETE /v1/nvext/sessions/{id}`)."""
+        for key in [k for k in self._sessions if k[0] == session_id]:
+            for turn in self._sessions.pop(key):
                 self._drop(turn)
 
     def _drop(self, turn: Any) -> None:

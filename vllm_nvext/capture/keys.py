@@ -1,7 +1,7 @@
 """The session a captured request belongs to, from its headers and body (docs/capture.md, Session keys).
 
 Pure. Header values and body values are client input: one that is not a valid session id
-(`record.valid_session_id`: 1 to 256 of letters, digits and `._:~-`) is not a key (the next one in the
+(`record.valid_session_id`: 1 to 256 of letters, digits and `._:~-`, not dots alone) is not a key (the next one in the
 order is tried). Capture never
 changes the client's answer, so an unusable key is skipped, never refused.
 """

@@ -16,12 +16,14 @@ from typing import Any
 BREAK_CONTEXT = 8
 
 # A session id as the store keys it and the read API's path takes it: a key in the store, never a file name.
+# Not dots alone: `.` and `..` are path segments a client resolves away (RFC 3986), so the read API could never
+# be asked for such a session.
 SESSION_ID_MAX = 256
-_SESSION_ID = re.compile(rf"[A-Za-z0-9._:~-]{{1,{SESSION_ID_MAX}}}")
+_SESSION_ID = re.compile(rf"(?!\.*\Z)[A-Za-z0-9._:~-]{{1,{SESSION_ID_MAX}}}")
 
 
 def valid_session_id(value: str) -> bool:
-    """1 to SESSION_ID_MAX characters of letters, digits and `._:~-` (URL-safe unescaped)."""
+    """1 to SESSION_ID_MAX characters of letters, digits and `._:~-` (URL-safe unescaped), not dots alone."""
     return _SESSION_ID.fullmatch(value) is not None
 
 

@@ -51,8 +51,10 @@ class SQLiteBackend:
         self.retention_s = retention_s
         self._conn: sqlite3.Connection | None = None  # the writer thread's
         self._inode: int | None = None
-        # Each recent session's last turn: (its index, its prompt + completion ids, None: no prompt ids reported).
-        self._last: OrderedDict[str, tuple[int, array[int] | None]] = OrderedDict()
+        # Each recent session's last turn: (its index, its row's `last` when this writer wrote it, its prompt +
+        # completion ids, None: no prompt ids reported). The `last` marker tells that no other process deleted or
+        # rewrote the session since (docs/capture.md, the store): where it differs, the turn is read back.
+        self._last: OrderedDict[str, tuple[int, float, array[int] | None]] = OrderedDict()
         self._last_ids = 0
         self._lock = threading.Lock()
         try:
@@ -107,9 +109,9 @@ class SQLiteBackend:
         try:
             for turn in turns:
                 sid = turn.session_id
-                row = conn.execute("SELECT turns FROM sessions WHERE session_id = ?", (sid,)).fetchone()
-                index = 0 if row is None else int(row[0])
-                placed = turn.placed(index, self._previous(conn, sid, index))
+                row = conn.execute("SELECT turns, last FROM sessions WHERE session_id = ?", (sid,)).fetchone()
+                index, marker = (0, None) if row is None else (int(row[0]), float(row[1]))
+                placed = turn.placed(index, self._previous(conn, sid, index, marker))
                 body = json.dumps(placed.to_json(), separators=(",", ":"), allow_nan=False)
                 conn.execute("INSERT INTO turns (session_id, idx, body) VALUES (?, ?, ?)", (sid, index, body))
                 conn.execute(
@@ -117,7 +119,7 @@ class SQLiteBackend:
                     " DO UPDATE SET turns = turns + 1, last = excluded.last",
                     (sid, now),
                 )
-                self._remember(placed)
+                self._remember(placed, now)
             conn.execute("COMMIT")
         except BaseException:
             self._forget()
@@ -125,18 +127,19 @@ class SQLiteBackend:
                 conn.execute("ROLLBACK")
             raise
 
-    def _previous(self, conn: sqlite3.Connection, sid: str, index: int) -> Turn | None:
+    def _previous(self, conn: sqlite3.Connection, sid: str, index: int, marker: float | None) -> Turn | None:
         if index == 0:
             return None
         cached = self._last.get(sid)
-        if cached is not None and cached[0] == index - 1:
-            ids = None if cached[1] is None else cached[1].tolist()  # what `Turn.placed` reads of it
+        if cached is not None and cached[0] == index - 1 and cached[1] == marker:  # the row is as this writer left it
+            ids = None if cached[2] is None else cached[2].tolist()  # what `Turn.placed` reads of it
             return Turn(sid, "", "", 0.0, "", prompt_token_ids=ids, index=index - 1)
         row = conn.execute("SELECT body FROM turns WHERE session_id = ? AND idx = ?", (sid, index - 1)).fetchone()
         return None if row is None else Turn.from_json(json.loads(row[0]))
 
-    def _remember(self, turn: Turn) -> None:
-        """Keep `turn`'s ids compactly for the session's next turn, within _LAST_TURNS sessions and _LAST_IDS ids."""
+    def _remember(self, turn: Turn, marker: float) -> None:
+        """Keep `turn`'s ids compactly for the session's next turn, within _LAST_TURNS sessions and _LAST_IDS ids;
+        `marker`: the `last` its session's row holds once it is written."""
         self._forget(turn.session_id)
         ids: array[int] | None = None
         if turn.prompt_token_ids is not None:
@@ -148,7 +151,7 @@ class SQLiteBackend:
             if len(ids) > _LAST_IDS:
                 return
         assert turn.index is not None
-        self._last[turn.session_id] = (turn.index, ids)
+        self._last[turn.session_id] = (turn.index, marker, ids)
         self._last_ids += len(ids or ())
         while len(self._last) > _LAST_TURNS or self._last_ids > _LAST_IDS:
             self._forget(next(iter(self._last)))
@@ -161,7 +164,7 @@ class SQLiteBackend:
             return
         kept = self._last.pop(session_id, None)
         if kept is not None:
-            self._last_ids -= len(kept[1] or ())
+            self._last_ids -= len(kept[2] or ())
 
     @staticmethod
     def _used(conn: sqlite3.Connection) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..config import DEFAULT_CAPTURE_MAX_BYTES, DEFAULT_CAPTURE_RETENTION_S, ConfigError
-from .record import Turn
+from .record import Turn, valid_session_id
 
 logger = logging.getLogger("vllm_nvext.capture")
 
@@ -119,7 +119,11 @@ class Sink:
         self._writer.start()
 
     def submit(self, turn: Turn) -> None:
-        """Queue `turn` for the writer; never blocks, never raises (a full queue drops and counts it)."""
+        """Queue `turn` for the writer; never blocks, never raises (a full queue drops and counts it). A turn whose
+        session is no valid session id (a response id that is not one, where no key named the session) is not
+        recorded: it would be a store key the read API can never be asked for (docs/capture.md)."""
+        if not isinstance(turn.session_id, str) or not valid_session_id(turn.session_id):
+            return
         try:
             if self._closed:
                 raise queue.Full

@@ -11,19 +11,21 @@ on the way: the client's bytes take the stream's byte-level path meanwhile (docs
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from .. import _json
 from ..outbound.sse import EventFramer, data_payload
 from . import continuation
+from .choice import TEXT, TOOL_CALL, Choice, delta_kind, message_kinds, token_logprobs
 from .keys import SessionKey, header_key, session_key
 from .record import Turn
 
 logger = logging.getLogger("vllm_nvext")
 
-TEXT, REASONING, TOOL_CALL = "text", "reasoning", "tool_call"
 STREAM_READ_BYTES = 256 * 1024  # a stream's bytes held before they are read (bounds a long stream's memory)
 
 
@@ -31,85 +33,28 @@ class Sink(Protocol):
     def submit(self, turn: Any) -> None: ...
 
 
-class _Choice:
-    """One choice's record: its ids, logprobs and spans so far."""
+def _guarded(read: Callable[[Collector, Any], None]) -> Callable[[Collector, Any], None]:
+    """A tap's reading of a decoded answer, never raising (the client's answer is vLLM's whatever the tap makes
+    of it): after a failure, the turn holds what was read before it, incomplete (`Collector._break`)."""
 
-    __slots__ = ("ids", "logprobs", "finish_reason", "spans", "withheld", "tools", "prompt")
-
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.logprobs: list[float] | None = []
-        self.finish_reason: str | None = None
-        self.spans: list[dict[str, Any]] = []
-        self.withheld = False  # some chunk said `token_ids: null`: the ids are not reported
-        self.tools: dict[int, tuple[str | None, str | None]] = {}  # tool call index -> (id, name)
-        self.prompt: list[int] | None = None  # the prompt it answers, where the choice says (completions)
-
-    def add(self, ids: list[int] | None, logprobs: list[float] | None, kind: str | None, tool: int | None) -> None:
-        if ids is None:
-            self.withheld = True
+    @functools.wraps(read)
+    def guarded(self: Collector, obj: Any) -> None:
+        if self.broken:
             return
-        start = len(self.ids)
-        self.ids += ids
-        if self.logprobs is not None:
-            if logprobs is None or len(logprobs) != len(ids):
-                self.logprobs = None if ids else self.logprobs  # counts can no longer align
-            else:
-                self.logprobs += logprobs
-        if ids and kind is not None:
-            call_id, name = self.tools.get(tool, (None, None)) if tool is not None else (None, None)
-            last = self.spans[-1] if self.spans else None
-            if last is not None and last["kind"] == kind and last["end"] == start and last["_tool"] == tool:
-                last["end"] = len(self.ids)
-            else:
-                self.spans.append({"kind": kind, "start": start, "end": len(self.ids), "tool_call_id": call_id,
-                                   "name": name, "_tool": tool})  # fmt: skip
+        try:
+            read(self, obj)
+        except Exception:
+            self._break()
 
-    def fields(self) -> dict[str, Any]:
-        spans = [{k: v for k, v in span.items() if k != "_tool"} for span in self.spans]
-        for span, raw in zip(spans, self.spans, strict=True):
-            if raw["_tool"] is not None:  # an id or name that came after the span began
-                span["tool_call_id"], span["name"] = self.tools.get(raw["_tool"], (None, None))
-        return {
-            "completion_token_ids": None if self.withheld else self.ids,
-            "logprobs": None if self.withheld or not self.ids else self.logprobs,
-            "finish_reason": self.finish_reason,
-            "spans": None if self.withheld else spans,
-        }
-
-
-def _token_logprobs(choice: dict[str, Any]) -> list[float] | None:
-    """The sampled tokens' logprobs of a chat (`content` entries) or completions (`token_logprobs`) choice."""
-    lp = choice.get("logprobs")
-    if not isinstance(lp, dict):
-        return None
-    content = lp.get("content")
-    values: Any = lp.get("token_logprobs")
-    if isinstance(content, list):
-        values = [e.get("logprob") if isinstance(e, dict) else None for e in content]
-    if not isinstance(values, list) or not all(isinstance(v, (int, float)) for v in values):
-        return None
-    return [float(v) for v in values]
-
-
-def _delta_kind(delta: Any, choice: dict[str, Any]) -> tuple[str | None, int | None, Any]:
-    """What a chunk's ids became: (kind, tool call index, the tool call) by the delta that carried them."""
-    if not isinstance(delta, dict):
-        return (TEXT, None, None) if isinstance(choice.get("text"), str) else (None, None, None)
-    calls = delta.get("tool_calls")
-    if isinstance(calls, list) and calls and isinstance(calls[-1], dict):
-        index = calls[-1].get("index")
-        return TOOL_CALL, index if isinstance(index, int) else 0, calls[-1]
-    if delta.get("reasoning") or delta.get("reasoning_content"):
-        return REASONING, None, None
-    return TEXT, None, None
+    return guarded
 
 
 class Collector:
     """What one captured request reports; `finish` hands its turn to the sink, once."""
 
     __slots__ = ("sink", "route", "key", "time", "request_id", "model", "prompt", "usage", "_choices", "_done",
-                 "reported", "spans_known", "_held", "_held_bytes", "_framer", "joined", "continuation")  # fmt: skip
+                 "reported", "spans_known", "_held", "_held_bytes", "_framer", "joined", "continuation",
+                 "broken")  # fmt: skip
 
     def __init__(self, sink: Sink, route: str, key: SessionKey, arrived: float | None = None) -> None:
         self.sink = sink
@@ -120,7 +65,7 @@ class Collector:
         self.model: str | None = None
         self.prompt: list[int] | None = None
         self.usage: Any = None
-        self._choices: dict[int, _Choice] = {}
+        self._choices: dict[int, Choice] = {}
         self._done = False
         self.reported = False  # an answer was seen (an error is not a turn)
         self.spans_known = True  # False: the route reports no per-item ids (docs/capture.md)
@@ -129,6 +74,7 @@ class Collector:
         self._framer: EventFramer | None = None
         self.joined: tuple[str, str | None] | None = None  # its session's key in continuation.MEMORY
         self.continuation: continuation.Continuation | None = None  # what vLLM's renderer did with it
+        self.broken = False  # a chunk the tap failed on ended the recorded turn there (`_guarded`)
 
     @classmethod
     def of(cls, sink: Sink | None, route: str, headers: Any, data: Any, arrived: float) -> Collector | None:
@@ -157,14 +103,14 @@ class Collector:
         if obj.get("usage") is not None:
             self.usage = obj["usage"]
 
-    def _choice(self, index: Any) -> _Choice:
+    def _choice(self, index: Any) -> Choice:
         index = index if isinstance(index, int) and not isinstance(index, bool) else 0
         state = self._choices.get(index)
         if state is None:
-            state = self._choices[index] = _Choice()
+            state = self._choices[index] = Choice()
         return state
 
-    def _choice_prompt(self, state: _Choice, choice: dict[str, Any]) -> None:
+    def _choice_prompt(self, state: Choice, choice: dict[str, Any]) -> None:
         """A completions choice's own prompt ids (the turn's are the first reported)."""
         prompt = choice.get("prompt_token_ids")
         if isinstance(prompt, list):
@@ -174,18 +120,29 @@ class Collector:
                 self.prompt = prompt
 
     def stream_bytes(self, body: bytes) -> None:
-        """One body message of a chat or completions stream, as vLLM sent it: held, read in bulk."""
+        """One body message of a chat or completions stream, as vLLM sent it: held, read in bulk. Never raises."""
+        if self.broken:
+            return
         self._held.append(body)
         self._held_bytes += len(body)
         if self._held_bytes >= STREAM_READ_BYTES:
-            self._read_held()
+            self._read_stream()
 
     def _read_stream(self) -> None:
-        """`_read_held`, never raising: a stream that cannot be read is recorded as far as it was read."""
+        """`_read_held`, never raising: the answer's bytes are the client's whatever the tap makes of them."""
         try:
             self._read_held()
-        except Exception:  # never the answer's failure
-            logger.exception("vllm-nvext could not read a captured stream")
+        except Exception:  # never the answer's failure: the turn ends where the tap stopped reading
+            self._break()
+
+    def _break(self) -> None:
+        """The recorded turn ends here, incomplete: no finish reason, never continued (docs/capture.md)."""
+        logger.exception("vllm-nvext could not read a captured answer; its turn ends here")
+        self.broken = True
+        self._held, self._held_bytes, self._framer = [], 0, None
+        for state in self._choices.values():
+            state.finish_reason = None
+            state.withheld = state.withheld or not state.ids  # none read: not reported (null, never [])
 
     def _read_held(self) -> None:
         """Every complete `data:` event held so far, decoded and told to `chunk` in order (a partial one waits)."""
@@ -201,10 +158,13 @@ class Collector:
                 continue
             try:
                 obj = _json.loads(event[span[0] : span[1]])
-            except ValueError:
-                continue  # not JSON ([DONE] among them): the stream path forwards it untouched
+            except (ValueError, RecursionError):
+                continue  # not JSON ([DONE] among them), or too deep to decode: the client gets it as it came
             self.chunk(obj)
+            if self.broken:
+                return
 
+    @_guarded
     def chunk(self, obj: Any) -> None:
         """One decoded chat or completions stream chunk, as vLLM sent it."""
         if not isinstance(obj, dict) or "error" in obj:
@@ -219,7 +179,7 @@ class Collector:
             state = self._choice(choice.get("index"))
             self._choice_prompt(state, choice)  # completions: per choice
             delta = choice.get("delta")
-            kind, tool, call = _delta_kind(delta, choice)
+            kind, tool, call = delta_kind(delta, choice)
             if call is not None:
                 known = state.tools.get(tool, (None, None))  # type: ignore[arg-type]
                 function = call.get("function") if isinstance(call.get("function"), dict) else {}
@@ -229,10 +189,11 @@ class Collector:
                 )
             if "token_ids" in choice:
                 ids = choice["token_ids"]
-                state.add(ids if isinstance(ids, list) else None, _token_logprobs(choice), kind, tool)
+                state.add(ids if isinstance(ids, list) else None, token_logprobs(choice), kind, tool)
             if isinstance(choice.get("finish_reason"), str):
                 state.finish_reason = choice["finish_reason"]
 
+    @_guarded
     def body(self, obj: Any) -> None:
         """A decoded unary chat or completions body, as vLLM sent it: one span per item it holds."""
         if not isinstance(obj, dict) or "error" in obj:
@@ -251,20 +212,21 @@ class Collector:
             calls = message.get("tool_calls") if isinstance(message, dict) else None
             # A unary body says which items came out, not which ids made each: one span, of the one kind
             # when there is one kind of item (docs/capture.md, what is exact).
-            kinds = _message_kinds(message) if isinstance(message, dict) else ([TEXT] if "text" in choice else [])
+            kinds = message_kinds(message) if isinstance(message, dict) else ([TEXT] if "text" in choice else [])
             tool = 0 if kinds == [TOOL_CALL] else None
             if tool is not None and isinstance(calls, list) and len(calls) == 1 and isinstance(calls[0], dict):
                 function = calls[0].get("function") if isinstance(calls[0].get("function"), dict) else {}
                 state.tools[0] = (calls[0].get("id"), (function or {}).get("name"))
-            state.add(ids if isinstance(ids, list) else None, _token_logprobs(choice),
+            state.add(ids if isinstance(ids, list) else None, token_logprobs(choice),
                       kinds[0] if len(kinds) == 1 else None, tool)  # fmt: skip
             if isinstance(choice.get("finish_reason"), str):
                 state.finish_reason = choice["finish_reason"]
         if isinstance(choices, list) and any(
-            isinstance(c, dict) and len(_message_kinds(c.get("message"))) > 1 for c in choices
+            isinstance(c, dict) and len(message_kinds(c.get("message"))) > 1 for c in choices
         ):
             self.spans_known = False
 
+    @_guarded
     def response(self, obj: Any) -> None:
         """A Responses object with vLLM's `input_messages` / `output_messages` (the ids of each round)."""
         if not isinstance(obj, dict):
@@ -291,7 +253,7 @@ class Collector:
         """What this turn was served so far (continuation.Served): a stream's held bytes read first."""
         self._read_stream()
         first = self._choices.get(0)
-        ids = None if first is None or first.withheld else first.ids
+        ids = None if first is None or first.withheld or self.broken else first.ids  # a broken turn: never continued
         rendered = None if self.continuation is None else self.continuation.rendered
         return self.prompt, ids, len(self._choices) > 1, rendered
 
@@ -311,12 +273,12 @@ class Collector:
         except Exception:  # the sink never raises; a turn that cannot be made is dropped, never the answer
             logger.exception("vllm-nvext could not record a captured turn")
 
-    def fields(self, group: dict[int, _Choice] | None = None, prompt: list[int] | None = None) -> dict[str, Any]:
+    def fields(self, group: dict[int, Choice] | None = None, prompt: list[int] | None = None) -> dict[str, Any]:
         """The turn's fields as the read API writes them (capture/record.py's Turn), less what the store adds;
         `group`: of a completions batch, the choices that answer one prompt (`prompt`), else all of them."""
         choices = self._choices if group is None else group
         lead = 0 if group is None else min(group)
-        first = choices.get(lead) or _Choice()
+        first = choices.get(lead) or Choice()
         choice = first.fields()
         if not self.spans_known:
             choice["spans"] = None
@@ -347,24 +309,10 @@ class Collector:
     def turns(self) -> list[Turn]:
         """The turn, or of a /v1/completions batch of prompts one turn per prompt, each with the choices that
         answer it (docs/capture.md), in the order of their first choice."""
-        groups: dict[tuple[int, ...] | None, dict[int, _Choice]] = {}
+        groups: dict[tuple[int, ...] | None, dict[int, Choice]] = {}
         for index, state in sorted(self._choices.items()):
             key = None if state.prompt is None or state.prompt == self.prompt else tuple(state.prompt)
             groups.setdefault(key, {})[index] = state
         if len(groups) < 2:
             return [self.turn()]
         return [Turn(**self.fields(group, self.prompt if key is None else list(key))) for key, group in groups.items()]
-
-
-def _message_kinds(message: Any) -> list[str]:
-    """The kinds of item a unary chat message holds, in the order vLLM generates them."""
-    if not isinstance(message, dict):
-        return []
-    kinds = []
-    if message.get("reasoning") or message.get("reasoning_content"):
-        kinds.append(REASONING)
-    if message.get("content"):
-        kinds.append(TEXT)
-    if message.get("tool_calls"):
-        kinds.append(TOOL_CALL)
-    return kinds

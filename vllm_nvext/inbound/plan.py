@@ -3,6 +3,8 @@ response side (`outbound/`) and the ASGI layer; nothing else passes between them
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass, field
 
 from ..protocol import Dialect, Endpoint
@@ -62,6 +64,11 @@ class Plan:
     # The operator captures this request (docs/capture.md): ids are on upstream whatever the client
     # asked, and the response side reports what it saw to the request's capture tap.
     capture: bool = False
+    # The stream comes from vLLM's Rust frontend (vllm-rs, behind `vllm-nvext proxy`), which leaves a key out
+    # where Python vLLM writes null: vLLM's copies of the ids are then deleted, not set back to null
+    # (`for_upstream`): the choices' `token_ids`, and the prompt's ids.
+    stream_ids_absent: bool = False
+    stream_prompt_ids_absent: bool = False
 
     # A successful answer changes (error bodies and events are `error_params`' business); set from the
     # members above when the plan is made, so reading it enters no function.
@@ -80,3 +87,21 @@ class Plan:
         members = self.__dict__
         members["reshapes_answer"] = answer
         members["reshapes_response"] = answer or bool(self.error_params) or self.capture
+
+
+# vllm-rs's chat stream writes its root `"prompt_token_ids":null` from 0.34 on; 0.33's leaves the key out
+# (tests/fixtures/vllm-0.33-rust, vllm-0.34-rust: chat_stream_plain). Its completions streams leave it out.
+_CHAT_PROMPT_IDS_NULL_FROM = (0, 34)
+_VERSION = re.compile(r"(\d+)\.(\d+)")
+
+
+def for_upstream(plan: Plan, rust_frontend_version: str | None) -> Plan:
+    """`plan` for the server that answers it: behind `vllm-nvext proxy` in front of vllm-rs (its /version's
+    `rust_frontend_version`), a stream whose ids the client gets without vLLM's copies has those keys deleted,
+    as vllm-rs writes a stream that asked for no ids (docs/scaling-out.md, vLLM's Rust frontend)."""
+    if rust_frontend_version is None or not plan.stream or not plan.strip_vllm_ids:
+        return plan
+    found = _VERSION.match(rust_frontend_version)
+    older = found is not None and (int(found[1]), int(found[2])) < _CHAT_PROMPT_IDS_NULL_FROM
+    prompt_absent = plan.endpoint is Endpoint.COMPLETIONS or older
+    return dataclasses.replace(plan, stream_ids_absent=True, stream_prompt_ids_absent=prompt_absent)

@@ -162,7 +162,9 @@ class ChunkReshaper(PromptIds):
         self.pending: tuple[dict[str, Any], dict[str, Any] | None] | None = None
         self._echoed: set[Any] = set()  # choice indexes whose echoed prompt was put back
         # engine_data with logprobs, or with several choices to keep apart, reads every chunk.
-        self.decode_every_chunk = self.engine and (self.logprobs is not None or not plan.single_choice)
+        self.decode_every_chunk = (self.engine and (self.logprobs is not None or not plan.single_choice)) or (
+            plan.stream_ids_absent or plan.stream_prompt_ids_absent  # keys deleted (vllm-rs): the general path's
+        )
 
     def delta_ids(self, event: bytes, start: int, end: int) -> None:
         """What `reshape` records from the only choice's listed ids, found by the byte-level path at

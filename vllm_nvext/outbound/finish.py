@@ -79,6 +79,8 @@ def serves(plan: Plan) -> bool:
         and not plan.nvext_only_selectors
         and not plan.echo_prompts
         and not plan.finish_waits_for_usage
+        and not plan.stream_ids_absent  # vllm-rs: its keys are deleted, by the general path alone
+        and not plan.stream_prompt_ids_absent
     )
 
 

@@ -49,24 +49,31 @@ def prompt_ids_in(obj: dict[str, Any], choice: dict[str, Any] | None, endpoint: 
 
 
 def strip_vllm_ids(obj: dict[str, Any], choices: list[Any], plan: Plan) -> bool:
-    """Set vLLM's copies back to null; True if there was one."""
+    """Set vLLM's copies back to null, or delete them where the upstream leaves the key out (vllm-rs's streams:
+    `plan.stream_ids_absent`, `stream_prompt_ids_absent`); True if there was one."""
     stripped = False
+    ids_absent, prompt_absent = plan.stream_ids_absent, plan.stream_prompt_ids_absent
     for choice in choices:
         if isinstance(choice, dict):
-            if choice.get("token_ids") is not None:
-                choice["token_ids"] = None
-                stripped = True
-            if (
-                plan.endpoint is Endpoint.COMPLETIONS
-                and not plan.vllm_sends_prompt_ids
-                and choice.get("prompt_token_ids") is not None
-            ):
-                choice["prompt_token_ids"] = None
-                stripped = True
-    if plan.endpoint is not Endpoint.COMPLETIONS and obj.get("prompt_token_ids") is not None:
-        obj["prompt_token_ids"] = None
-        stripped = True
+            stripped = _strip(choice, "token_ids", ids_absent) or stripped
+            if plan.endpoint is Endpoint.COMPLETIONS and (prompt_absent or not plan.vllm_sends_prompt_ids):
+                stripped = _strip(choice, "prompt_token_ids", prompt_absent) or stripped
+    if plan.endpoint is not Endpoint.COMPLETIONS:
+        stripped = _strip(obj, "prompt_token_ids", prompt_absent) or stripped
     return stripped
+
+
+def _strip(owner: dict[str, Any], key: str, absent: bool) -> bool:
+    """`owner[key]` deleted (`absent`) or set back to null; True if it changed."""
+    if absent:
+        return owner.pop(key, _GONE) is not _GONE
+    if owner.get(key) is None:
+        return False
+    owner[key] = None
+    return True
+
+
+_GONE = object()
 
 
 def take_prompt_logprobs(obj: dict[str, Any], choice: dict[str, Any], plan: Plan) -> Any:
