@@ -4,6 +4,7 @@ session id, another process or a second request of the same session is not the u
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -275,6 +276,72 @@ async def test_delete_forgets_the_sessions_turns_for_continue_ids_in_this_proces
         await call(app, "/v1/chat/completions", json.dumps(CHAT).encode(), headers=(JSON, *headers))
     assert [len(t.previous) for t in seen if t is not None] == [0, 0, 0, 0, 0, 1], "only edge-2 still continues"
     app.sink.close()  # type: ignore[union-attr]
+
+
+async def test_a_delete_right_after_a_turn_ends_leaves_no_turn_of_it_behind(tmp_path):
+    """The client has its whole answer, its turn still waits in the store writer's queue (the writer held, as under
+    load), and the client DELETEs the session: the turn is written first and deleted with the rest, so the
+    session does not come back (docs/capture.md: `DELETE` removes a session at once). The writer is released
+    when the DELETE starts waiting for it, or else once the store's delete ran: either way, no timing."""
+    app = NvextMiddleware(Upstream(), capture=f"sqlite:///{tmp_path / 'capture.sqlite3'}")
+    sink = app.sink
+    assert sink is not None
+    await _turn(app, [1, 2], [3])
+    gate, write, delete, flush = threading.Event(), sink.backend.write, sink.backend.delete, sink.flush
+
+    def held_write(turns: Any, now: float) -> None:  # the writer thread waits for the gate
+        gate.wait(10)
+        write(turns, now)
+
+    def delete_then_release(session_id: str) -> bool:
+        found = delete(session_id)
+        gate.set()
+        return found
+
+    def release_then_flush(timeout: float | None = None) -> bool:
+        gate.set()
+        return flush(timeout)
+
+    sink.backend.write, sink.backend.delete = held_write, delete_then_release  # type: ignore[method-assign]
+    sink.flush = release_then_flush  # type: ignore[method-assign]
+    app.app = _answer([1, 2, 3, 4], [5])
+    result = await call(app, "/v1/chat/completions", json.dumps({**CHAT, "stream": False}).encode(),
+                        headers=(JSON, SESSION))  # fmt: skip
+    assert result.status == 200  # the client has its answer; its turn is queued, not written
+    assert await _sessions_call(app, "DELETE", b"/v1/nvext/sessions/edge-1") == (
+        200, {"session_id": "edge-1", "deleted": True})  # fmt: skip
+    assert sink.flush()
+    status, body = await _sessions_call(app, "GET", b"/v1/nvext/sessions/edge-1")
+    sink.close()
+    assert (status, body["error"]["param"]) == (404, "session_id"), f"the deleted session came back: {body}"
+
+
+async def test_a_delete_the_store_writer_cannot_reach_in_time_is_a_503_and_deletes_nothing(tmp_path, monkeypatch):
+    """The writer is stuck behind a turn queued before the DELETE: the client gets 503 (retry), never a 200 that
+    the queued turn would undo, and the session is as it was."""
+    from vllm_nvext.capture import store
+
+    app = NvextMiddleware(Upstream(), capture=f"sqlite:///{tmp_path / 'capture.sqlite3'}")
+    sink = app.sink
+    assert sink is not None
+    await _turn(app, [1, 2], [3])
+    gate, write = threading.Event(), sink.backend.write
+
+    def held_write(turns: Any, now: float) -> None:
+        gate.wait(10)
+        write(turns, now)
+
+    sink.backend.write = held_write  # type: ignore[method-assign]
+    app.app = _answer([1, 2, 3, 4], [5])
+    await call(app, "/v1/chat/completions", json.dumps({**CHAT, "stream": False}).encode(), headers=(JSON, SESSION))
+    monkeypatch.setattr(store, "CLOSE_WAIT_S", 0.05)
+    status, body = await _sessions_call(app, "DELETE", b"/v1/nvext/sessions/edge-1")
+    assert (status, body["error"]["message"]) == (503, "the capture store is unavailable")
+    gate.set()
+    assert sink.flush(10)
+    status, body = await _sessions_call(app, "GET", b"/v1/nvext/sessions/edge-1")
+    sink.close()
+    assert status == 200 and [t["completion_token_ids"] for t in body["turns"]] == [[3], [5]]
 
 
 # --- 4. `vllm-nvext proxy --capture` in front of vLLM's Rust frontend ------------------------------------------

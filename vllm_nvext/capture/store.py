@@ -114,6 +114,9 @@ class Sink:
         self.tally = Tally()
         self._reports: tuple[Counts, ...] = (self.tally,) if counts is None else (self.tally, counts)
         self._queue: queue.Queue[Turn | None] = queue.Queue(maxsize=queue_size)
+        self._queued = 0  # turns queued so far, and of them the writer has handled (written or dropped)
+        self._handled = 0
+        self._queued_lock = threading.Lock()
         self._closed = False
         self._writer = threading.Thread(target=self._run, name="vllm-nvext-capture", daemon=True)
         self._writer.start()
@@ -127,7 +130,9 @@ class Sink:
         try:
             if self._closed:
                 raise queue.Full
-            self._queue.put_nowait(turn)
+            with self._queued_lock:  # the count in the queue's order: `flush` waits for what was queued before
+                self._queue.put_nowait(turn)
+                self._queued += 1
         except queue.Full:
             self._count_drop(QUEUE_FULL, 1)
 
@@ -148,15 +153,22 @@ class Sink:
         return self.backend.read(session_id, start, max_bytes)
 
     def delete(self, session_id: str) -> bool:
-        """Remove the session; False when there was none. Blocking: call it off the event loop."""
+        """Remove the session; False when there was none. Blocking: call it off the event loop.
+
+        The turns queued before it are written first, so a turn that ended before the DELETE never brings the
+        session back; TimeoutError when the writer has not reached them in CLOSE_WAIT_S (the store is stuck)."""
+        if not self.flush():
+            raise TimeoutError("the capture writer is behind")
         return self.backend.delete(session_id)
 
-    def flush(self, timeout: float = CLOSE_WAIT_S) -> bool:
-        """Wait until every turn queued so far is written (or dropped); False on timeout."""
-        deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every turn queued so far is written (or dropped), up to `timeout` (CLOSE_WAIT_S); False on
+        timeout. Turns queued while it waits are not waited for."""
+        target = self._queued
+        deadline = time.monotonic() + (CLOSE_WAIT_S if timeout is None else timeout)
+        while self._handled < target and time.monotonic() < deadline:
             time.sleep(0.005)
-        return not self._queue.unfinished_tasks
+        return self._handled >= target
 
     def close(self) -> None:
         """Write what is queued (waiting up to CLOSE_WAIT_S), then close the store."""
@@ -201,6 +213,7 @@ class Sink:
                 self._prune(now)
             if batch:
                 self._write(batch, now)
+                self._handled += len(batch)
             for _ in range(len(batch) + (1 if stop else 0)):
                 self._queue.task_done()
             if stop:
