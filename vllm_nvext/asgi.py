@@ -1,7 +1,7 @@
 """ASGI plumbing for the request side: the headers the middleware reads, replaying a body, passing a
 large one through, and the sub-request to one of vLLM's own routes (echo's `/detokenize`).
 
-Nothing here decides anything about either dialect; `middleware.py` wires these together.
+Nothing here decides anything about either dialect; `middleware/` wires these together.
 """
 
 from __future__ import annotations

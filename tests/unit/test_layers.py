@@ -30,11 +30,12 @@ LAYERS: dict[str, frozenset[str]] = {
     "outbound": frozenset({"outbound", "outbound.*"}),
     # What the installed vLLM can do, and its `--api-key` check on the scope.
     "vllm": frozenset({"_vllm_compat"}),
-    # The server's ASGI layer: the middleware (one request's cycle), its receive and send plumbing
-    # (`asgi`, `send`; `kernels` picks the compiled twins of `_speedups`, built from csrc/, or their Python ones),
-    # the counters, the agent routes, the endpoint plugin.
+    # The server's ASGI layer: the middleware (its route; middleware/exchange.py: one request's cycle), its
+    # receive and send plumbing (`asgi`, `send`; `kernels` picks the compiled twins of `_speedups`, built from
+    # csrc/, or their Python ones), the counters, the agent routes, the endpoint plugin.
     "asgi": frozenset(
-        {"", "middleware", "asgi", "send", "kernels", "_speedups", "metrics", "agent", "agent.*", "plugin"}
+        {"", "middleware", "middleware.*", "asgi", "send", "kernels", "_speedups", "metrics", "agent", "agent.*",
+         "plugin"}
     ),
     # Out of process: the middleware in front of a server over HTTP (`vllm-nvext proxy`).
     "proxy": frozenset({"proxy", "proxy.*"}),

@@ -2,7 +2,7 @@
 
 Its plan (with the refusals only these routes have), its capture, and vLLM's answer, reshaped on
 /v1/responses and served by the plugin mount on /v1/messages (messages.py). The request's state
-stays on the exchange that calls it (`middleware._Exchange`).
+stays on the exchange that calls it (`middleware.exchange.Exchange`).
 """
 
 from __future__ import annotations
