@@ -644,6 +644,10 @@ def _proxy_capture_rust033() -> Server:
 
 # tests/e2e/test_proxy.py (marker e2e_proxy, beside rust033 in the proxy group's run).
 proxy_capture_rust033_server = register("proxy_capture_rust033", _proxy_capture_rust033, reference="setup-vllm033")
+# A role of rust033's version (no test reaches it through `raw`/`translated`): when that version's tests end and
+# stop rust033, this proxy stops with it, so a test asking for it later gets a fresh one in front of a fresh
+# rust033, never one still pointing at the stopped server's port.
+VERSION_KINDS[RUST033]["capture_proxy"] = "proxy_capture_rust033"
 
 capture_stock_server = register("capture_stock", tiny_vllm("capture_stock", "--api-key", API_KEY, *TOOL_ARGS))
 capture_mw_server = register("capture_mw", lambda: _capture_vllm("capture_mw", "--middleware", MIDDLEWARE))
