@@ -69,6 +69,29 @@ TOO_DEEP = b"data: " + b"[" * 100_000 + b"1" * 30 + b"]" * 100_000 + b"\n\n"
 HUGE_LOGPROB = {"logprobs": {"content": [{"token": "b", "logprob": 10**400, "bytes": None, "top_logprobs": []}]}}
 
 
+def _renderer(seen: list[continuation.Continuation | None]) -> type[Upstream]:
+    """An upstream that notes in `seen`, where vLLM's renderer reads it (capture/render_hook.py), the request's turn."""
+
+    class Renderer(Upstream):
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            seen.append(continuation.TURN.get())
+            await super().__call__(scope, receive, send)
+
+    return Renderer
+
+
+def _hold_writer(sink: Sink) -> threading.Event:
+    """The store's writer thread held before each write until the returned gate is set (a writer behind)."""
+    gate, write = threading.Event(), sink.backend.write
+
+    def held_write(turns: Any, now: float) -> None:
+        gate.wait(10)
+        write(turns, now)
+
+    sink.backend.write = held_write  # type: ignore[method-assign]
+    return gate
+
+
 async def _chat(app: NvextMiddleware, *headers: tuple[bytes, bytes]) -> bytes:
     result = await call(app, "/v1/chat/completions", json.dumps(CHAT).encode(), headers=(JSON, *headers))
     assert result.status == 200
@@ -98,15 +121,11 @@ async def test_a_turn_the_tap_failed_on_is_never_continued(tmp_path, monkeypatch
     """VLLM_NVEXT_CONTINUE_IDS: the next request of the session finds no turn to continue (vLLM's own rendering)."""
     monkeypatch.setattr(continuation, "MEMORY", Memory())
     seen: list[continuation.Continuation | None] = []
-
-    class Renderer(Upstream):  # where vLLM's renderer reads the request's turn (capture/render_hook.py)
-        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-            seen.append(continuation.TURN.get())
-            await super().__call__(scope, receive, send)
+    renderer = _renderer(seen)
 
     bad = _event(_chunk([9], **HUGE_LOGPROB))
     for middle in (b"", bad, b""):  # a good turn, one the tap fails on, and the next request
-        app = NvextMiddleware(Renderer(content_type="text/event-stream", body=_stream(middle, pad=2)),
+        app = NvextMiddleware(renderer(content_type="text/event-stream", body=_stream(middle, pad=2)),
                               capture=f"sqlite:///{tmp_path / 'capture.sqlite3'}")  # fmt: skip
         await _chat(app, SESSION)
         app.sink.close()  # type: ignore[union-attr]
@@ -256,23 +275,19 @@ async def test_delete_forgets_the_sessions_turns_for_continue_ids_in_this_proces
     """VLLM_NVEXT_CONTINUE_IDS: after `DELETE`, the session's next request finds no turn to continue."""
     monkeypatch.setattr(continuation, "MEMORY", Memory())
     seen: list[continuation.Continuation | None] = []
-
-    class Renderer(Upstream):  # where vLLM's renderer reads the request's turn (capture/render_hook.py)
-        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-            seen.append(continuation.TURN.get())
-            await super().__call__(scope, receive, send)
+    renderer = _renderer(seen)
 
     app = NvextMiddleware(Upstream(), capture=f"sqlite:///{tmp_path / 'capture.sqlite3'}")
     other = (b"x-nvext-session-id", b"edge-2")
     for headers in ((SESSION,), (other,), (SESSION, (b"x-claude-code-agent-id", b"sub-1"))):
-        app.app = Renderer(content_type="text/event-stream", body=_stream(b"", pad=1))
+        app.app = renderer(content_type="text/event-stream", body=_stream(b"", pad=1))
         result = await call(app, "/v1/chat/completions", json.dumps(CHAT).encode(), headers=(JSON, *headers))
         assert result.status == 200
     assert app.sink is not None and app.sink.flush(), "the turns are in the store"
     assert await _sessions_call(app, "DELETE", b"/v1/nvext/sessions/edge-1") == (
         200, {"session_id": "edge-1", "deleted": True})  # fmt: skip
     for headers in ((SESSION,), (SESSION, (b"x-claude-code-agent-id", b"sub-1")), (other,)):
-        app.app = Renderer(content_type="text/event-stream", body=_stream(b"", pad=1))
+        app.app = renderer(content_type="text/event-stream", body=_stream(b"", pad=1))
         await call(app, "/v1/chat/completions", json.dumps(CHAT).encode(), headers=(JSON, *headers))
     assert [len(t.previous) for t in seen if t is not None] == [0, 0, 0, 0, 0, 1], "only edge-2 still continues"
     app.sink.close()  # type: ignore[union-attr]
@@ -287,11 +302,7 @@ async def test_a_delete_right_after_a_turn_ends_leaves_no_turn_of_it_behind(tmp_
     sink = app.sink
     assert sink is not None
     await _turn(app, [1, 2], [3])
-    gate, write, delete, flush = threading.Event(), sink.backend.write, sink.backend.delete, sink.flush
-
-    def held_write(turns: Any, now: float) -> None:  # the writer thread waits for the gate
-        gate.wait(10)
-        write(turns, now)
+    gate, delete, flush = _hold_writer(sink), sink.backend.delete, sink.flush
 
     def delete_then_release(session_id: str) -> bool:
         found = delete(session_id)
@@ -302,7 +313,7 @@ async def test_a_delete_right_after_a_turn_ends_leaves_no_turn_of_it_behind(tmp_
         gate.set()
         return flush(timeout)
 
-    sink.backend.write, sink.backend.delete = held_write, delete_then_release  # type: ignore[method-assign]
+    sink.backend.delete = delete_then_release  # type: ignore[method-assign]
     sink.flush = release_then_flush  # type: ignore[method-assign]
     app.app = _answer([1, 2, 3, 4], [5])
     result = await call(app, "/v1/chat/completions", json.dumps({**CHAT, "stream": False}).encode(),
@@ -325,13 +336,7 @@ async def test_a_delete_the_store_writer_cannot_reach_in_time_is_a_503_and_delet
     sink = app.sink
     assert sink is not None
     await _turn(app, [1, 2], [3])
-    gate, write = threading.Event(), sink.backend.write
-
-    def held_write(turns: Any, now: float) -> None:
-        gate.wait(10)
-        write(turns, now)
-
-    sink.backend.write = held_write  # type: ignore[method-assign]
+    gate = _hold_writer(sink)
     app.app = _answer([1, 2, 3, 4], [5])
     await call(app, "/v1/chat/completions", json.dumps({**CHAT, "stream": False}).encode(), headers=(JSON, SESSION))
     monkeypatch.setattr(store, "CLOSE_WAIT_S", 0.05)
