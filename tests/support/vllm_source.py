@@ -9,6 +9,8 @@ release, installed or in a reference venv, is walked the same way:
   name says host, port or address. A key read from an object found under a root key (LMCache's
   `kv_transfer_params["disagg_spec"]["receiver_host"]`) counts as that root key.
 - `kv_params_routes`: the POST routes whose request model has a `kv_transfer_params` field.
+- `renderer_entry`: how the release's `OnlineRenderer` renders chat and /v1/responses: the arguments
+  of `preprocess_chat` (the entry capture's render hook wraps) and which renders call it.
 """
 
 from __future__ import annotations
@@ -151,3 +153,22 @@ def kv_params_routes(vllm_dir: Path) -> set[str]:
                 ):
                     routes.add(decorator.args[0].value)
     return routes
+
+
+def renderer_entry(vllm_dir: Path) -> tuple[list[str], set[str]]:
+    """(`OnlineRenderer.preprocess_chat`'s first three arguments, the renders of chat and /v1/responses
+    that call it) in the release whose package is `vllm_dir` (`renderers/online_renderer.py`)."""
+    tree = ast.parse((vllm_dir / "renderers" / "online_renderer.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "OnlineRenderer"]
+    methods = {n.name: n for n in cls.body if isinstance(n, ast.AsyncFunctionDef)}
+    arguments = [a.arg for a in methods["preprocess_chat"].args.args[:3]]
+    callers = {
+        caller
+        for caller in ("render_chat", "render_responses")
+        if any(
+            getattr(node.func, "attr", None) == "preprocess_chat"
+            for node in ast.walk(methods[caller])
+            if isinstance(node, ast.Call)
+        )
+    }
+    return arguments, callers

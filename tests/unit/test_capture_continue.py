@@ -309,37 +309,21 @@ def test_the_recordings_hold_answers_that_round_trip_and_answers_that_drift():
     assert kinds == {True, False}
 
 
-def _renderers() -> list[Any]:
-    """vLLM's online_renderer.py of .venv's vLLM and of each reference venv built (0.30, 0.31, 0.33, 0.34)."""
+def test_this_vllm_renders_chat_responses_and_messages_through_the_method_the_hook_wraps():
+    """The entry the hook wraps (render_hook.TARGETS) is there in .venv's vLLM, with the (request, messages)
+    it reads, and it is what chat (and /v1/messages, a chat request inside vLLM) and /v1/responses render
+    through; each other release's own files: tests/e2e/test_versions.py, in the group that builds its venv."""
     import importlib.util
 
-    from vllm_nvext.tools.reference_venvs import is_built, refs_dir
+    from tests.support.vllm_source import renderer_entry
 
-    found = []
     spec = importlib.util.find_spec("vllm")
-    if spec is not None and spec.origin is not None:
-        found.append(pytest.param(Path(spec.origin).parent / "renderers" / "online_renderer.py", id="venv"))
-    for venv in sorted(refs_dir().glob("vllm-*")):
-        for source in venv.glob("lib/python3*/site-packages/vllm/renderers/online_renderer.py"):
-            if is_built(venv, source):
-                found.append(pytest.param(source, id=venv.name))
-    return found
-
-
-@pytest.mark.parametrize("source", _renderers())
-def test_each_vllm_renders_chat_responses_and_messages_through_the_method_the_hook_wraps(source):
-    """The entry the hook wraps (render_hook.TARGETS) is there, with the (request, messages) it reads, and
-    it is what chat (and /v1/messages, a chat request inside vLLM) and /v1/responses render through."""
-    import ast
-
-    tree = ast.parse(source.read_text())
-    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "OnlineRenderer"]
-    methods = {n.name: n for n in cls.body if isinstance(n, ast.AsyncFunctionDef)}
+    assert spec is not None and spec.origin is not None
     assert render_hook.TARGETS[0][1:] == ("OnlineRenderer", "preprocess_chat")
-    assert [a.arg for a in methods["preprocess_chat"].args.args[:3]] == ["self", "request", "messages"]
-    for caller in ("render_chat", "render_responses"):
-        calls = [n for n in ast.walk(methods[caller]) if isinstance(n, ast.Call)]
-        assert any(getattr(c.func, "attr", None) == "preprocess_chat" for c in calls), caller
+    assert renderer_entry(Path(spec.origin).parent) == (
+        ["self", "request", "messages"],
+        {"render_chat", "render_responses"},
+    )
 
 
 def test_a_request_continues_the_newest_turn_its_history_begins_with_and_never_one_of_several_choices():

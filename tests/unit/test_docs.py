@@ -187,3 +187,13 @@ def test_paths_named_in_the_code_and_build_files_exist():
             missing += [f"{path.relative_to(ROOT)}:{n}: {p}" for p in gone]
     assert len(files) > 50
     assert not missing, "no such file:\n" + "\n".join(missing)
+
+
+def test_the_readme_stays_a_short_guide_whose_first_screen_has_the_two_commands_and_pip_install():
+    """README.md is the first screen a new user reads: under 15,000 bytes (the reference lives in docs/), and
+    its first 40 lines say what it is, give the two commands and `pip install` for one's own `vllm serve`."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.encode()) < 15_000, f"README.md is {len(text.encode())} bytes: move detail to docs/"
+    first_screen = "\n".join(text.splitlines()[:40])
+    for needed in ("make serve", "make test", "pip install vllm-nvext", "--middleware vllm_nvext.NvextMiddleware"):
+        assert needed in first_screen, needed
