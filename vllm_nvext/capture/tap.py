@@ -305,7 +305,7 @@ class Collector:
         }
 
     def turn(self) -> Turn:
-        return Turn(**self.fields())
+        return Turn(**self.fields(), decode=getattr(self.sink, "decode", None))
 
     def turns(self) -> list[Turn]:
         """The turn, or of a /v1/completions batch of prompts one turn per prompt, each with the choices that
@@ -316,4 +316,8 @@ class Collector:
             groups.setdefault(key, {})[index] = state
         if len(groups) < 2:
             return [self.turn()]
-        return [Turn(**self.fields(group, self.prompt if key is None else list(key))) for key, group in groups.items()]
+        decode = getattr(self.sink, "decode", None)
+        return [
+            Turn(**self.fields(group, self.prompt if key is None else list(key)), decode=decode)
+            for key, group in groups.items()
+        ]
