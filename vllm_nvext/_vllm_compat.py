@@ -15,7 +15,7 @@ import importlib.util
 import os
 import re
 import secrets
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -326,23 +326,6 @@ def server_args(scope: MutableMapping[str, Any]) -> Any:
     if SERVER_ARGS in scope:
         return scope[SERVER_ARGS]
     return getattr(getattr(scope.get("app"), "state", None), "args", None)
-
-
-def tokenizer_decode(scope: MutableMapping[str, Any]) -> Callable[[Sequence[int]], str] | None:
-    """vLLM's tokenizer in this server (`app.state.online_renderer`'s), ids to text with special tokens as they
-    are; None outside a vLLM server (`vllm-nvext proxy`) or where it has none (`--skip-tokenizer-init`)."""
-    renderer = getattr(getattr(getattr(scope.get("app"), "state", None), "online_renderer", None), "renderer", None)
-    try:
-        tokenizer = None if renderer is None else renderer.get_tokenizer()
-    except Exception:  # no tokenizer in this server
-        return None
-    if tokenizer is None or not callable(getattr(tokenizer, "decode", None)):
-        return None
-
-    def decode(ids: Sequence[int]) -> str:
-        return str(tokenizer.decode(list(ids), skip_special_tokens=False))
-
-    return decode
 
 
 def hides_reasoning_ids(args: Any) -> bool:

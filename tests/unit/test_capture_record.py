@@ -123,7 +123,7 @@ def test_a_break_on_a_server_with_a_tokenizer_carries_the_texts_around_it(tmp_pa
     transformers = pytest.importorskip("transformers")
     from starlette.applications import Starlette
 
-    from vllm_nvext import _vllm_compat
+    from vllm_nvext.capture import render_hook
     from vllm_nvext.capture.store import open_sink
     from vllm_nvext.tools import tiny_model
 
@@ -135,8 +135,8 @@ def test_a_break_on_a_server_with_a_tokenizer_carries_the_texts_around_it(tmp_pa
             return tokenizer
 
     app.state.online_renderer = type("OnlineRenderer", (), {"renderer": Renderer()})()
-    decode = _vllm_compat.tokenizer_decode({"type": "http", "app": app})
-    assert decode is not None and _vllm_compat.tokenizer_decode({"type": "http", "app": Starlette()}) is None
+    decode = render_hook.vllm_decode(app)
+    assert decode is not None and render_hook.vllm_decode(Starlette()) is None, "no tokenizer: no texts"
 
     def ids(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))

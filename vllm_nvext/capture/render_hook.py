@@ -111,6 +111,23 @@ def stop_ids(renderer: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(found)
 
 
+def vllm_decode(app: Any) -> Callable[[Sequence[int]], str] | None:
+    """vLLM's tokenizer in the server that runs `app` (`app.state.online_renderer`'s), ids to text with special
+    tokens as they are (a break's texts); None outside a vLLM server (`vllm-nvext proxy`) or without one."""
+    renderer = getattr(getattr(getattr(app, "state", None), "online_renderer", None), "renderer", None)
+    try:
+        tokenizer = None if renderer is None else renderer.get_tokenizer()
+    except Exception:  # no tokenizer in this server (`--skip-tokenizer-init`)
+        return None
+    if tokenizer is None or not callable(getattr(tokenizer, "decode", None)):
+        return None
+
+    def decode(ids: Sequence[int]) -> str:
+        return str(tokenizer.decode(list(ids), skip_special_tokens=False))
+
+    return decode
+
+
 def decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
     """Ids to the text a client gets (special tokens left out), as the splice compares answers."""
 
