@@ -11,7 +11,9 @@ group's run (three tiny servers).
 
 from __future__ import annotations
 
+import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,9 +24,12 @@ from tests.e2e.capture_loops import (
     claude_code_loop,
     codex_against_stock,
     codex_loop,
+    session_turns,
 )
+from tests.helpers import CHAT, MODEL_NAME, http_client
 
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_parser]
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "conversations"
 
 
 @pytest.fixture(params=["capture_mw", "capture_plugin"])
@@ -66,3 +71,42 @@ def test_with_continue_ids_every_turn_extends_the_previous_turns_ids(
     assert_continue_ids_against_plain(
         loop, capture_continue_server, capture_plugin_server, capture_stock_server, session_id
     )
+
+
+def _chat_turn(server: Any, messages: list[dict[str, Any]], session_id: str | None) -> dict[str, Any]:
+    """One greedy chat turn among ASCII ids (texts that round-trip: tests/fixtures/conversations), its answer."""
+    ascii_ids = json.loads((FIXTURES / "chat_unary_ascii.json").read_text())["turns"][0]["request"]["allowed_token_ids"]
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 8, "temperature": 0,
+            "allowed_token_ids": ascii_ids, "return_token_ids": session_id is None}  # fmt: skip
+    headers = {} if session_id is None else {"x-nvext-session-id": session_id}
+    with http_client(server.url) as client:
+        answer = client.post(CHAT, json=body, headers=headers)
+    assert answer.status_code == 200, answer.text
+    return dict(answer.json())
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [lambda text: " " + text, lambda text: text + "<|im_start|>", lambda text: text],
+    ids=["a-leading-space", "a-special-token", "unchanged"],
+)
+def test_with_continue_ids_an_answer_sent_back_edited_is_what_the_model_reads(
+    edit, capture_continue_server, capture_stock_server
+):
+    """An answer sent back with whitespace alone changed, or a special token added, renders otherwise than the one
+    served: the turn's prompt is vLLM's rendering of what the client sent (stock's ids for that conversation),
+    `extends_previous` false and its `break` says where, with the texts; unchanged, the turn extends the last."""
+    session_id = f"edit-{uuid.uuid4()}"
+    question = [{"role": "user", "content": "Tell me about token ids."}]
+    text = _chat_turn(capture_continue_server, question, session_id)["choices"][0]["message"]["content"]
+    sent_back = [*question, {"role": "assistant", "content": edit(text)}, {"role": "user", "content": "Go on."}]
+    _chat_turn(capture_continue_server, sent_back, session_id)
+    first, second = session_turns(capture_continue_server, session_id, 2)
+    if edit(text) == text:
+        assert second["extends_previous"] is True and second["break"] is None
+        return
+    assert second["prompt_token_ids"] == _chat_turn(capture_stock_server, sent_back, None)["prompt_token_ids"]
+    assert second["extends_previous"] is False
+    brk = second["break"]
+    assert brk is not None and brk["index"] >= len(first["prompt_token_ids"]), "where the answer was sent back"
+    assert brk["previous_text"] is not None and brk["prompt_text"] is not None, "the server has a tokenizer"

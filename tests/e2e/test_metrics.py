@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,6 +180,27 @@ def test_two_api_server_processes_report_the_sum_of_what_both_counted(scale_serv
         sent_requests = sum(v for k, v in want.counts.items() if k[0] == PREFIX + "requests_total")
         assert sum(gained.values()) == sent_requests
         assert sum(1 for n in gained.values() if n > 0) == 2, f"requests counted per API-server process: {gained}"
+
+
+def test_a_proxy_in_front_of_a_mounted_server_names_each_family_once(mw_server):
+    """`vllm-nvext proxy` in front of a vLLM that mounts vllm-nvext (`--middleware`): both count `vllm_nvext:*`;
+    the proxy's `/metrics` is the upstream's families then its own others, each `# TYPE` / `# HELP` name once, as
+    Prometheus reads a scrape (a name twice refuses it whole)."""
+    from tests.support.servers import listen_port
+    from vllm_nvext.tools.server import ProxyServer
+
+    with ProxyServer(
+        upstream=mw_server.url, args=["--api-key", API_KEY], name="proxy-mounted", port=listen_port()
+    ) as proxy:
+        proxy.wait_ready()
+        with _client(proxy.url, fresh_connections=False) as client:
+            got = client.post(CHAT, json={**greedy(CHAT), **DIALECTS["nvext"]})
+            assert got.status_code == 200, got.text
+        text = httpx.get(proxy.url + "/metrics", timeout=30).text
+    assert "vllm:num_requests_running" in text and "# TYPE vllm_nvext:requests_total counter" in text
+    for kind in ("TYPE", "HELP"):
+        names = re.findall(rf"^# {kind} (\S+)", text, re.MULTILINE)
+        assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
 
 
 # --- the per-process files of prometheus_client's multiprocess mode ---------------------------

@@ -10,6 +10,8 @@ completion ids decode to a text that does not encode back to them (the drift thi
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 from array import array
 from functools import cache
@@ -37,17 +39,45 @@ def _tokenizer() -> Any:
     return transformers.AutoTokenizer.from_pretrained(tiny_model.ensure())
 
 
-def _render(messages: list[dict[str, Any]], generation: bool = True) -> list[int]:
-    ids = _tokenizer().apply_chat_template(messages, add_generation_prompt=generation, tokenize=True, return_dict=False)
+def _render(messages: list[dict[str, Any]], generation: bool = True, tokenizer: Any = None) -> list[int]:
+    tokenizer = tokenizer or _tokenizer()
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True, return_dict=False)
     return list(ids)
 
 
 def _splice(
     prompt: list[int], completion: list[int], rendered: list[int], before: list[int] | None = None
 ) -> tuple[list[int] | None, str]:
+    """The splice's ids part alone (`continued`): the ids, were the answer the one served."""
     tokenizer = _tokenizer()
     stops = render_hook.stop_ids(None, tokenizer)
-    return continued(prompt, completion, rendered, stops, render_hook.decoder(tokenizer), before)
+    found, outcome = continued(prompt, completion, rendered, stops, render_hook.decoder(tokenizer), before)
+    return (None if found is None else found.ids), outcome
+
+
+def _continue(
+    prompt: list[int],
+    completion: list[int],
+    messages: list[dict[str, Any]],
+    at: int | None,
+    tokenizer: Any = None,
+    before: list[int] | None = None,
+) -> tuple[list[int] | None, str]:
+    """The whole decision, as the hook makes it (render_hook.best with renders_as_served), on the tiny model's
+    real tokenizer and chat template: `messages` is the new request, `at` where the previous turn's answer is."""
+    tokenizer = tokenizer or _tokenizer()
+    rendered = _render(messages, tokenizer=tokenizer)
+
+    async def render(edited: list[Any]) -> list[dict[str, Any]]:  # the template again, on other messages
+        return [{"type": "token", "prompt_token_ids": _render(edited, tokenizer=tokenizer)}]
+
+    async def run(function: Any, *args: Any) -> Any:
+        return function(*args)
+
+    check = functools.partial(render_hook.renders_as_served, messages, rendered, render)
+    stops, decode = render_hook.stop_ids(None, tokenizer), render_hook.decoder(tokenizer)
+    previous = [(prompt, completion, False, before, at)]
+    return asyncio.run(render_hook.best(previous, rendered, stops, decode, check, run))
 
 
 TEXT = st.text(st.characters(exclude_categories=["Cs"]), max_size=40)
@@ -63,8 +93,8 @@ def test_an_answer_that_round_trips_is_continued_into_exactly_the_chat_templates
     prompt = _render(history)
     # The ids the model sampled for `answer`, ended by EOS (stopped) or cut by max_tokens (no EOS).
     completion = tokenizer.encode(answer, add_special_tokens=False) + ([tokenizer.eos_token_id] if stopped else [])
-    rendered = _render([*history, {"role": "assistant", "content": answer}, {"role": "user", "content": follow_up}])
-    assert _splice(prompt, completion, rendered) == (rendered, "continued")
+    conversation = [*history, {"role": "assistant", "content": answer}, {"role": "user", "content": follow_up}]
+    assert _continue(prompt, completion, conversation, len(history)) == (_render(conversation), "continued")
 
 
 def test_an_answer_cut_inside_a_character_is_continued_with_the_ids_the_model_sampled():
@@ -75,8 +105,9 @@ def test_an_answer_cut_inside_a_character_is_continued_with_the_ids_the_model_sa
     # character held back) or "ids \ufffd"; the template renders what it got back, one id per byte.
     completion = tokenizer.encode("ids €", add_special_tokens=False)[:-1]
     for text in ("ids ", "ids \ufffd"):
-        rendered = _render([*history, {"role": "assistant", "content": text}, {"role": "user", "content": "Go on."}])
-        ids, outcome = _splice(prompt, completion, rendered)
+        conversation = [*history, {"role": "assistant", "content": text}, {"role": "user", "content": "Go on."}]
+        rendered = _render(conversation)
+        ids, outcome = _continue(prompt, completion, conversation, len(history))
         assert outcome == "continued" and ids is not None and ids != rendered
         assert ids[: len(prompt) + len(completion)] == prompt + completion, "the prompt extends the served ids"
         closing = rendered.index(tokenizer.eos_token_id, len(prompt))
@@ -90,34 +121,90 @@ def test_an_edited_history_or_answer_falls_back_to_vllms_rendering():
     completion = tokenizer.encode("Hello there.", add_special_tokens=False) + [tokenizer.eos_token_id]
     after = [{"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "More."}]
     edited_system = [{"role": "system", "content": "Be long."}, history[1], *after]
-    assert _splice(prompt, completion, _render(edited_system)) == (None, HISTORY)
+    assert _continue(prompt, completion, edited_system, 2) == (None, HISTORY)
     edited_answer = [*history, {"role": "assistant", "content": "Something else."}, after[1]]
-    assert _splice(prompt, completion, _render(edited_answer)) == (None, ANSWER)
+    assert _continue(prompt, completion, edited_answer, 2) == (None, ANSWER)
     # The whole answer dropped (a truncated context): the next message is no answer at all.
-    assert _splice(prompt, completion, _render([*history, after[1]])) == (None, HISTORY)
-    # A template that leaves the reasoning out of an earlier answer: the text after it still matches.
-    reasoned = tokenizer.encode("<think>hmm</think>Hello there.", add_special_tokens=False)
-    ids, outcome = _splice(prompt, reasoned, _render([*history, *after]))
-    assert outcome == "continued" and ids is not None and ids[len(prompt) : len(prompt) + len(reasoned)] == reasoned
+    assert _continue(prompt, completion, [*history, after[1]], 2) == (None, HISTORY)
+    assert _continue(prompt, completion, [*history, *after], 2)[1] == "continued", "sent back as it was served"
 
 
-def test_an_answer_the_client_cut_the_head_off_falls_back_unless_the_head_is_reasoning():
-    """The client's answer a tail of the one served: the model would see the whole served answer where the
-    client's history holds its tail; only a head of reasoning (closed by its tag) is what a template leaves out."""
+# Edits of the served answer "Run rm -rf /tmp/x now.\n\ndef f():\n    return 1" that the old comparison (texts without
+# whitespace or U+FFFD, special tokens decoded away) took for the answer served: each one the model must read as sent.
+SERVED = "Run rm -rf /tmp/x now.\n\ndef f():\n    return 1"
+EDITS = {
+    "a space inserted": "Run rm -rf / tmp/x now.\n\ndef f():\n    return 1",
+    "dedented": "Run rm -rf /tmp/x now.\n\ndef f():\nreturn 1",
+    "NBSP for a space": "Run rm -rf\u00a0/tmp/x now.\n\ndef f():\n    return 1",
+    "U+3000 for a space": "Run rm -rf\u3000/tmp/x now.\n\ndef f():\n    return 1",
+    "U+2028 for a newline": "Run rm -rf /tmp/x now.\u2028\ndef f():\n    return 1",
+    "U+FFFD inserted": "Run rm -rf /tmp/x\ufffd now.\n\ndef f():\n    return 1",
+    "<|im_start|> inserted": "Run rm -rf /tmp/x now.<|im_start|>\n\ndef f():\n    return 1",
+    "<|endoftext|> inserted": "Run rm -rf /tmp/x<|endoftext|> now.\n\ndef f():\n    return 1",
+    "a trailing space": SERVED + " ",
+}
+
+
+@pytest.mark.parametrize("edit", EDITS, ids=list(EDITS))
+def test_an_answer_edited_in_whitespace_or_special_tokens_alone_falls_back_and_the_model_reads_the_clients_text(edit):
+    """Splice only where the client's answer renders, by the template and tokenizer, to exactly what the served
+    answer renders to: every other edit falls back to vLLM's rendering of what the client sent."""
+    tokenizer = _tokenizer()
+    history = [{"role": "user", "content": "How do I clean up?"}]
+    prompt = _render(history)
+    completion = tokenizer.encode(SERVED, add_special_tokens=False) + [tokenizer.eos_token_id]
+    conversation = [*history, {"role": "assistant", "content": EDITS[edit]}, {"role": "user", "content": "Thanks."}]
+    assert _continue(prompt, completion, conversation, len(history)) == (None, ANSWER)
+    served = [*history, {"role": "assistant", "content": SERVED}, conversation[-1]]
+    assert _continue(prompt, completion, served, len(history)) == (_render(served), "continued")
+
+
+def test_an_answer_whose_role_carries_a_special_token_falls_back():
+    role = "<|im_start|>assistant"  # rendered `<|im_start|><|im_start|>assistant`: not the role the model was served
     tokenizer = _tokenizer()
     history = [{"role": "user", "content": "Hi."}]
     prompt = _render(history)
-    after = [{"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "More."}]
-    rendered = _render([*history, *after])
+    completion = tokenizer.encode("Hello there.", add_special_tokens=False) + [tokenizer.eos_token_id]
+    conversation = [*history, {"role": role, "content": "Hello there."}, {"role": "user", "content": "More."}]
+    ids, outcome = _continue(prompt, completion, conversation, len(history))
+    assert ids is None and outcome in (ANSWER, HISTORY), "vLLM's rendering of what the client sent stands"
+
+
+def test_an_answer_the_client_cut_the_head_off_falls_back_on_a_server_without_a_reasoning_parser():
+    """The client's answer a tail of the one served, up to a `</think>`-like tag too: without a reasoning parser
+    the client got the whole text as its content, so the head is the client's edit (the model would read it)."""
+    tokenizer = _tokenizer()
+    history = [{"role": "user", "content": "Hi."}]
+    prompt = _render(history)
+    conversation = [*history, {"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "More."}]
     eos = [tokenizer.eos_token_id]
-    for head in ("Sure. ", "I will think about it. ", "<think>hmm</think> Sure. ", "think> "):
+    heads = ("Sure. ", "<think>hmm</think> Sure. ", "think> ", "<think>hmm</think>", "<seed:think>x</seed:think>")
+    for head in heads:
         served = tokenizer.encode(head + "Hello there.", add_special_tokens=False) + eos
-        assert _splice(prompt, served, rendered) == (None, ANSWER), head
-    for head in ("<think>hmm</think>", "<think>\nhmm\n</think>\n\n", "<seed:think>x</seed:think>"):
-        served = tokenizer.encode(head + "Hello there.", add_special_tokens=False) + eos
-        ids, outcome = _splice(prompt, served, rendered)
-        assert outcome == "continued" and ids is not None
-        assert ids[len(prompt) : len(prompt) + len(served) - 1] == served[:-1], "the answer as the model sampled it"
+        assert _continue(prompt, served, conversation, len(history)) == (None, ANSWER), head
+
+
+def test_a_sampled_character_the_tokenizer_normalizes_is_continued_where_its_rendering_is_the_same():
+    """A sampled U+0343 (its bytes, as a byte-level model samples them) renders back, through the tiny model's
+    tokenizer (NFC-normalizing, as Qwen's), as U+0313: the client's text and the served one render alike, so the
+    loop extends with the ids sampled; a text that renders otherwise does not."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokenizer = _tokenizer()
+    assert type(tokenizer.backend_tokenizer.normalizer).__name__ == "NFC"
+    history = [{"role": "user", "content": "Accent?"}]
+    prompt = _render(history)
+    symbols = bytes_to_unicode()
+    sampled = [tokenizer.convert_tokens_to_ids(symbols[b]) for b in "a\u0343".encode()]  # one id per byte
+    completion = [*sampled, tokenizer.eos_token_id]
+    assert tokenizer.decode(sampled) == "a\u0343", "the client gets U+0343"
+    assert tokenizer.encode("a\u0343", add_special_tokens=False) == tokenizer.encode("a\u0313"), "it renders back"
+    assert tokenizer.encode("a\u0343", add_special_tokens=False) != sampled, "as other ids: the drift"
+    conversation = [*history, {"role": "assistant", "content": "a\u0343"}, {"role": "user", "content": "Yes."}]
+    ids, outcome = _continue(prompt, completion, conversation, len(history))
+    assert outcome == "continued" and ids is not None and ids[len(prompt) : len(prompt) + len(sampled)] == sampled
+    other = [*history, {"role": "assistant", "content": "a\u0313 "}, conversation[-1]]
+    assert _continue(prompt, completion, other, len(history)) == (None, ANSWER)
 
 
 def _recorded() -> list[tuple[str, list[dict[str, Any]]]]:
@@ -135,6 +222,10 @@ def test_every_recorded_conversation_is_continued_and_equals_vllms_rendering_whe
         rendered = turn["prompt_token_ids"]
         ids, outcome = _splice(prompt, completion, rendered)
         assert outcome == "continued" and ids is not None, "the client sent the history back unchanged"
+        messages = turn["request"].get("messages")
+        if messages is not None:  # chat: the answer as vLLM served it, sent back, renders as the served one does
+            assert _render(messages) == rendered, "the tiny model's template is vLLM's rendering here"
+            assert _continue(prompt, completion, messages, len(before["request"]["messages"])) == (ids, outcome)
         answer = completion[:-1] if completion and completion[-1] in stops else completion
         assert ids[: len(prompt) + len(answer)] == prompt + answer
         round_trips = tokenizer.encode(tokenizer.decode(answer), add_special_tokens=False) == answer
@@ -335,8 +426,21 @@ def test_a_request_continues_the_newest_turn_its_history_begins_with_and_never_o
     # A title request of the same session, sent after the loop's turn: newer, but not this history's.
     title = _render([{"role": "user", "content": "Name this conversation."}])
     rendered = _render([*loop, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Thanks."}])
-    newest_first = [(title, [1, 2], False, None), (prompt, completion, False, None)]
-    assert render_hook.best(newest_first, rendered, stops, decode) == (rendered, "continued")
-    several = [(prompt, completion, True, None)]
-    assert render_hook.best(several, rendered, stops, decode) == (None, render_hook.SEVERAL)
-    assert render_hook.best([(None, None, False, None)], rendered, stops, decode) == (None, "no_ids")
+    newest_first = [(title, [1, 2], False, None, 1), (prompt, completion, False, None, 1)]
+    conversation = [*loop, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Thanks."}]
+
+    async def render(edited: list[Any]) -> list[dict[str, Any]]:
+        return [{"type": "token", "prompt_token_ids": _render(edited)}]
+
+    async def run(function: Any, *args: Any) -> Any:
+        return function(*args)
+
+    check = functools.partial(render_hook.renders_as_served, conversation, rendered, render)
+
+    def best(previous: list[Any]) -> tuple[list[int] | None, str]:
+        return asyncio.run(render_hook.best(previous, rendered, stops, decode, check, run))
+
+    assert best(newest_first) == (rendered, "continued")
+    assert best([(prompt, completion, True, None, 1)]) == (None, render_hook.SEVERAL)
+    assert best([(None, None, False, None, 1)]) == (None, "no_ids")
+    assert best([(prompt, completion, False, None, None)]) == (None, ANSWER), "where its answer is: unknown"

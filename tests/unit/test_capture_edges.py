@@ -460,7 +460,7 @@ class _Overlap:
         which = dict(scope["headers"])[b"x-which"].decode()
         turn = continuation.TURN.get()
         assert turn is not None
-        self.seen[which] = [(list(p or ()), list(c or ())) for p, c, _, _ in (t.served() for t in turn.previous)]
+        self.seen[which] = [(list(p or ()), list(c or ())) for p, c, *_ in (t.served() for t in turn.previous)]
         while (await receive()).get("more_body"):
             pass
         body = self.BODIES[which]

@@ -115,3 +115,47 @@ def test_a_session_id_of_url_safe_characters_is_valid(value):
 @pytest.mark.parametrize("value", ["", "a" * 257, "../etc/passwd", "a b", "a/b", "é", "a\x00", ".", "..", "..."])
 def test_a_session_id_with_other_characters_or_too_long_is_not(value):
     assert not valid_session_id(value)
+
+
+def test_a_break_on_a_server_with_a_tokenizer_carries_the_texts_around_it(tmp_path):
+    """`break.previous_text` / `prompt_text`: the ids around the break, decoded by the server's tokenizer (special
+    tokens as they are), as the store records them; null only where no tokenizer was at hand (the proxy)."""
+    transformers = pytest.importorskip("transformers")
+    from starlette.applications import Starlette
+
+    from vllm_nvext.capture import render_hook
+    from vllm_nvext.capture.store import open_sink
+    from vllm_nvext.tools import tiny_model
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model.ensure())
+    app = Starlette()
+
+    class Renderer:  # where vLLM keeps its tokenizer: app.state.online_renderer.renderer.get_tokenizer()
+        def get_tokenizer(self) -> object:
+            return tokenizer
+
+    app.state.online_renderer = type("OnlineRenderer", (), {"renderer": Renderer()})()
+    decode = render_hook.vllm_decode(app)
+    assert decode is not None and render_hook.vllm_decode(Starlette()) is None, "no tokenizer: no texts"
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    sink = open_sink(f"sqlite:///{tmp_path / 'c.sqlite3'}")
+    sink.decode = decode
+    head = ("s", "/v1/chat/completions")
+    first = Turn(*head, "r1", 1.0, "x-nvext-session-id", prompt_token_ids=ids("<|im_start|>user\nHi"),
+                 completion_token_ids=ids("rm -rf /tmp/x"), decode=sink.decode)  # fmt: skip
+    edited = Turn(*head, "r2", 2.0, "x-nvext-session-id",
+                  prompt_token_ids=ids("<|im_start|>user\nHirm -rf / tmp/x<|im_end|>"), decode=sink.decode)  # fmt: skip
+    sink.submit(first)
+    sink.submit(edited)
+    sink.flush()
+    turns = sink.read("s")
+    assert turns is not None and turns[1]["extends_previous"] is False
+    brk = turns[1]["break"]
+    sink.close()
+    assert brk["previous_text"] == decode(brk["previous_ids"]) and "/tmp" in brk["previous_text"]
+    assert brk["prompt_text"] == decode(brk["prompt_ids"]) and "/ tmp" in brk["prompt_text"]
+    no_tokenizer = prefix_break([1, 2, 3], [1, 2, 4])
+    assert no_tokenizer is not None and no_tokenizer.previous_text is None and no_tokenizer.prompt_text is None

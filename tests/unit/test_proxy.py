@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -1094,21 +1095,22 @@ async def test_options_asterisk_is_stocks_404_not_a_500():
 
 
 async def test_metrics_in_front_of_a_mounted_server_name_each_family_once():
-    """Scraped through prometheus_client's own parser, which refuses a family named twice."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+    """The upstream's text is what a server that mounts vllm-nvext exposes (prometheus_client's own exposition
+    of the same families: `# TYPE vllm_nvext:requests_total counter`). Read as Prometheus reads it: a second
+    `# TYPE` (or `# HELP`) line for one name refuses the whole scrape."""
     metrics.count_refusal("nvext", 400)
-    upstream_text = (
-        b"# HELP vllm_nvext:requests Requests.\n# TYPE vllm_nvext:requests counter\n"
-        b'vllm_nvext:requests_total{endpoint="chat",dialect="nvext",placement="auto",kind="x"} 7.0\n'
-        b"# HELP vllm:up Up.\n# TYPE vllm:up gauge\nvllm:up 1.0\n"
-    )
+    metrics.count_request("chat", "nvext", "auto", "unary")
+    mounted = own_metrics()  # the exposition of a process that counts with vllm-nvext, as vLLM's /metrics has it
+    assert b"# TYPE vllm_nvext:requests_total counter" in mounted and b"# TYPE vllm_nvext:refusals_total" in mounted
+    upstream_text = mounted + b"# HELP vllm:up Up.\n# TYPE vllm:up gauge\nvllm:up 1.0\n"
     app = await mock_proxy(lambda request: reply(200, upstream_text))
     text = (await call(app, "/metrics", b"", method="GET")).body.decode()
-    names = [family.name for family in text_string_to_metric_families(text)]
-    assert len(names) == len(set(names)), names
-    assert "vllm_nvext:requests" in names and "vllm_nvext:refusals" in names, "the proxy's own others still come"
-    assert 'dialect="nvext",placement="auto",kind="x"} 7.0' in text, "the upstream's copy is the one kept"
+    for kind in ("TYPE", "HELP"):
+        names = re.findall(rf"^# {kind} (\S+)", text, re.MULTILINE)
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        assert not repeated, f"# {kind} twice (Prometheus refuses the scrape): {repeated}"
+    assert text.startswith(mounted.decode()), "the upstream's families, as it sent them"
+    assert "vllm:up 1.0" in text
 
 
 def _warning(config: ProxyConfig) -> str | None:

@@ -2,15 +2,16 @@
 (`VLLM_NVEXT_CONTINUE_IDS=1`, docs/capture.md "Continuing the ids").
 
 The pure part: `continued` splices the previous turn's prompt and completion ids with vLLM's own
-rendering of the new request, or says why it does not; `Memory` keeps each session's last turns (per
-API-server process); `Continuation` is what one request carries, in the context variable `TURN`, from
-the middleware's tap (capture/tap.py) to vLLM's renderer (capture/render_hook.py).
+rendering of the new request, or says why it does not, and names the texts the client may have got for
+the answer (whether the client sent one of them back is vLLM's rendering's to say: capture/render_hook.py);
+`Memory` keeps each session's last turns (per API-server process); `Continuation` is what one request
+carries, in the context variable `TURN`, from the middleware's tap (capture/tap.py) to vLLM's renderer
+(capture/render_hook.py).
 """
 
 from __future__ import annotations
 
 import contextvars
-import re
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Sequence
@@ -23,10 +24,6 @@ MAX_IDS = 64 * 1024 * 1024  # ids remembered in all (4 bytes each): past it, the
 # The routes whose requests vLLM renders with the chat template (completions takes its prompt as sent).
 ROUTES = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
 
-# The close of a reasoning block at the end of a text, as the reasoning parsers' models write it (`</think>`,
-# `</seed:think>`, `[/THINK]`, `◁/think▷`): the only head of a served answer a client's answer may leave out.
-_REASONING_CLOSE = re.compile(r"(?:</[\w:.-]*think[\w:.-]*>|\[/think\]|◁/think▷)\Z", re.IGNORECASE)
-
 # Why a request was not continued (the log says it; the turn's `break` says where its prompt parts).
 HISTORY, ANSWER, NO_MARKER, LENGTH = "history", "answer", "no_marker", "length"
 
@@ -37,9 +34,10 @@ Ids = Sequence[int]
 class Served(Protocol):
     """A turn as the memory reads it when it ends: a finished one (`Kept`), or its tap (settled). `served()`:
     (prompt ids, choice 0's completion ids, whether it had n > 1 choices, vLLM's own rendering of its
-    prompt where the prompt was continued, else None)."""
+    prompt where the prompt was continued, else None, how many messages vLLM rendered its prompt from, else
+    None)."""
 
-    def served(self) -> tuple[Ids | None, Ids | None, bool, Ids | None]: ...
+    def served(self) -> tuple[Ids | None, Ids | None, bool, Ids | None, int | None]: ...
 
 
 @dataclass(slots=True)
@@ -50,9 +48,10 @@ class Kept:
     completion: array[int]
     several: bool
     rendered: array[int] | None = None
+    messages: int | None = None
 
-    def served(self) -> tuple[Ids | None, Ids | None, bool, Ids | None]:
-        return self.prompt, self.completion, self.several, self.rendered
+    def served(self) -> tuple[Ids | None, Ids | None, bool, Ids | None, int | None]:
+        return self.prompt, self.completion, self.several, self.rendered, self.messages
 
     def size(self) -> int:
         return len(self.prompt) + len(self.completion) + len(self.rendered or ())
@@ -66,6 +65,7 @@ class Continuation:
     used: bool = False
     outcome: str | None = None  # "continued", or why not (HISTORY, ANSWER, ...)
     rendered: list[int] | None = None  # vLLM's own rendering, where the prompt ids were continued
+    messages: int | None = None  # how many messages vLLM rendered this request's prompt from
 
 
 # The process's memory of sessions: None while the setting is off (`enable`, at start-up).
@@ -112,13 +112,13 @@ class Memory:
         turns = self._sessions.get(key)
         if turns is None or tap not in turns:
             return
-        prompt, completion, several, rendered = tap.served()
+        prompt, completion, several, rendered, messages = tap.served()
         kept_prompt, kept_completion = _ids(prompt), _ids(completion)
         at = turns.index(tap)
         if kept_prompt is None or kept_completion is None:
             del turns[at]
             return
-        kept = turns[at] = Kept(kept_prompt, kept_completion, several, _ids(rendered))
+        kept = turns[at] = Kept(kept_prompt, kept_completion, several, _ids(rendered), messages)
         self._size += kept.size()
         while self._size > self._max_ids and self._sessions:
             _, gone = self._sessions.popitem(last=False)
@@ -162,9 +162,21 @@ def _first(ids: Sequence[int], stops: Collection[int], start: int) -> int | None
     return None
 
 
-def _plain(text: str) -> str:
-    """A text as it is compared with what the client sent back: no whitespace, no U+FFFD."""
-    return "".join(c for c in text if not c.isspace() and c != "\ufffd")
+def served_texts(text: str) -> tuple[str, ...]:
+    """The texts a client may have got for an answer whose ids decode to `text`: `text`, and where it ends in
+    U+FFFD, `text` without them (vLLM's incremental detokenizer holds back the bytes of a character not whole
+    when the answer ends: one cut by `max_tokens`)."""
+    held = text.rstrip("\ufffd")
+    return (text,) if held == text else (text, held)
+
+
+@dataclass(frozen=True, slots=True)
+class Splice:
+    """The ids a continued request gets, if the client sent the previous answer back as it was served: one of
+    `texts` (`served_texts`), in the message `continued` found it in (which vLLM's rendering decides)."""
+
+    ids: list[int]
+    texts: tuple[str, ...]
 
 
 def continued(
@@ -174,18 +186,18 @@ def continued(
     stops: Collection[int],
     decode: Callable[[Ids], str],
     previous_rendered: Ids | None = None,
-) -> tuple[list[int] | None, str]:
+) -> tuple[Splice | None, str]:
     """The ids vLLM gets for `rendered` (its own rendering of the new request), continuing the previous turn,
     whose prompt ids were `prompt` (vLLM's own rendering of them `previous_rendered`, where they were
     continued themselves) and whose answer was `completion`.
 
-    (ids, "continued") when the new history begins with what that turn was served: `rendered` repeats
-    vLLM's rendering of its prompt up to the generation prompt (the ids after its last stop id), and
-    then renders, as text, the generation prompt and an answer the client sent back unchanged
-    (`decode(completion)`, as the client got it: whitespace and U+FFFD aside; an answer whose reasoning
-    the template dropped counts too, the part dropped ending with a reasoning's closing tag), closed by a
-    stop id. The ids are then the previous prompt + its completion (less a trailing stop id, which the
-    template re-adds) + `rendered` from that closing stop id on. (None, why) otherwise: vLLM's own rendering stands.
+    (Splice, "continued") when the new history begins with what that turn was served: `rendered` repeats
+    vLLM's rendering of its prompt up to the generation prompt (the ids after its last stop id), then the
+    generation prompt, then an answer closed by a stop id. The ids are then the previous prompt + its
+    completion (less a trailing stop id, which the template re-adds) + `rendered` from that closing stop id
+    on; they stand only where the answer the client sent back renders, by vLLM's own template and tokenizer,
+    to exactly the ids one of `Splice.texts` renders to (render_hook.renders_as_served): never a comparison
+    of ours. (None, why) otherwise: vLLM's own rendering stands.
     """
     base = prompt if previous_rendered is None else previous_rendered
     start = _last(base, stops)
@@ -195,19 +207,8 @@ def continued(
     if close is None:
         return None, NO_MARKER
     answer = completion[:-1] if completion and completion[-1] in stops else completion
-    generation = decode(base[start:])
-    if list(rendered[start : len(base)]) == list(base[start:]):
-        sent = decode(rendered[len(base) : close])  # the usual case: no id across the boundary
-    else:
-        text = decode(rendered[start:close])
-        if not text.startswith(generation):
-            return None, HISTORY  # not the assistant's answer that comes next
-        sent = text[len(generation) :]
-    ours, theirs = _plain(decode(answer)), _plain(sent)
-    # Another answer than the one served falls back, a tail of it too (the model would see the head the client
-    # left out) unless that head is reasoning, closed by its tag: what a template leaves out of an earlier answer.
-    if ours != theirs and not (
-        theirs and ours.endswith(theirs) and _REASONING_CLOSE.search(ours, 0, len(ours) - len(theirs))
+    if list(rendered[start : len(base)]) != list(base[start:]) and not decode(rendered[start:close]).startswith(
+        decode(base[start:])  # an id across the boundary of the generation prompt and the answer
     ):
-        return None, ANSWER
-    return [*prompt, *answer, *rendered[close:]], "continued"
+        return None, HISTORY  # not the assistant's answer that comes next
+    return Splice([*prompt, *answer, *rendered[close:]], served_texts(decode(answer))), "continued"

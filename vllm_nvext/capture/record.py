@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 # How many ids each side of a break `PrefixBreak` keeps (the window starts at max(0, index - BREAK_CONTEXT)).
@@ -28,6 +28,9 @@ def valid_session_id(value: str) -> bool:
 
 
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
+
+# The server's tokenizer, ids to text with special tokens as they are (the break's texts): None without one.
+Decode = Callable[[Sequence[int]], str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,19 +67,29 @@ class PrefixBreak:
         )
 
 
-def prefix_break(previous: Sequence[int], prompt: Sequence[int]) -> PrefixBreak | None:
+def _text(decode: Decode | None, ids: Sequence[int]) -> str | None:
+    if decode is None:
+        return None
+    try:
+        return str(decode(ids))
+    except Exception:  # ids the tokenizer does not hold: the ids alone say where
+        return None
+
+
+def prefix_break(previous: Sequence[int], prompt: Sequence[int], decode: Decode | None = None) -> PrefixBreak | None:
     """None when `prompt` starts with `previous`; else where they first differ (the prompt's length when
-    the prompt is shorter and a prefix of `previous`)."""
+    the prompt is shorter and a prefix of `previous`), with the texts of the ids around it where `decode` is
+    the server's tokenizer."""
     n = len(previous)
     if len(prompt) >= n and list(prompt[:n]) == list(previous):
         return None
     index = next((i for i, (a, b) in enumerate(zip(previous, prompt, strict=False)) if a != b), min(n, len(prompt)))
     start = max(0, index - BREAK_CONTEXT)
-    return PrefixBreak(
-        index=index,
-        previous_ids=list(previous[start : index + BREAK_CONTEXT]),
-        prompt_ids=list(prompt[start : index + BREAK_CONTEXT]),
+    previous_ids, prompt_ids = (
+        list(previous[start : index + BREAK_CONTEXT]),
+        list(prompt[start : index + BREAK_CONTEXT]),
     )
+    return PrefixBreak(index, previous_ids, prompt_ids, _text(decode, previous_ids), _text(decode, prompt_ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +118,8 @@ class Turn:
     index: int | None = None
     extends_previous: bool | None = None
     break_: PrefixBreak | None = None
+    # The server's tokenizer where it has one (the break's texts, when the store places the turn); not recorded.
+    decode: Decode | None = field(default=None, compare=False, repr=False)
 
     def placed(self, index: int, previous: Turn | None) -> Turn:
         """This turn as the store keeps it: its position in the session and how it follows `previous`."""
@@ -112,9 +127,9 @@ class Turn:
         found: PrefixBreak | None = None
         if previous is not None and self.prompt_token_ids is not None and previous.prompt_token_ids is not None:
             before = previous.prompt_token_ids + (previous.completion_token_ids or [])
-            found = prefix_break(before, self.prompt_token_ids)
+            found = prefix_break(before, self.prompt_token_ids, self.decode)
             extends = found is None
-        return dataclasses.replace(self, index=index, extends_previous=extends, break_=found)
+        return dataclasses.replace(self, index=index, extends_previous=extends, break_=found, decode=None)
 
     def to_json(self) -> dict[str, Any]:
         """The read API's shape of one turn (CAPTURE contract: these keys, in this order)."""

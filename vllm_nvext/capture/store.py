@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..config import DEFAULT_CAPTURE_MAX_BYTES, DEFAULT_CAPTURE_RETENTION_S, ConfigError
-from .record import Turn, valid_session_id
+from .record import Decode, Turn, valid_session_id
 
 logger = logging.getLogger("vllm_nvext.capture")
 
@@ -111,6 +111,8 @@ class Sink:
 
     def __init__(self, backend: Backend, counts: Counts | None = None, queue_size: int = QUEUE_SIZE) -> None:
         self.backend = backend
+        self.decode: Decode | None = None  # the server's tokenizer, once the mount found it (a break's texts)
+        self.tokenizer_sought = False
         self.tally = Tally()
         self._reports: tuple[Counts, ...] = (self.tally,) if counts is None else (self.tally, counts)
         self._queue: queue.Queue[Turn | None] = queue.Queue(maxsize=queue_size)

@@ -249,13 +249,14 @@ class Collector:
         reason = details.get("reason") if isinstance(details, dict) else None
         state.finish_reason = reason if isinstance(reason, str) else obj.get("status")
 
-    def served(self) -> tuple[list[int] | None, list[int] | None, bool, list[int] | None]:
+    def served(self) -> tuple[list[int] | None, list[int] | None, bool, list[int] | None, int | None]:
         """What this turn was served so far (continuation.Served): a stream's held bytes read first."""
         self._read_stream()
         first = self._choices.get(0)
         ids = None if first is None or first.withheld or self.broken else first.ids  # a broken turn: never continued
-        rendered = None if self.continuation is None else self.continuation.rendered
-        return self.prompt, ids, len(self._choices) > 1, rendered
+        turn = self.continuation
+        rendered, messages = (None, None) if turn is None else (turn.rendered, turn.messages)
+        return self.prompt, ids, len(self._choices) > 1, rendered, messages
 
     def finish(self) -> None:
         """The turn, to the sink: once, and only for an answer that was seen."""
@@ -304,7 +305,7 @@ class Collector:
         }
 
     def turn(self) -> Turn:
-        return Turn(**self.fields())
+        return Turn(**self.fields(), decode=getattr(self.sink, "decode", None))
 
     def turns(self) -> list[Turn]:
         """The turn, or of a /v1/completions batch of prompts one turn per prompt, each with the choices that
@@ -315,4 +316,8 @@ class Collector:
             groups.setdefault(key, {})[index] = state
         if len(groups) < 2:
             return [self.turn()]
-        return [Turn(**self.fields(group, self.prompt if key is None else list(key))) for key, group in groups.items()]
+        decode = getattr(self.sink, "decode", None)
+        return [
+            Turn(**self.fields(group, self.prompt if key is None else list(key)), decode=decode)
+            for key, group in groups.items()
+        ]

@@ -104,6 +104,9 @@ class NvextMiddleware:
         self.sink = open_capture(self.settings)  # docs/capture.md; None: capture off, nothing of it runs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.sink is not None and not self.sink.tokenizer_sought and scope["type"] == "http":
+            self.sink.tokenizer_sought = True  # once: vLLM's tokenizer, for a break's texts (docs/capture.md)
+            self.sink.decode = render_hook.vllm_decode(scope.get("app"))
         if self.sink is not None and await serve_sessions(self.app, self.sink, scope, receive, send):
             return  # the capture's read API (docs/capture.md), after vLLM's key check
         if scope["type"] != "http" or scope.get("method") != "POST" or HANDLED in scope:

@@ -211,8 +211,9 @@ class Forwarder:
         if upstream and not upstream.endswith(b"\n"):
             upstream += b"\n"
         # Each family once: one the upstream already exposes (vllm-nvext mounted there) is its copy alone.
-        theirs = frozenset(m.decode("latin-1") for m in _FAMILY.findall(upstream))
-        body = upstream + await asyncio.to_thread(own_metrics, theirs)  # reads the workers' files: off the loop
+        theirs = frozenset(_FAMILY.findall(upstream))
+        own = await asyncio.to_thread(own_metrics)  # reads the workers' files: off the loop
+        body = upstream + _without(own, theirs)
         await _send_json(send, 200, body, _METRICS_CONTENT_TYPE)
 
 
@@ -278,6 +279,21 @@ async def _send_json(send: Send, status: int, payload: bytes, content_type: byte
     headers = [(b"content-type", content_type), (b"content-length", str(len(payload)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+def _without(text: bytes, names: frozenset[bytes]) -> bytes:
+    """`text` (prometheus_client's exposition: each family a `# HELP` / `# TYPE` head, then its samples) less the
+    families whose exposed name is in `names`: the names as the `# TYPE` lines write them (`..._total` for a
+    counter, `..._created` beside it), which Prometheus refuses to see twice in one scrape."""
+    kept: list[bytes] = []
+    keep = True
+    for line in text.splitlines(keepends=True):
+        head = _FAMILY.match(line)
+        if head is not None:
+            keep = head.group(1) not in names
+        if keep:
+            kept.append(line)
+    return b"".join(kept)
 
 
 def own_metrics(skip: frozenset[str] = frozenset()) -> bytes:
