@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _json, _vllm_compat, metrics
-from .capture import api as capture_api
 from .capture.store import Sink, open_sink
 from .config import MODE_HEADER, Settings, keep
 from .inbound.optin import OptInScan
@@ -337,27 +336,3 @@ def open_capture(settings: Settings) -> Sink | None:
     )
     atexit.register(sink.close)
     return sink
-
-
-async def serve_sessions(app: ASGIApp, sink: Sink, scope: Scope, receive: Receive, send: Send) -> bool:
-    """`GET`/`DELETE /v1/nvext/sessions/{id}` under vLLM's key check exactly as `/v1` is: a request the
-    check refuses goes on to vLLM (or the proxy's upstream), which refuses it as it refuses `/v1`.
-    False (nothing done) for any other request."""
-    if scope["type"] != "http":
-        return False
-    path: str = scope.get("path", "")
-    root = scope.get("root_path", "")
-    if root and path.startswith(root):
-        path = path[len(root) :]
-    if not capture_api.is_sessions_path(path):
-        return False
-    if _vllm_compat.auth_refuses(scope):
-        await app(scope, receive, send)
-        return True
-    answer = await capture_api.answer(sink, scope.get("method", ""), path, scope.get("query_string", b""))
-    if answer.status == 400:
-        metrics.count_refusal(answer.param, answer.status)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(answer.body)).encode())]
-    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
-    await send({"type": "http.response.body", "body": answer.body, "more_body": False})
-    return True

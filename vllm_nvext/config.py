@@ -18,6 +18,10 @@ ENV_CAPTURE = "VLLM_NVEXT_CAPTURE"
 ENV_CAPTURE_MAX_BYTES = "VLLM_NVEXT_CAPTURE_MAX_BYTES"
 ENV_CAPTURE_RETENTION_S = "VLLM_NVEXT_CAPTURE_RETENTION_S"
 ENV_CONTINUE_IDS = "VLLM_NVEXT_CONTINUE_IDS"
+ENV_CAPTURE_API = "VLLM_NVEXT_CAPTURE_API"
+ENV_CAPTURE_BODY_KEYS = "VLLM_NVEXT_CAPTURE_BODY_KEYS"
+ENV_CAPTURE_PASSWORD = "VLLM_NVEXT_CAPTURE_PASSWORD"
+ENV_CAPTURE_PASSWORD_FILE = "VLLM_NVEXT_CAPTURE_PASSWORD_FILE"
 MODE_HEADER = "x-nvext-mode"
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_CAPTURE_MAX_BYTES = 1024 * 1024 * 1024  # the capture store's size cap (docs/capture.md)
@@ -49,6 +53,14 @@ class Mode(str, enum.Enum):
             raise ValueError(f"invalid mode {value!r}: expected one of {choices}") from None
 
 
+class CaptureApi(str, enum.Enum):
+    """Who the capture's read API (`/v1/nvext/sessions/{id}`) is served to (docs/capture.md, Threat model)."""
+
+    KEYED = "keyed"  # only where the server checks an API key, under that check (the default)
+    OPEN = "open"  # also without a key: anyone who reaches the server reads and deletes every session
+    OFF = "off"  # never: the store is read with `vllm-nvext sessions export`
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """The middleware's settings; every way of making them is validated by the same rules.
@@ -70,6 +82,9 @@ class Settings:
     capture_retention_s: int = DEFAULT_CAPTURE_RETENTION_S
     # A captured session's next prompt continues its last turn's ids (docs/capture.md); needs capture.
     continue_ids: bool = False
+    capture_api: CaptureApi = CaptureApi.KEYED  # who the read API is served to
+    # A body's `prompt_cache_key` / `metadata.user_id` name sessions (off: headers alone; docs/capture.md).
+    capture_body_keys: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _mode(self.mode, "mode"))
@@ -88,6 +103,9 @@ class Settings:
             raise ConfigError(f"capture_retention_s: expected a positive integer, got {self.capture_retention_s!r}")
         if not isinstance(self.continue_ids, bool):
             raise ConfigError(f"continue_ids: expected True or False, got {self.continue_ids!r}")
+        object.__setattr__(self, "capture_api", _capture_api(self.capture_api, "capture_api"))
+        if not isinstance(self.capture_body_keys, bool):
+            raise ConfigError(f"capture_body_keys: expected True or False, got {self.capture_body_keys!r}")
         if self.continue_ids and self.capture is None:
             raise ConfigError(
                 f"continue_ids ({ENV_CONTINUE_IDS}=1) needs capture on ({ENV_CAPTURE}, or `capture=`): "
@@ -107,6 +125,8 @@ class Settings:
         capture_max_bytes: int | None = None,
         capture_retention_s: int | None = None,
         continue_ids: bool | None = None,
+        capture_api: CaptureApi | str | None = None,
+        capture_body_keys: bool | None = None,
         base: Settings | None = None,
     ) -> Settings:
         """Settings from keyword arguments; each one left at None comes from `base` (default: the environment)."""
@@ -127,6 +147,8 @@ class Settings:
             capture_max_bytes=base.capture_max_bytes if capture_max_bytes is None else capture_max_bytes,
             capture_retention_s=base.capture_retention_s if capture_retention_s is None else capture_retention_s,
             continue_ids=base.continue_ids if continue_ids is None else continue_ids,
+            capture_api=base.capture_api if capture_api is None else _capture_api(capture_api, "capture_api"),
+            capture_body_keys=base.capture_body_keys if capture_body_keys is None else capture_body_keys,
         )
 
     @classmethod
@@ -147,6 +169,8 @@ class Settings:
             capture_max_bytes=_parse_positive(env, ENV_CAPTURE_MAX_BYTES, DEFAULT_CAPTURE_MAX_BYTES),
             capture_retention_s=_parse_positive(env, ENV_CAPTURE_RETENTION_S, DEFAULT_CAPTURE_RETENTION_S),
             continue_ids=_parse_bool(env, ENV_CONTINUE_IDS, False),
+            capture_api=_capture_api(env.get(ENV_CAPTURE_API, "").strip() or CaptureApi.KEYED, ENV_CAPTURE_API),
+            capture_body_keys=_parse_bool(env, ENV_CAPTURE_BODY_KEYS, False),
         )
 
 
@@ -159,6 +183,15 @@ def _mode(value: object, name: str) -> Mode:
         return Mode.parse(value)
     except ValueError as exc:
         raise ConfigError(f"{name}: {exc}") from None
+
+
+def _capture_api(value: object, name: str) -> CaptureApi:
+    if isinstance(value, CaptureApi):
+        return value
+    try:
+        return CaptureApi(value.strip().lower() if isinstance(value, str) else value)
+    except ValueError:
+        raise ConfigError(f"{name}: expected one of {'|'.join(a.value for a in CaptureApi)}, got {value!r}") from None
 
 
 def _positive_int(value: object) -> bool:
@@ -174,6 +207,8 @@ def capture_environ(settings: Settings) -> dict[str, str]:
         ENV_CAPTURE_MAX_BYTES: str(settings.capture_max_bytes),
         ENV_CAPTURE_RETENTION_S: str(settings.capture_retention_s),
         ENV_CONTINUE_IDS: "1" if settings.continue_ids else "0",
+        ENV_CAPTURE_API: settings.capture_api.value,
+        ENV_CAPTURE_BODY_KEYS: "1" if settings.capture_body_keys else "0",
     }
 
 
@@ -190,6 +225,25 @@ def capture_url(value: object, name: str) -> str | None:
         # Never echo the value: a Redis URL may carry a password.
         raise ConfigError(f"{name}: expected a store URL starting with {', '.join(CAPTURE_SCHEMES)}")
     return url
+
+
+def capture_password(environ: Mapping[str, str] | None = None) -> str | None:
+    """The Redis store's password when its URL carries none: VLLM_NVEXT_CAPTURE_PASSWORD, or the file that
+    VLLM_NVEXT_CAPTURE_PASSWORD_FILE names (its first line), so it never sits in a command line (docs/capture.md)."""
+    env = os.environ if environ is None else environ
+    value, path = env.get(ENV_CAPTURE_PASSWORD) or None, env.get(ENV_CAPTURE_PASSWORD_FILE, "").strip()
+    if value is not None and path:
+        raise ConfigError(f"{ENV_CAPTURE_PASSWORD} and {ENV_CAPTURE_PASSWORD_FILE}: set one, not both")
+    if not path:
+        return value
+    try:
+        with open(path, encoding="utf-8") as file:
+            first = file.readline().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError):
+        raise ConfigError(f"{ENV_CAPTURE_PASSWORD_FILE}: the file cannot be read") from None  # never its path
+    if not first:
+        raise ConfigError(f"{ENV_CAPTURE_PASSWORD_FILE}: the file's first line is empty")
+    return first
 
 
 def _parse_positive(env: Mapping[str, str], name: str, default: int) -> int:

@@ -273,3 +273,41 @@ def test_a_capturing_proxy_in_front_of_vllm_rs_sends_no_null_id_keys(proxy_captu
     assert len(turns) == 1, turns
     (turn,) = turns
     assert turn["prompt_token_ids"] and len(turn["completion_token_ids"]) == turn["usage"]["completion_tokens"]
+
+
+def test_a_keyless_capturing_proxy_in_front_of_keyed_vllm_hands_out_no_session(raw_server, tmp_path):
+    """The docs' `vllm-nvext proxy --upstream U --capture URL` without --api-key, in front of the keyed `raw`: a
+    session it captured (a client with the upstream's key generates through it) is never read nor deleted through it,
+    with or without a key (the request goes on to vLLM: its 401, or its 404 for a route it lacks), and its start-up
+    says so (docs/capture.md, The read API only behind a key)."""
+    from vllm_nvext.middleware.sessions import NOT_SERVED_KEYLESS
+
+    store = f"sqlite:///{tmp_path / 'capture.sqlite3'}"
+    with ProxyServer(upstream=raw_server.url, args=["--capture", store], name="proxy-keyless-capture",
+                     port=listen_port()) as keyless:  # fmt: skip
+        victim = {"authorization": f"Bearer {API_KEY}", "x-nvext-session-id": "victim"}
+        chat = _when_listening(keyless.url, lambda client: client.post(CHAT, json=greedy(CHAT), headers=victim))
+        assert chat.status_code == 200, chat.text
+        path = "/v1/nvext/sessions/victim"
+        with http_client(keyless.url, timeout=30) as client:
+            deadline = time.monotonic() + 30  # the store's writer records the turn once the answer is over
+            while not _stored_sessions(store) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _stored_sessions(store) == ["victim"], "captured"
+            for method in ("GET", "DELETE"):
+                refused = client.request(method, path)
+                assert refused.status_code == 401 and "token_ids" not in refused.text, (method, refused.text)
+                keyed = client.request(method, path, headers={"authorization": f"Bearer {API_KEY}"})
+                assert keyed.status_code in (404, 405) and "token_ids" not in keyed.text, (method, keyed.text)
+        assert _stored_sessions(store) == ["victim"], "nothing deleted"
+        assert NOT_SERVED_KEYLESS in keyless.log_text()
+
+
+def _stored_sessions(store: str) -> list[str]:
+    from vllm_nvext.capture.store import open_backend
+
+    backend = open_backend(store, read_only=True)
+    try:
+        return list(backend.sessions(None))
+    finally:
+        backend.close()

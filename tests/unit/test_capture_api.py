@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddlew
 
 from tests.support.capture import make_turn
 from tests.unit.asgi import Upstream
-from vllm_nvext import NvextMiddleware
+from vllm_nvext import NvextMiddleware, Settings
 from vllm_nvext.capture import store as store_module
+from vllm_nvext.config import ConfigError
+from vllm_nvext.middleware import sessions
 
 KEY = "sk-capture"
 SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "atif" / "trajectory.schema.json").read_text())
@@ -212,3 +215,227 @@ def test_read_session_follows_the_pages(app, monkeypatch):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+# --- who the read API is served to (docs/capture.md, Threat model) ---------------------------------------------
+# Mounted as vLLM mounts each: the plugin (`attach_router`) inside vLLM's key check, `--middleware` outside it, on a
+# FastAPI app whose `state.args` holds `--api-key` as vLLM's `build_app` sets it.
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[tuple[int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.levelno, record.getMessage()))
+
+
+@pytest.fixture
+def said():
+    """What the middleware logs, on its own logger and on vLLM's (inside vLLM's server)."""
+    handler = _Lines()
+    loggers = [logging.getLogger(name) for name in ("vllm_nvext", "vllm.nvext")]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+    yield handler.lines
+    for logger in loggers:
+        logger.removeHandler(handler)
+
+
+def _vllm_app(kind: str, url: str, key: str | None, monkeypatch: pytest.MonkeyPatch) -> Any:
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+
+    from vllm_nvext.plugin import NvextPlugin
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_NVEXT_CAPTURE", url)
+    app = FastAPI()
+    app.state.args = SimpleNamespace(api_key=[key] if key else None)
+    if kind == "plugin":
+        NvextPlugin().attach_router(app)  # before vLLM's own middleware: inside its key check
+    if key:
+        app.add_middleware(AuthenticationMiddleware, tokens=[key])
+    if kind == "middleware":
+        app.add_middleware(NvextMiddleware)  # `--middleware`: added last, outermost
+    return app
+
+
+async def _start_up(app: Any) -> None:
+    """The lifespan's start-up and shut-down, as uvicorn runs them."""
+    messages = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+    assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+
+
+def _stored(url: str) -> store_module.Sink:
+    sink = store_module.open_sink(url)
+    sink.submit(make_turn("run-1", [1, 2, 3], [4, 5]))
+    assert sink.flush()
+    return sink
+
+
+@pytest.mark.parametrize("kind", ["middleware", "plugin"])
+def test_a_server_without_a_key_serves_no_read_api_and_says_so_at_start_up(kind, tmp_path, monkeypatch, said):
+    url = f"sqlite:///{tmp_path / 'c.sqlite3'}"
+    sink = _stored(url)
+    app = _vllm_app(kind, url, None, monkeypatch)
+    asyncio.run(_start_up(app))
+    for method in ("GET", "DELETE"):
+        answer = call(app, method, "/v1/nvext/sessions/run-1", key=None)
+        assert answer.status_code == 404 and "prompt_token_ids" not in answer.text, (method, answer.text)
+        assert answer.json() == {"detail": "Not Found"}, "vLLM's own: the route is not there"
+    assert sink.read("run-1") is not None, "nothing was deleted"
+    warnings = [m for level, m in said if level == logging.WARNING and "/v1/nvext/sessions" in m]
+    assert warnings == [sessions.NOT_SERVED_KEYLESS], "said once at start-up"
+    sink.close()
+
+
+@pytest.mark.parametrize("kind", ["middleware", "plugin"])
+def test_an_operator_opens_the_read_api_without_a_key_explicitly_and_is_warned(kind, tmp_path, monkeypatch, said):
+    url = f"sqlite:///{tmp_path / 'c.sqlite3'}"
+    sink = _stored(url)
+    monkeypatch.setenv("VLLM_NVEXT_CAPTURE_API", "open")
+    app = _vllm_app(kind, url, None, monkeypatch)
+    asyncio.run(_start_up(app))
+    answer = call(app, "GET", "/v1/nvext/sessions/run-1", key=None)
+    assert answer.status_code == 200 and answer.json()["turns"][0]["prompt_token_ids"] == [1, 2, 3]
+    assert [m for level, m in said if level == logging.WARNING] == [sessions.SERVED_KEYLESS]
+    sink.close()
+
+
+@pytest.mark.parametrize("kind", ["middleware", "plugin"])
+def test_with_a_key_the_read_api_is_served_behind_it_and_off_serves_it_to_no_one(kind, tmp_path, monkeypatch, said):
+    url = f"sqlite:///{tmp_path / 'c.sqlite3'}"
+    sink = _stored(url)
+    keyed = _vllm_app(kind, url, KEY, monkeypatch)
+    asyncio.run(_start_up(keyed))
+    assert call(keyed, "GET", "/v1/nvext/sessions/run-1").status_code == 200
+    assert call(keyed, "GET", "/v1/nvext/sessions/run-1", key=None).status_code == 401
+    assert (logging.INFO, sessions.SERVED_KEYED) in said and not [m for lv, m in said if lv >= logging.WARNING]
+    monkeypatch.setenv("VLLM_NVEXT_CAPTURE_API", "off")  # export only: `vllm-nvext sessions export`
+    off = _vllm_app(kind, url, KEY, monkeypatch)
+    asyncio.run(_start_up(off))
+    for method in ("GET", "DELETE"):
+        answer = call(off, method, "/v1/nvext/sessions/run-1")
+        assert answer.status_code in (404, 405) and "prompt_token_ids" not in answer.text, (method, answer.text)
+    assert sink.read("run-1") is not None and (logging.INFO, sessions.OFF) in said
+    sink.close()
+
+
+def test_a_bad_capture_api_setting_stops_start_up_naming_it(monkeypatch):
+    monkeypatch.setenv("VLLM_NVEXT_CAPTURE_API", "public")
+    with pytest.raises(ConfigError, match="VLLM_NVEXT_CAPTURE_API: expected one of keyed|open|off"):
+        Settings.from_env()
+
+
+# --- bad input and failures of the read API ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("start", ["²", "١٢", "１"])
+def test_a_start_of_other_digits_than_0_to_9_is_a_400_naming_start(app, start):
+    answer = call(app, "GET", f"/v1/nvext/sessions/run-1?start={start}")
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "start"
+
+
+def test_a_503_of_the_read_api_is_logged_with_the_kind_of_failure(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    folder = tmp_path / "store"
+    folder.mkdir()
+    app = NvextMiddleware(Upstream(), capture=f"sqlite:///{folder / 'c.sqlite3'}")
+    for p in folder.iterdir():
+        p.unlink()
+    folder.rmdir()
+    with caplog.at_level(logging.WARNING, logger="vllm_nvext.capture"):
+        assert call(app, "GET", "/v1/nvext/sessions/run-1").status_code == 503
+    (line,) = [r.getMessage() for r in caplog.records if "read API" in r.getMessage()]
+    assert line == "vllm-nvext capture: the read API answered GET with a 503: the store failed (FileNotFoundError)"
+    assert str(tmp_path) not in caplog.text, "never a path"
+    assert app.sink is not None
+    app.sink.close()
+
+
+# --- what a read takes from the event loop ----------------------------------------------------------------------
+
+
+async def _read_beside_a_ticker(app: Any, paths: list[str]) -> list[tuple[list[tuple[int, bytes]], Any]]:
+    """Reads of `paths` at once, beside another client's work on the same loop (a ticker always ready to run): each
+    read's body messages with the ticker's count when each was sent, and its headers."""
+    ticks = 0
+    running = True
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while running:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    async def read(path: str) -> tuple[list[tuple[int, bytes]], Any]:
+        pieces: list[tuple[int, bytes]] = []
+        start: dict[str, Any] = {}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message.get("body"):
+                pieces.append((ticks, bytes(message["body"])))
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        path, _, query = path.partition("?")
+        scope = {"type": "http", "method": "GET", "path": path, "root_path": "", "query_string": query.encode(),
+                 "headers": [(b"authorization", f"Bearer {KEY}".encode())]}  # fmt: skip
+        await app(scope, receive, send)
+        assert start["status"] == 200
+        return pieces, dict(start["headers"])
+
+    other = asyncio.ensure_future(ticker())
+    try:
+        return await asyncio.gather(*(read(p) for p in paths))
+    finally:
+        running = False
+        await other
+
+
+def test_large_reads_go_out_piece_by_piece_the_loop_serving_others_between_them(tmp_path, monkeypatch):
+    """Four reads of a ~6 MB session at once (both formats): each goes out in pieces of at most a MiB, made one
+    step at a time in the reads' thread, and another client's work on the loop runs between them; the bodies are
+    the ones a whole read gives (the ATIF one byte for byte `atif.trajectory`'s)."""
+    from vllm_nvext.capture import api
+    from vllm_nvext.capture.atif import trajectory
+
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    app = NvextMiddleware(Upstream(), capture=f"sqlite:///{tmp_path / 'c.sqlite3'}")
+    sink = app.sink
+    assert sink is not None
+    for n in range(3):
+        sink.submit(make_turn("big", list(range(n, 300_000 + n)), [7] * 1000, logprobs=[-0.5] * 1000))
+    assert sink.flush()
+    turns = sink.read("big")
+    assert turns is not None
+    atif_body = json.dumps(trajectory("big", turns), separators=(",", ":")).encode()
+    paths = ["/v1/nvext/sessions/big", "/v1/nvext/sessions/big?format=atif"] * 2
+    for (pieces, headers), path in zip(asyncio.run(_read_beside_a_ticker(app, paths)), paths, strict=True):
+        body = b"".join(p for _, p in pieces)
+        if path.endswith("atif"):
+            assert body == atif_body
+        else:
+            assert json.loads(body) == {"session_id": "big", "turns": turns, "next_index": None}
+            assert headers[b"content-length"] == str(len(body)).encode()
+        assert max(len(p) for _, p in pieces) <= api.READ_PIECE_BYTES and len(body) > 5 * api.READ_PIECE_BYTES
+        sent_at = [t for t, _ in pieces]
+        assert len(set(sent_at)) >= 3, f"{path}: the other client's work ran between the pieces: {sent_at}"
+    sink.close()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +64,35 @@ def test_a_bad_store_url_is_an_error_without_the_url(capsys):
     assert cli.main(["sessions", "export", "--store", "redis://:hunter2@127.0.0.1:notaport/0"]) == 2
     err = capsys.readouterr().err
     assert "error: capture:" in err and "hunter2" not in err
+
+
+def test_a_mistyped_store_path_is_an_error_and_creates_no_store(tmp_path, capsys):
+    _fill(f"sqlite:///{tmp_path / 'capture.sqlite3'}")
+    typo = tmp_path / "captrue.sqlite3"
+    assert cli.main(["sessions", "export", "--store", f"sqlite:///{typo}"]) == 2
+    err = capsys.readouterr().err
+    assert "there is no SQLite store at that path" in err and "sessions exported" not in err
+    assert str(typo) not in err and not typo.exists(), "nothing created"
+
+
+def test_a_backup_of_the_store_is_exported_as_it_is_and_never_written(tmp_path, capsys):
+    """A backup (SQLite's `VACUUM INTO`: a file in rollback-journal mode), made read-only in a read-only folder, exports
+    whole, and its bytes and its folder are as they were (the store opened for writing turned it into WAL mode)."""
+    live = tmp_path / "capture.sqlite3"
+    _fill(f"sqlite:///{live}")
+    backups = tmp_path / "backups"
+    backups.mkdir()
+    backup = backups / "capture.sqlite3"
+    with contextlib.closing(sqlite3.connect(live)) as conn:
+        conn.execute("VACUUM INTO ?", (str(backup),))
+    before = backup.read_bytes()
+    backup.chmod(0o444)
+    backups.chmod(0o555)
+    try:
+        out = tmp_path / "sessions.jsonl"
+        assert cli.main(["sessions", "export", "--store", f"sqlite:///{backup}", "--output", str(out)]) == 0
+        assert sorted(json.loads(line)["session_id"] for line in out.read_text().splitlines()) == ["early", "late"]
+        assert backup.read_bytes() == before and sorted(p.name for p in backups.iterdir()) == ["capture.sqlite3"]
+    finally:
+        backups.chmod(0o755)
+    assert "2 sessions exported" in capsys.readouterr().err

@@ -71,7 +71,7 @@ async def serve(exchange: Exchange, route: AgentRoute, body: bytes, found: bool,
     receive = Replay([body], False, exchange.receive)
     sink = exchange.sink if plan.capture and (not messages or exchange.serve_messages) else None  # --middleware: no ids
     path, data = "/v1/messages" if messages else "/v1/responses", _json.object_as_vllm(body) if sink else None
-    tap = Collector.of(sink, path, scope["headers"], data, exchange.arrived[0])
+    tap = Collector.of(sink, path, scope["headers"], data, exchange.arrived[0], exchange.settings.capture_body_keys)
     try:
         if isinstance(plan, MessagesPlan):
             if plan.ids or tap is not None:

@@ -31,7 +31,7 @@ def _key(session_id: str) -> str:
 
 
 class RedisBackend:
-    def __init__(self, url: str, *, max_bytes: int, retention_s: int) -> None:
+    def __init__(self, url: str, *, max_bytes: int, retention_s: int, password: str | None = None) -> None:
         try:
             import redis
         except ImportError:
@@ -39,7 +39,10 @@ class RedisBackend:
                 "capture: a redis:// store needs the Redis client: pip install 'vllm-nvext[capture-redis]'"
             ) from None
         try:
-            self.client: Any = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=2.0)
+            # `password`: used where the URL carries none (a password in the URL wins, as redis-py reads it).
+            self.client: Any = redis.Redis.from_url(
+                url, password=password, socket_timeout=5.0, socket_connect_timeout=2.0
+            )
         except ValueError:
             raise ConfigError("capture: the Redis store URL is not valid (redis://[:password@]host:port/db)") from None
         self._watch_error: type[Exception] = redis.WatchError

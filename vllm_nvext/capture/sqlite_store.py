@@ -15,6 +15,7 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from urllib.parse import quote
 
 from ..config import ConfigError
 from .record import Turn
@@ -258,3 +259,48 @@ class SQLiteBackend:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+
+class SQLiteReader(SQLiteBackend):
+    """The store opened to read alone (`vllm-nvext sessions export`): never created, never written; a backup on a
+    read-only disk (or in a folder its reader cannot write) is read as the live file is. docs/capture.md."""
+
+    def __init__(self, path: str) -> None:  # nothing of the writer's state: this one never writes
+        if not os.path.isfile(path):
+            raise ConfigError("capture: there is no SQLite store at that path (an export never creates one)")
+        self.path = path
+        self._immutable = False
+        try:
+            self._reader().close()
+        except sqlite3.Error:
+            raise ConfigError("capture: the file is no SQLite capture store, or cannot be read") from None
+
+    def _reader(self) -> sqlite3.Connection:
+        mode = "immutable=1" if self._immutable else "mode=ro"
+        conn = sqlite3.connect(f"file:{quote(self.path)}?{mode}", uri=True, isolation_level=None,
+                               timeout=BUSY_TIMEOUT_MS / 1e3)  # fmt: skip
+        try:
+            conn.execute("SELECT 1 FROM sessions LIMIT 1").fetchall()
+        except sqlite3.OperationalError:
+            conn.close()
+            if self._immutable or os.path.exists(self.path + "-wal"):
+                raise
+            # A WAL-mode file alone, its `-shm` not there to make: no writer is at it (one would have made its `-wal`).
+            self._immutable = True
+            return self._reader()
+        return conn
+
+    def write(self, turns: Sequence[Turn], now: float) -> None:
+        raise PermissionError("the store is open to read alone")
+
+    def delete(self, session_id: str) -> bool:
+        raise PermissionError("the store is open to read alone")
+
+    def prune(self, now: float) -> int:
+        raise PermissionError("the store is open to read alone")
+
+    def used_bytes(self) -> int:
+        return os.stat(self.path).st_size
+
+    def close(self) -> None:
+        return None

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..config import DEFAULT_CAPTURE_MAX_BYTES, DEFAULT_CAPTURE_RETENTION_S, ConfigError
+from ..config import DEFAULT_CAPTURE_MAX_BYTES, DEFAULT_CAPTURE_RETENTION_S, ConfigError, capture_password
 from .record import Decode, Turn, valid_session_id
 
 logger = logging.getLogger("vllm_nvext.capture")
@@ -261,20 +261,27 @@ class Sink:
 
 
 def open_backend(
-    url: str, *, max_bytes: int = DEFAULT_CAPTURE_MAX_BYTES, retention_s: int = DEFAULT_CAPTURE_RETENTION_S
+    url: str,
+    *,
+    max_bytes: int = DEFAULT_CAPTURE_MAX_BYTES,
+    retention_s: int = DEFAULT_CAPTURE_RETENTION_S,
+    read_only: bool = False,
 ) -> Backend:
-    """The store a URL names: `sqlite:////abs/path.sqlite3` or `redis://[:password@]host:port/db`.
+    """The store a URL names: `sqlite:////abs/path.sqlite3` or `redis://[:password@]host:port/db`; `read_only`: one
+    that exists, opened to read alone (an export: a SQLite file is never created nor written).
 
     ConfigError (never echoing the URL, which may carry a password) for anything else."""
     lowered = url.lower()
     if lowered.startswith("sqlite://"):
-        from .sqlite_store import SQLiteBackend, sqlite_path
+        from .sqlite_store import SQLiteBackend, SQLiteReader, sqlite_path
 
+        if read_only:
+            return SQLiteReader(sqlite_path(url))
         return SQLiteBackend(sqlite_path(url), max_bytes=max_bytes, retention_s=retention_s)
     if lowered.startswith(("redis://", "rediss://")):
         from .redis_store import RedisBackend
 
-        return RedisBackend(url, max_bytes=max_bytes, retention_s=retention_s)
+        return RedisBackend(url, max_bytes=max_bytes, retention_s=retention_s, password=capture_password())
     raise ConfigError("capture: expected a store URL starting with sqlite:// or redis://")
 
 

@@ -77,13 +77,15 @@ class Collector:
         self.broken = False  # a chunk the tap failed on ended the recorded turn there (`_guarded`)
 
     @classmethod
-    def of(cls, sink: Sink | None, route: str, headers: Any, data: Any, arrived: float) -> Collector | None:
+    def of(
+        cls, sink: Sink | None, route: str, headers: Any, data: Any, arrived: float, body_keys: bool = False
+    ) -> Collector | None:
         """The tap of one request (None: capture is off), keyed by its session (capture/keys.py) from its ASGI
-        headers and its body as read (`data`)."""
+        headers, and from its body as read (`data`) where the operator lets body keys name sessions (`body_keys`)."""
         if sink is None:
             return None
         key = header_key(headers)
-        if key.session_id is None:
+        if key.session_id is None and body_keys:
             key = session_key((), data)._replace(parent_id=key.parent_id, agent_id=key.agent_id)
         tap = cls(sink, route, key, arrived)
         memory = continuation.MEMORY

@@ -32,7 +32,6 @@ from ..asgi import (
     open_capture,
     replay_body,
     send_error,
-    serve_sessions,
 )
 from ..capture import render_hook
 from ..config import Mode, Settings
@@ -41,6 +40,7 @@ from ..inbound.optin import opts_in_whole
 from ..kernels import pick
 from ..protocol import ENDPOINT_PATHS, Dialect, Endpoint, RequestError
 from .exchange import Exchange
+from .sessions import serve_sessions
 
 logger = logging.getLogger("vllm_nvext")
 
@@ -73,6 +73,8 @@ class NvextMiddleware:
         capture_max_bytes: int | None = None,
         capture_retention_s: int | None = None,
         continue_ids: bool | None = None,
+        capture_api: str | None = None,
+        capture_body_keys: bool | None = None,
         serve_messages: bool = False,
     ) -> None:
         self.app = app
@@ -86,6 +88,8 @@ class NvextMiddleware:
             capture_max_bytes=capture_max_bytes,
             capture_retention_s=capture_retention_s,
             continue_ids=continue_ids,
+            capture_api=capture_api,
+            capture_body_keys=capture_body_keys,
             base=settings,
         )
         self.kernels = pick(self.settings.pure_python)  # the compiled kernels, or their Python twins
@@ -107,7 +111,9 @@ class NvextMiddleware:
         if self.sink is not None and not self.sink.tokenizer_sought and scope["type"] == "http":
             self.sink.tokenizer_sought = True  # once: vLLM's tokenizer, for a break's texts (docs/capture.md)
             self.sink.decode = render_hook.vllm_decode(scope.get("app"))
-        if self.sink is not None and await serve_sessions(self.app, self.sink, scope, receive, send):
+        if self.sink is not None and await serve_sessions(
+            self.app, self.sink, self.settings.capture_api, scope, receive, send
+        ):
             return  # the capture's read API (docs/capture.md), after vLLM's key check
         if scope["type"] != "http" or scope.get("method") != "POST" or HANDLED in scope:
             # Codex's WebSocket attempt on /v1/responses gets "use HTTP" (docs/protocol.md §11.4).

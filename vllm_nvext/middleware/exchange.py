@@ -209,7 +209,10 @@ class Exchange:
             decode_echo = partial(decode_echo_prompts, self.app, self.scope, self.receive, model=data.get("model"))
         tap = None
         if plan.capture:  # told what the answer carries (docs/capture.md)
-            tap = Collector.of(self.sink, PATHS[plan.endpoint], self.scope["headers"], data, self.arrived[0])
+            tap = Collector.of(
+                self.sink, PATHS[plan.endpoint], self.scope["headers"], data, self.arrived[0],
+                self.settings.capture_body_keys,
+            )  # fmt: skip
         return ReshapingSend(plan, Clock(*self.arrived), self.send, self.kernels, endpoint, decode_echo, tap)
 
     def mode(self, values: list[bytes]) -> Mode:

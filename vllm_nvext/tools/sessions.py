@@ -91,8 +91,11 @@ def export(backend: Backend, out: IO[str], fmt: str, since: float | None, progre
 
 
 def run(args: argparse.Namespace) -> int:
+    from .cli import warn_password_in_argv  # the command's module, which imports this one
+
+    warn_password_in_argv("sessions", args.store)
     try:
-        backend = open_backend(args.store)
+        backend = open_backend(args.store, read_only=True)  # never created nor written: a backup reads as it is
     except ConfigError as exc:
         print(f"vllm-nvext sessions: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
