@@ -57,16 +57,29 @@ class SQLiteBackend:
         self._last: OrderedDict[str, tuple[int, float, array[int] | None]] = OrderedDict()
         self._last_ids = 0
         self._lock = threading.Lock()
-        try:
-            self._writer_conn().close()  # create the file and schema now: a bad path stops start-up
+        try:  # create the file and schema now, and write to it: a bad path or a read-only file stops start-up
+            conn = self._writer_conn()
+            try:
+                conn.execute("BEGIN IMMEDIATE")  # SQLite opens a file it may not write read-only: a write tells
+                conn.execute("INSERT INTO sessions (session_id, turns, last) VALUES ('', 0, 0)")
+                conn.execute("ROLLBACK")
+            finally:
+                conn.close()
         except (OSError, sqlite3.Error):
             raise ConfigError("capture: the SQLite store cannot be opened for writing") from None
         self._conn = None
 
     def _connect(self) -> sqlite3.Connection:
-        # Create the file 0600 before SQLite does (its WAL and shm files take the database file's mode).
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        os.close(fd)
+        # Create the file 0600 before SQLite does (its WAL and shm files take the database file's mode); only a
+        # file this call created is opened and closed here. Closing a descriptor of a file that a connection of
+        # this process holds open drops every POSIX lock the process has on it, so another process would take
+        # this one's live WAL for a stale one and delete it (sqlite.org/howtocorrupt.html, 2.2; docs/capture.md).
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            os.close(fd)
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1e3)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
