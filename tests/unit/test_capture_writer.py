@@ -9,9 +9,13 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
-from vllm_nvext.capture.store import open_sink
+from tests.support.capture import make_turn
+from vllm_nvext.capture.store import Sink, open_sink
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,3 +86,94 @@ def test_a_server_and_sessions_export_on_one_sqlite_file_lose_no_turn(tmp_path):
     turns = sink.read("live") or []
     sink.close()
     assert [t["prompt_token_ids"] for t in turns] == [[n] for n in range(51)], "no turn lost with the killed server"
+
+
+# --- a turn no store can hold ---------------------------------------------------------------------------------
+
+
+def _hold_writer(sink: Sink) -> threading.Event:
+    """The store's writer thread held before each write until the returned gate is set (a writer behind)."""
+    gate, write = threading.Event(), sink.backend.write
+
+    def held_write(turns: Any, now: float) -> None:
+        gate.wait(10)
+        write(turns, now)
+
+    sink.backend.write = held_write  # type: ignore[method-assign]
+    return gate
+
+
+def test_a_turn_no_store_can_hold_is_refused_alone_counted_and_logged(store_url, caplog):
+    """An upstream that is not vLLM (behind the proxy) answers float ids or no `id`: the float turn is refused before
+    it is written (counted `invalid_turn`, the log names the field), the turn without an id is recorded with
+    `request_id: null`; the session's later turns and the 200 other sessions' turns written with it are all kept."""
+    sink = open_sink(store_url)
+    gate = _hold_writer(sink)  # every turn queued first: the bad ones share their batches with the others
+    sink.submit(make_turn("poisoned", [1, 2], [3]))
+    sink.submit(make_turn("poisoned", [1.0, 2.0], [3]))  # type: ignore[list-item]
+    sink.submit(make_turn("poisoned", [1, 2, 3, 4], [5]))
+    sink.submit(make_turn("no-id", [1], [2], request_id=None))
+    sink.submit(make_turn("no-id", [1, 2, 3], [4], request_id=None))
+    for n in range(200):
+        sink.submit(make_turn(f"other-{n}", [n]))
+    gate.set()
+    assert sink.flush(60)
+    try:
+        for n in range(200):
+            assert [t["prompt_token_ids"] for t in sink.read(f"other-{n}") or []] == [[n]], f"other-{n}"
+        poisoned = sink.read("poisoned") or []
+        assert [t["prompt_token_ids"] for t in poisoned] == [[1, 2], [1, 2, 3, 4]]
+        assert [t["extends_previous"] for t in poisoned] == [None, True]
+        no_id = sink.read("no-id") or []
+        assert [(t["request_id"], t["extends_previous"]) for t in no_id] == [(None, None), (None, True)]
+        assert sink.tally.recorded_turns == 204 and sink.tally.dropped_turns == {"invalid_turn": 1}
+        assert "prompt_token_ids: expected a list of integers or null" in caplog.text
+    finally:
+        sink.close()
+
+
+def test_a_stored_turn_that_does_not_read_back_never_blocks_its_session(store_url):
+    """A store written before turns were checked holds one that does not read back (float ids): its session's next
+    turn is placed after it (`extends_previous: null`, its ids unknown) and the turns written with it are kept."""
+    sink = open_sink(store_url)
+    sink.backend.write([make_turn("legacy", [1.0], [2])], time.time())  # type: ignore[list-item]
+    gate = _hold_writer(sink)
+    sink.submit(make_turn("legacy", [1, 2], [3]))
+    for n in range(100):
+        sink.submit(make_turn(f"other-{n}", [n]))
+    gate.set()
+    assert sink.flush(60)
+    try:
+        legacy = sink.read("legacy") or []
+        assert [(t["index"], t["prompt_token_ids"], t["extends_previous"]) for t in legacy] == [
+            (0, [1.0], None),
+            (1, [1, 2], None),
+        ]
+        assert all(sink.read(f"other-{n}") for n in range(100))
+        assert sink.tally.recorded_turns == 101 and sink.tally.dropped_turns == {}
+    finally:
+        sink.close()
+
+
+def test_a_turn_sqlite_cannot_insert_is_rolled_back_alone(tmp_path):
+    """A session's row removed by hand with its turns left behind: its next turn cannot take its index and is
+    dropped (`store_error`); the 100 turns of its batch are written."""
+    path = tmp_path / "capture.sqlite3"
+    sink = open_sink(f"sqlite:///{path}")
+    sink.submit(make_turn("orphan", [1]))
+    assert sink.flush()
+    db = sqlite3.connect(path)
+    db.execute("DELETE FROM sessions WHERE session_id = 'orphan'")
+    db.commit()
+    db.close()
+    gate = _hold_writer(sink)
+    sink.submit(make_turn("orphan", [1, 2]))
+    for n in range(100):
+        sink.submit(make_turn(f"other-{n}", [n]))
+    gate.set()
+    assert sink.flush(60)
+    try:
+        assert all(sink.read(f"other-{n}") for n in range(100))
+        assert sink.tally.recorded_turns == 101 and sink.tally.dropped_turns == {"store_error": 1}
+    finally:
+        sink.close()

@@ -7,6 +7,7 @@ Pure: no I/O. The tap (the request path) builds a `Turn` without `index`, `exten
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -89,7 +90,7 @@ class Turn:
 
     session_id: str
     route: str
-    request_id: str
+    request_id: str | None  # None: the answer carried no `id` (an upstream that is not vLLM)
     time: float
     session_source: str
     model: str | None = None
@@ -115,6 +116,25 @@ class Turn:
             found = prefix_break(before, self.prompt_token_ids)
             extends = found is None
         return dataclasses.replace(self, index=index, extends_previous=extends, break_=found)
+
+    def problem(self) -> str | None:
+        """Why no store can keep this turn as the read API shows it (the field and what it expects: never a value),
+        None when one can: every value reads back through `from_json` (the store places a session's next turn by
+        it), the other choices' ids are integers as choice 0's are, and it all encodes as JSON (no NaN or
+        infinity). An upstream that is not vLLM can answer anything (docs/capture.md, the store)."""
+        try:
+            Turn.from_json(self.to_json())
+            for choice in self.choices or ():
+                if not isinstance(choice, Mapping):
+                    raise ValueError("choices: expected objects")
+                _ids(choice, "completion_token_ids")
+        except ValueError as exc:
+            return str(exc)
+        try:
+            json.dumps((self.time, self.logprobs, self.usage, self.spans, self.choices), allow_nan=False)
+        except (ValueError, TypeError, RecursionError):
+            return "a value JSON cannot hold (NaN, an infinity, or no JSON value at all)"
+        return None
 
     def to_json(self) -> dict[str, Any]:
         """The read API's shape of one turn (CAPTURE contract: these keys, in this order)."""
@@ -154,7 +174,7 @@ class Turn:
         return cls(
             session_id=_str(d, "session_id"),
             route=_str(d, "route"),
-            request_id=_str(d, "request_id"),
+            request_id=_opt_str(d, "request_id"),
             time=float(when),
             session_source=_str(d, "session_source"),
             model=_opt_str(d, "model"),

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 
 from ..config import ConfigError
 from .record import Turn
-from .store import Page, StoreFull
+from .store import Page, PartlyWritten, StoreFull, readable
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, turns INTEGER NOT NULL, last REAL NOT NULL)",
@@ -118,27 +118,46 @@ class SQLiteBackend:
         conn = self._writer_conn()
         if self._used(conn) >= self.max_bytes:
             raise StoreFull
+        failed: Exception | None = None
+        written = 0
         conn.execute("BEGIN IMMEDIATE")
         try:
-            for turn in turns:
-                sid = turn.session_id
-                row = conn.execute("SELECT turns, last FROM sessions WHERE session_id = ?", (sid,)).fetchone()
-                index, marker = (0, None) if row is None else (int(row[0]), float(row[1]))
-                placed = turn.placed(index, self._previous(conn, sid, index, marker))
-                body = json.dumps(placed.to_json(), separators=(",", ":"), allow_nan=False)
-                conn.execute("INSERT INTO turns (session_id, idx, body) VALUES (?, ?, ?)", (sid, index, body))
-                conn.execute(
-                    "INSERT INTO sessions (session_id, turns, last) VALUES (?, 1, ?) ON CONFLICT (session_id)"
-                    " DO UPDATE SET turns = turns + 1, last = excluded.last",
-                    (sid, now),
-                )
+            for turn in turns:  # each turn its own savepoint: one that fails is rolled back alone, never its batch
+                conn.execute("SAVEPOINT turn")
+                try:
+                    placed = self._place(conn, turn, now)
+                except Exception as exc:
+                    conn.execute("ROLLBACK TO turn")
+                    conn.execute("RELEASE turn")
+                    self._forget(turn.session_id)
+                    failed = exc
+                    continue
+                conn.execute("RELEASE turn")
                 self._remember(placed, now)
+                written += 1
             conn.execute("COMMIT")
         except BaseException:
             self._forget()
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+        if failed is not None:
+            raise PartlyWritten(written) from failed  # those written are recorded, the others dropped
+
+    def _place(self, conn: sqlite3.Connection, turn: Turn, now: float) -> Turn:
+        """Write `turn` as its session's next, in the open transaction; the turn as placed."""
+        sid = turn.session_id
+        row = conn.execute("SELECT turns, last FROM sessions WHERE session_id = ?", (sid,)).fetchone()
+        index, marker = (0, None) if row is None else (int(row[0]), float(row[1]))
+        placed = turn.placed(index, self._previous(conn, sid, index, marker))
+        body = json.dumps(placed.to_json(), separators=(",", ":"), allow_nan=False)
+        conn.execute("INSERT INTO turns (session_id, idx, body) VALUES (?, ?, ?)", (sid, index, body))
+        conn.execute(
+            "INSERT INTO sessions (session_id, turns, last) VALUES (?, 1, ?) ON CONFLICT (session_id)"
+            " DO UPDATE SET turns = turns + 1, last = excluded.last",
+            (sid, now),
+        )
+        return placed
 
     def _previous(self, conn: sqlite3.Connection, sid: str, index: int, marker: float | None) -> Turn | None:
         if index == 0:
@@ -148,7 +167,7 @@ class SQLiteBackend:
             ids = None if cached[2] is None else cached[2].tolist()  # what `Turn.placed` reads of it
             return Turn(sid, "", "", 0.0, "", prompt_token_ids=ids, index=index - 1)
         row = conn.execute("SELECT body FROM turns WHERE session_id = ? AND idx = ?", (sid, index - 1)).fetchone()
-        return None if row is None else Turn.from_json(json.loads(row[0]))
+        return None if row is None else readable(row[0])
 
     def _remember(self, turn: Turn, marker: float) -> None:
         """Keep `turn`'s ids compactly for the session's next turn, within _LAST_TURNS sessions and _LAST_IDS ids;

@@ -30,8 +30,9 @@ PRUNE_EVERY_S = 60.0  # how often the writer removes sessions past their retenti
 READ_MAX_BYTES = 64 * 1024 * 1024  # one page of the read API (at least one turn, however large)
 CLOSE_WAIT_S = 10.0  # how long `close` waits for the writer to flush
 
-# Why a turn was dropped (the `reason` label of vllm_nvext:capture_turns_dropped_total).
-QUEUE_FULL, STORE_FULL, STORE_ERROR = "queue_full", "store_full", "store_error"
+# Why a turn was dropped (the `reason` label of vllm_nvext:capture_turns_dropped_total); INVALID_TURN: a turn no
+# store can hold (`Turn.problem`), refused alone before its batch is written.
+QUEUE_FULL, STORE_FULL, STORE_ERROR, INVALID_TURN = "queue_full", "store_full", "store_error", "invalid_turn"
 
 
 class StoreFull(Exception):
@@ -219,7 +220,23 @@ class Sink:
             if stop:
                 return
 
+    def _storable(self, batch: list[Turn]) -> list[Turn]:
+        """The batch less the turns no store can hold, each counted and logged by its field, never written: one
+        would fail its batch's transaction, or every later turn of its session that reads it back."""
+        kept: list[Turn] = []
+        for turn in batch:
+            problem = turn.problem()
+            if problem is None:
+                kept.append(turn)
+                continue
+            logger.warning("vllm-nvext capture: a turn dropped, no store can hold it (%s)", problem)
+            self._count_drop(INVALID_TURN, 1)
+        return kept
+
     def _write(self, batch: list[Turn], now: float) -> None:
+        batch = self._storable(batch)
+        if not batch:
+            return
         written = 0
         try:
             self.backend.write(batch, now)
@@ -256,6 +273,15 @@ class Sink:
         for report in self._reports:
             with contextlib.suppress(Exception):  # a counter never fails the request that submitted
                 report.dropped(reason, n)
+
+
+def readable(body: str | bytes) -> Turn | None:
+    """A stored turn as the writer places the next by it; None for one that does not read back (a store written before
+    `Turn.problem` refused such turns): its session's next turn is then placed as after no reported ids."""
+    try:
+        return Turn.from_json(json.loads(body))
+    except (ValueError, TypeError, RecursionError):
+        return None
 
 
 def open_backend(
