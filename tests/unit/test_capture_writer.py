@@ -5,6 +5,7 @@ and a store that hangs. Real parts throughout: SQLite files, a real redis-server
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sqlite3
 import subprocess
@@ -14,10 +15,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+import pytest
+
 from tests.support.capture import make_turn
+from tests.support.redis_server import free_port
+from tests.unit.asgi import Upstream, call
+from vllm_nvext import NvextMiddleware
 from vllm_nvext.capture.store import Sink, open_sink
 
 ROOT = Path(__file__).resolve().parents[2]
+KEY = "sk-writer"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _python(script: str, *args: str) -> subprocess.Popen[str]:
@@ -177,3 +186,146 @@ def test_a_turn_sqlite_cannot_insert_is_rolled_back_alone(tmp_path):
         assert sink.tally.recorded_turns == 101 and sink.tally.dropped_turns == {"store_error": 1}
     finally:
         sink.close()
+
+
+# --- SIGTERM with turns queued ---------------------------------------------------------------------------------
+
+
+class _Served:
+    """A server process of this test (tests/support/capture_app.py or `vllm-nvext proxy`), its stderr piped."""
+
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", *(a.replace("PORT", str(self.port)) for a in args)]
+        env = {**os.environ, "VLLM_API_KEY": KEY}
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
+        )
+        deadline = time.monotonic() + 120
+        while True:  # ready once its /health answers (the proxy's: the upstream's, through it)
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.stop()
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.1)
+
+    def said(self, text: str) -> bool:
+        """Whether the process writes a stderr line holding `text` before it ends (read up to that line)."""
+        assert self.proc.stderr is not None
+        return any(text in line for line in self.proc.stderr)
+
+    def stop(self) -> str:
+        """Its stderr from here on, once it has ended (SIGKILL if it still runs)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        return self.proc.communicate()[1] or ""
+
+
+def _chats(url: str, session: str, n: int) -> None:
+    with httpx.Client(base_url=url, headers={**AUTH, "x-nvext-session-id": session}, timeout=60) as client:
+        for _ in range(n):
+            answer = client.post(
+                "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+            )
+            assert answer.status_code == 200, answer.text
+
+
+@pytest.mark.parametrize("mount", ["proxy", "middleware"])
+def test_sigterm_writes_the_queued_turns_before_the_server_ends(mount, tmp_path):
+    """40 turns queued behind a busy store when the server is sent SIGTERM: `vllm-nvext proxy` and the app vLLM's
+    `--middleware` and plugin mount NvextMiddleware into (uvicorn re-raises the signal once shut down, so `atexit`
+    never runs) write all 40 in their lifespan shutdown, and say so in the log."""
+    path = tmp_path / "capture.sqlite3"
+    url = f"sqlite:///{path}"
+    served: list[_Served] = []
+    try:
+        if mount == "proxy":
+            served.append(_Served("tests.support.capture_app", "PORT"))
+            proxy = ["vllm_nvext.tools.cli", "proxy", "--upstream", served[0].url, "--host", "127.0.0.1"]
+            served.append(_Served(*proxy, "--port", "PORT", "--api-key", KEY, "--capture", url))
+        else:
+            served.append(_Served("tests.support.capture_app", "PORT", "--capture", url))
+        server = served[-1]
+        busy = sqlite3.connect(path, isolation_level=None)
+        busy.execute("BEGIN IMMEDIATE")  # the server's writer waits for the store (its busy timeout: 5 s)
+        try:
+            _chats(server.url, "sigterm", 40)
+            server.proc.send_signal(signal.SIGTERM)
+            assert server.said("writing the 40 queued turns before exit")
+        finally:
+            busy.execute("ROLLBACK")
+            busy.close()
+        server.proc.wait(60)
+    finally:
+        logs = [s.stop() for s in served]
+    assert "not written" not in logs[-1] and "dropped" not in logs[-1], logs[-1]
+    sink = open_sink(url)
+    try:
+        assert len(sink.read("sigterm") or []) == 40
+    finally:
+        sink.close()
+
+
+def test_close_gives_up_on_a_store_that_hangs_and_counts_what_it_did_not_write(tmp_path, caplog):
+    """The writer held (a frozen disk): `close` returns after its bound with the 3 queued turns counted dropped
+    (`shutdown`) and logged, and the batch the writer settles after that is not counted again."""
+    sink = open_sink(f"sqlite:///{tmp_path / 'c.sqlite3'}")
+    gate = _hold_writer(sink)
+    for n in range(3):
+        sink.submit(make_turn("hung", [n]))
+    assert sink.close(0.2) == 3
+    assert sink.tally.dropped_turns == {"shutdown": 3} and sink.tally.recorded_turns == 0
+    assert "3 queued turns not written" in caplog.text
+    gate.set()
+    sink._writer.join(10)
+    assert sink.tally.dropped_turns == {"shutdown": 3} and sink.tally.recorded_turns == 0, "counted once"
+
+
+# --- a queue of huge turns, a store that hangs ----------------------------------------------------------------
+
+
+async def test_the_queue_is_bounded_in_bytes_and_counts_what_it_drops(tmp_path, monkeypatch):
+    """A frozen disk and answers of 200,000 ids each: with VLLM_NVEXT_CAPTURE_QUEUE_BYTES at 16 MiB, two turns
+    (~7.2 MB each as queued) wait for the writer and the other 8 are dropped and counted (`queue_full`), where the
+    4,096-turn bound alone would hold all 10; every client gets its answer."""
+    monkeypatch.setenv("VLLM_NVEXT_CAPTURE_QUEUE_BYTES", str(16 * 1024 * 1024))
+    answer = {
+        "id": "chatcmpl-big",
+        "object": "chat.completion",
+        "model": "tiny",
+        "prompt_token_ids": [1, 2, 3],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length",
+                     "token_ids": [7] * 200_000}],
+    }  # fmt: skip
+    app = NvextMiddleware(Upstream(body=json.dumps(answer).encode()), capture=f"sqlite:///{tmp_path / 'c.sqlite3'}")
+    sink = app.sink
+    assert sink is not None
+    gate = _hold_writer(sink)
+    request = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    headers = ((b"content-type", b"application/json"), (b"x-nvext-session-id", b"big"))
+    for _ in range(10):
+        assert (await call(app, "/v1/chat/completions", request, headers=headers)).status == 200
+    assert sink.tally.dropped_turns == {"queue_full": 8}
+    gate.set()
+    assert sink.flush(60)
+    assert [len(t["completion_token_ids"]) for t in sink.read("big") or []] == [200_000, 200_000]
+    sink.close()
+
+
+def test_a_store_that_hangs_holds_neither_a_read_nor_the_servers_exit(tmp_path):
+    """The store's reads and writes never return (a frozen disk), in a server that handles SIGTERM as vLLM's does
+    (the process ends by returning): a GET of the read API is a 503 once its bound (1 s here) is past, and SIGTERM
+    ends the server once the shutdown's bound (2 s here) is past, the 3 turns it could not write counted in the log."""
+    url = f"sqlite:///{tmp_path / 'capture.sqlite3'}"
+    server = _Served("tests.support.capture_app", "PORT", "--capture", url, "--hang", "--vllm-signals")
+    try:
+        _chats(server.url, "hung", 3)
+        read = httpx.get(server.url + "/v1/nvext/sessions/hung", headers=AUTH, timeout=30)
+        assert read.status_code == 503 and "unavailable" in read.text
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0
+    finally:
+        log = server.stop()
+    assert "3 queued turns not written" in log

@@ -10,8 +10,12 @@ text or a path. docs/capture.md "Reading it". No ASGI here: the callers send the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 from ..protocol import error_body
@@ -21,6 +25,8 @@ from .record import SESSION_ID_MAX, valid_session_id
 from .store import READ_MAX_BYTES, Sink
 
 SESSIONS_PATH = "/v1/nvext/sessions/"
+STORE_WAIT_S = 30.0  # how long an answer waits for the store (a disk that hangs): past it, a 503
+STORE_THREADS = 16  # store calls running at once, hung ones included: past it, a 503 without a new thread
 FORMATS = ("json", "atif")
 _READ_ONLY = ("GET",)
 
@@ -62,17 +68,56 @@ async def answer(sink: Sink, method: str, path: str, query_string: bytes) -> Ans
         return _refusal("start: expected a non-negative integer", "start")
     try:
         if method == "DELETE":
-            found = await asyncio.to_thread(sink.delete, session_id)
+            found = await in_thread(sink.delete, session_id, timeout=STORE_WAIT_S)
             if continuation.MEMORY is not None:  # on the event loop, which owns it: never continued after
                 continuation.MEMORY.forget(session_id)
             body = json.dumps({"session_id": session_id, "deleted": True}).encode() if found else None
         else:
-            body = await asyncio.to_thread(_read, sink, session_id, int(raw_start), fmt)
+            body = await in_thread(_read, sink, session_id, int(raw_start), fmt, timeout=STORE_WAIT_S)
     except Exception:  # the store's failure is the operator's to see in the log, never the client's
         return _refusal("the capture store is unavailable", None, 503)
     if body is None:
         return _refusal(f"session {session_id} not found", "session_id", 404)
     return Answer(200, body)
+
+
+_T = TypeVar("_T")
+_running = 0  # store calls in their threads now (`in_thread`)
+_running_lock = threading.Lock()
+
+
+async def in_thread(fn: Callable[..., _T], *args: Any, timeout: float | None) -> _T:
+    """`fn(*args)` in a daemon thread of its own, awaited up to `timeout` (None: no bound; TimeoutError past it, the
+    thread left to end or hang). Not the event loop's executor: a thread of it that hangs on the store (a frozen
+    disk) would stall vLLM's own work queued there and hold the process's exit; a daemon thread holds neither.
+    RuntimeError when STORE_THREADS calls are still running (hung): no thread is started for more."""
+    global _running
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not done.done():
+            done.set_exception(error) if error is not None else done.set_result(result)
+
+    def run() -> None:
+        global _running
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except BaseException as exc:
+            error = exc
+        finally:
+            with _running_lock:
+                _running -= 1
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for the answer
+            loop.call_soon_threadsafe(settle, result, error)
+
+    with _running_lock:
+        if _running >= STORE_THREADS:
+            raise RuntimeError("the capture store's calls are all still running")
+        _running += 1
+    threading.Thread(target=run, name="vllm-nvext-capture-call", daemon=True).start()
+    return await asyncio.wait_for(done, timeout)
 
 
 def _read(sink: Sink, session_id: str, start: int, fmt: str) -> bytes | None:
