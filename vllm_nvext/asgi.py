@@ -350,7 +350,7 @@ def closing_capture(sink: Sink, send: Send) -> Send:
     async def lifespan_send(message: MutableMapping[str, Any]) -> None:
         if message.get("type") in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
             with contextlib.suppress(Exception):  # `close` counts and logs what it did not write; shutdown goes on
-                await capture_api.in_thread(sink.close, timeout=None)
+                await capture_api.in_thread(sink.close, timeout=None, limited=False)
         await send(message)
 
     return lifespan_send

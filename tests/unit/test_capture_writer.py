@@ -4,6 +4,7 @@ and a store that hangs. Real parts throughout: SQLite files, a real redis-server
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from tests.support.capture import make_turn
 from tests.support.redis_server import free_port
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import NvextMiddleware
+from vllm_nvext.capture import api
 from vllm_nvext.capture.store import Sink, open_sink
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,9 +115,10 @@ def _hold_writer(sink: Sink) -> threading.Event:
 
 
 def test_a_turn_no_store_can_hold_is_refused_alone_counted_and_logged(store_url, caplog):
-    """An upstream that is not vLLM (behind the proxy) answers float ids or no `id`: the float turn is refused before
-    it is written (counted `invalid_turn`, the log names the field), the turn without an id is recorded with
-    `request_id: null`; the session's later turns and the 200 other sessions' turns written with it are all kept."""
+    """An upstream that is not vLLM (behind the proxy) answers float ids, a NaN logprob, a time no float holds, or no
+    `id`: the first three are refused before they are written (counted `invalid_turn`, the log names the field),
+    the turn without an id is recorded with `request_id: null`; the session's later turns and the 200 other
+    sessions' turns written with them are all kept."""
     sink = open_sink(store_url)
     gate = _hold_writer(sink)  # every turn queued first: the bad ones share their batches with the others
     sink.submit(make_turn("poisoned", [1, 2], [3]))
@@ -123,6 +126,8 @@ def test_a_turn_no_store_can_hold_is_refused_alone_counted_and_logged(store_url,
     sink.submit(make_turn("poisoned", [1, 2, 3, 4], [5]))
     sink.submit(make_turn("no-id", [1], [2], request_id=None))
     sink.submit(make_turn("no-id", [1, 2, 3], [4], request_id=None))
+    sink.submit(make_turn("nan", [1], [2], logprobs=[float("nan")]))
+    sink.submit(make_turn("huge-time", [1], [2], time=10**400))
     for n in range(200):
         sink.submit(make_turn(f"other-{n}", [n]))
     gate.set()
@@ -135,8 +140,10 @@ def test_a_turn_no_store_can_hold_is_refused_alone_counted_and_logged(store_url,
         assert [t["extends_previous"] for t in poisoned] == [None, True]
         no_id = sink.read("no-id") or []
         assert [(t["request_id"], t["extends_previous"]) for t in no_id] == [(None, None), (None, True)]
-        assert sink.tally.recorded_turns == 204 and sink.tally.dropped_turns == {"invalid_turn": 1}
+        assert sink.read("nan") is None and sink.read("huge-time") is None
+        assert sink.tally.recorded_turns == 204 and sink.tally.dropped_turns == {"invalid_turn": 3}
         assert "prompt_token_ids: expected a list of integers or null" in caplog.text
+        assert "logprobs: expected finite numbers or null" in caplog.text
     finally:
         sink.close()
 
@@ -329,3 +336,23 @@ def test_a_store_that_hangs_holds_neither_a_read_nor_the_servers_exit(tmp_path):
     finally:
         log = server.stop()
     assert "3 queued turns not written" in log
+
+
+async def test_reads_of_a_store_that_hangs_are_503s_and_leave_at_most_store_threads_behind(tmp_path, monkeypatch):
+    """The store's reads never return (a frozen disk): 24 GETs of the read API are each a 503 once the bound is past
+    (0.2 s here), and at most `api.STORE_THREADS` (16) threads are left waiting on the store, not one per GET."""
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    monkeypatch.setattr(api, "STORE_WAIT_S", 0.2, raising=False)
+    app = NvextMiddleware(Upstream(), capture=f"sqlite:///{tmp_path / 'c.sqlite3'}")
+    assert app.sink is not None
+    frozen, before = threading.Event(), threading.active_count()
+    monkeypatch.setattr(app.sink.backend, "read", lambda *args: frozen.wait())
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            reads = [client.get("/v1/nvext/sessions/hung", headers=AUTH) for _ in range(24)]
+            answers = await asyncio.wait_for(asyncio.gather(*reads), 30)
+        assert [a.status_code for a in answers] == [503] * 24
+        assert threading.active_count() - before <= 16, "api.STORE_THREADS"
+    finally:
+        frozen.set()
+        app.sink.close()

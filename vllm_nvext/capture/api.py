@@ -86,18 +86,22 @@ _running = 0  # store calls in their threads now (`in_thread`)
 _running_lock = threading.Lock()
 
 
-async def in_thread(fn: Callable[..., _T], *args: Any, timeout: float | None) -> _T:
+async def in_thread(fn: Callable[..., _T], *args: Any, timeout: float | None, limited: bool = True) -> _T:
     """`fn(*args)` in a daemon thread of its own, awaited up to `timeout` (None: no bound; TimeoutError past it, the
     thread left to end or hang). Not the event loop's executor: a thread of it that hangs on the store (a frozen
     disk) would stall vLLM's own work queued there and hold the process's exit; a daemon thread holds neither.
-    RuntimeError when STORE_THREADS calls are still running (hung): no thread is started for more."""
+    RuntimeError when STORE_THREADS calls are still running (hung): no thread is started for more (`limited`
+    False: the shutdown's one call, which those never hold back)."""
     global _running
     loop = asyncio.get_running_loop()
     done: asyncio.Future[_T] = loop.create_future()
 
     def settle(result: Any, error: BaseException | None) -> None:
         if not done.done():
-            done.set_exception(error) if error is not None else done.set_result(result)
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
 
     def run() -> None:
         global _running
@@ -107,15 +111,17 @@ async def in_thread(fn: Callable[..., _T], *args: Any, timeout: float | None) ->
         except BaseException as exc:
             error = exc
         finally:
-            with _running_lock:
-                _running -= 1
+            if limited:
+                with _running_lock:
+                    _running -= 1
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for the answer
             loop.call_soon_threadsafe(settle, result, error)
 
-    with _running_lock:
-        if _running >= STORE_THREADS:
-            raise RuntimeError("the capture store's calls are all still running")
-        _running += 1
+    if limited:
+        with _running_lock:
+            if _running >= STORE_THREADS:
+                raise RuntimeError("the capture store's calls are all still running")
+            _running += 1
     threading.Thread(target=run, name="vllm-nvext-capture-call", daemon=True).start()
     return await asyncio.wait_for(done, timeout)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -120,20 +121,31 @@ class Turn:
     def problem(self) -> str | None:
         """Why no store can keep this turn as the read API shows it (the field and what it expects: never a value),
         None when one can: every value reads back through `from_json` (the store places a session's next turn by
-        it), the other choices' ids are integers as choice 0's are, and it all encodes as JSON (no NaN or
-        infinity). An upstream that is not vLLM can answer anything (docs/capture.md, the store)."""
+        it), every choice's ids are integers and its logprobs finite numbers, and the rest encodes as JSON (no NaN
+        or infinity). The long lists are checked item by item, not encoded twice: the writer encodes them once.
+        An upstream that is not vLLM can answer anything (docs/capture.md, the store)."""
         try:
             Turn.from_json(self.to_json())
+            if not math.isfinite(self.time):
+                raise ValueError("time: expected a finite number")
+            _finite("logprobs", self.logprobs)
+            rest: list[Any] = [self.usage, self.spans]
             for choice in self.choices or ():
                 if not isinstance(choice, Mapping):
                     raise ValueError("choices: expected objects")
-                _ids(choice, "completion_token_ids")
+                ids = choice.get("completion_token_ids")
+                if ids is not None and not (isinstance(ids, list) and all(type(i) is int for i in ids)):
+                    raise ValueError("choices: completion_token_ids: expected a list of integers or null")
+                _finite("choices: logprobs", choice.get("logprobs"))
+                rest.append({k: v for k, v in choice.items() if k not in ("completion_token_ids", "logprobs")})
         except ValueError as exc:
             return str(exc)
+        except (OverflowError, RecursionError):  # a number no float holds, JSON nested past the interpreter's depth
+            return "time, usage, spans or choices: a value no store can hold"
         try:
-            json.dumps((self.time, self.logprobs, self.usage, self.spans, self.choices), allow_nan=False)
+            json.dumps(rest, allow_nan=False)
         except (ValueError, TypeError, RecursionError):
-            return "a value JSON cannot hold (NaN, an infinity, or no JSON value at all)"
+            return "usage, spans or choices: a value JSON cannot hold (NaN, an infinity, or no JSON value)"
         return None
 
     def to_json(self) -> dict[str, Any]:
@@ -218,6 +230,16 @@ def _ids(d: Mapping[str, Any], key: str) -> list[int] | None:
     if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
         raise ValueError(f"{key}: expected a list of integers or null")
     return value
+
+
+def _finite(name: str, values: object) -> None:
+    """ValueError naming `name` unless `values` is None or a list of integers, finite floats and nulls."""
+    if values is None:
+        return
+    if not isinstance(values, list) or not all(
+        v is None or type(v) is int or (type(v) is float and math.isfinite(v)) for v in values
+    ):
+        raise ValueError(f"{name}: expected finite numbers or null")
 
 
 def _opt_list(d: Mapping[str, Any], key: str) -> list[Any] | None:
