@@ -17,6 +17,7 @@ ENV_PURE_PYTHON = "VLLM_NVEXT_PURE_PYTHON"
 ENV_CAPTURE = "VLLM_NVEXT_CAPTURE"
 ENV_CAPTURE_MAX_BYTES = "VLLM_NVEXT_CAPTURE_MAX_BYTES"
 ENV_CAPTURE_RETENTION_S = "VLLM_NVEXT_CAPTURE_RETENTION_S"
+ENV_CAPTURE_QUEUE_BYTES = "VLLM_NVEXT_CAPTURE_QUEUE_BYTES"
 ENV_CONTINUE_IDS = "VLLM_NVEXT_CONTINUE_IDS"
 ENV_CAPTURE_API = "VLLM_NVEXT_CAPTURE_API"
 ENV_CAPTURE_BODY_KEYS = "VLLM_NVEXT_CAPTURE_BODY_KEYS"
@@ -26,6 +27,7 @@ MODE_HEADER = "x-nvext-mode"
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_CAPTURE_MAX_BYTES = 1024 * 1024 * 1024  # the capture store's size cap (docs/capture.md)
 DEFAULT_CAPTURE_RETENTION_S = 7 * 24 * 3600  # how long a captured turn is kept
+DEFAULT_CAPTURE_QUEUE_BYTES = 256 * 1024 * 1024  # what the turns waiting for the store's writer may hold
 CAPTURE_SCHEMES = ("sqlite://", "redis://", "rediss://")
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -80,6 +82,7 @@ class Settings:
     capture: str | None = None
     capture_max_bytes: int = DEFAULT_CAPTURE_MAX_BYTES
     capture_retention_s: int = DEFAULT_CAPTURE_RETENTION_S
+    capture_queue_bytes: int = DEFAULT_CAPTURE_QUEUE_BYTES
     # A captured session's next prompt continues its last turn's ids (docs/capture.md); needs capture.
     continue_ids: bool = False
     capture_api: CaptureApi = CaptureApi.KEYED  # who the read API is served to
@@ -101,6 +104,8 @@ class Settings:
             raise ConfigError(f"capture_max_bytes: expected a positive integer, got {self.capture_max_bytes!r}")
         if not _positive_int(self.capture_retention_s):
             raise ConfigError(f"capture_retention_s: expected a positive integer, got {self.capture_retention_s!r}")
+        if not _positive_int(self.capture_queue_bytes):
+            raise ConfigError(f"capture_queue_bytes: expected a positive integer, got {self.capture_queue_bytes!r}")
         if not isinstance(self.continue_ids, bool):
             raise ConfigError(f"continue_ids: expected True or False, got {self.continue_ids!r}")
         object.__setattr__(self, "capture_api", _capture_api(self.capture_api, "capture_api"))
@@ -146,6 +151,7 @@ class Settings:
             capture=base.capture if capture is None else capture,
             capture_max_bytes=base.capture_max_bytes if capture_max_bytes is None else capture_max_bytes,
             capture_retention_s=base.capture_retention_s if capture_retention_s is None else capture_retention_s,
+            capture_queue_bytes=base.capture_queue_bytes,
             continue_ids=base.continue_ids if continue_ids is None else continue_ids,
             capture_api=base.capture_api if capture_api is None else _capture_api(capture_api, "capture_api"),
             capture_body_keys=base.capture_body_keys if capture_body_keys is None else capture_body_keys,
@@ -168,6 +174,7 @@ class Settings:
             capture=capture_url(env.get(ENV_CAPTURE), ENV_CAPTURE),
             capture_max_bytes=_parse_positive(env, ENV_CAPTURE_MAX_BYTES, DEFAULT_CAPTURE_MAX_BYTES),
             capture_retention_s=_parse_positive(env, ENV_CAPTURE_RETENTION_S, DEFAULT_CAPTURE_RETENTION_S),
+            capture_queue_bytes=_parse_positive(env, ENV_CAPTURE_QUEUE_BYTES, DEFAULT_CAPTURE_QUEUE_BYTES),
             continue_ids=_parse_bool(env, ENV_CONTINUE_IDS, False),
             capture_api=_capture_api(env.get(ENV_CAPTURE_API, "").strip() or CaptureApi.KEYED, ENV_CAPTURE_API),
             capture_body_keys=_parse_bool(env, ENV_CAPTURE_BODY_KEYS, False),
@@ -206,6 +213,7 @@ def capture_environ(settings: Settings) -> dict[str, str]:
         ENV_CAPTURE: settings.capture,
         ENV_CAPTURE_MAX_BYTES: str(settings.capture_max_bytes),
         ENV_CAPTURE_RETENTION_S: str(settings.capture_retention_s),
+        ENV_CAPTURE_QUEUE_BYTES: str(settings.capture_queue_bytes),
         ENV_CONTINUE_IDS: "1" if settings.continue_ids else "0",
         ENV_CAPTURE_API: settings.capture_api.value,
         ENV_CAPTURE_BODY_KEYS: "1" if settings.capture_body_keys else "0",

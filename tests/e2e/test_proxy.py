@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
+import sqlite3
 import time
 
 import httpx
@@ -33,6 +35,7 @@ from tests.helpers import (
     websocket_refusal,
 )
 from tests.support.servers import listen_port, ready
+from vllm_nvext.capture.store import open_sink
 from vllm_nvext.tools.server import ProxyServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_proxy]
@@ -311,3 +314,36 @@ def _stored_sessions(store: str) -> list[str]:
         return list(backend.sessions(None))
     finally:
         backend.close()
+def test_sigterm_writes_the_turns_queued_behind_a_busy_store(raw_server, tmp_path):
+    """`vllm-nvext proxy --capture` in front of stock vLLM, 10 turns queued behind a busy store (another connection
+    holds its write lock) when the proxy is sent SIGTERM: it says it is writing them, and all 10 are in the store
+    once it has ended (docs/capture.md, the store); before, uvicorn re-raised the signal and none was written."""
+    url = f"sqlite:///{tmp_path / 'capture.sqlite3'}"
+    proxy = ProxyServer(upstream=raw_server.url, args=("--api-key", API_KEY, "--capture", url), name="proxy-sigterm",
+                        port=listen_port())  # fmt: skip
+    said = "writing the 10 queued turns before exit"
+    try:
+        proxy.start().wait_ready(120)
+        busy = sqlite3.connect(tmp_path / "capture.sqlite3", isolation_level=None)
+        busy.execute("BEGIN IMMEDIATE")  # the proxy's writer waits for the store (its busy timeout: 5 s)
+        try:
+            with http_client(proxy.url) as client:
+                for _ in range(10):
+                    post(client, CHAT, greedy(CHAT, max_tokens=1), {"x-nvext-session-id": "sigterm"})
+            assert proxy.proc is not None
+            proxy.proc.send_signal(signal.SIGTERM)
+            while said not in proxy.log_text() and proxy.proc.poll() is None:
+                time.sleep(0.05)
+        finally:
+            busy.execute("ROLLBACK")
+            busy.close()
+        proxy.proc.wait(60)
+        assert said in proxy.log_text(), proxy.log_tail()
+    finally:
+        proxy.stop()
+    sink = open_sink(url)
+    try:
+        turns = sink.read("sigterm") or []
+    finally:
+        sink.close()
+    assert len(turns) == 10 and all(t["prompt_token_ids"] and t["completion_token_ids"] for t in turns)

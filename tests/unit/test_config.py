@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_nvext import ConfigError, Mode, NvextMiddleware, Settings
-from vllm_nvext.config import DEFAULT_MAX_BODY_BYTES
+from vllm_nvext.config import DEFAULT_MAX_BODY_BYTES, capture_environ
 
 
 def test_defaults():
@@ -118,6 +118,10 @@ def test_capture_is_off_unless_a_store_url_is_set():
     )
     # A keyword's empty URL turns capture off where the environment had it on.
     assert Settings.create(capture="", base=settings).capture is None
+    # The queue's byte bound from the environment reaches the keywords' settings and the processes started with them.
+    queued = Settings.from_env({**env, "VLLM_NVEXT_CAPTURE_QUEUE_BYTES": "1048576"})
+    assert Settings.create(capture_max_bytes=8192, base=queued).capture_queue_bytes == 1048576
+    assert capture_environ(queued)["VLLM_NVEXT_CAPTURE_QUEUE_BYTES"] == "1048576"
 
 
 @pytest.mark.parametrize(
@@ -126,6 +130,7 @@ def test_capture_is_off_unless_a_store_url_is_set():
         ({"VLLM_NVEXT_CAPTURE": "postgres://db/capture"}, "VLLM_NVEXT_CAPTURE"),
         ({"VLLM_NVEXT_CAPTURE_MAX_BYTES": "0"}, "VLLM_NVEXT_CAPTURE_MAX_BYTES"),
         ({"VLLM_NVEXT_CAPTURE_RETENTION_S": "a week"}, "VLLM_NVEXT_CAPTURE_RETENTION_S"),
+        ({"VLLM_NVEXT_CAPTURE_QUEUE_BYTES": "lots"}, "VLLM_NVEXT_CAPTURE_QUEUE_BYTES"),
     ],
 )
 def test_invalid_capture_settings_are_refused_naming_the_variable(env, name):

@@ -13,9 +13,11 @@ starts (`?start=N`), null at the end. Errors are vLLM's envelope; none carries a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
+import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ from .record import SESSION_ID_MAX, valid_session_id
 from .store import READ_MAX_BYTES, Page, Sink
 
 SESSIONS_PATH = "/v1/nvext/sessions/"
+STORE_WAIT_S = 30.0  # how long an answer waits for the store (a disk that hangs): past it, a 503
+STORE_THREADS = 16  # store calls running at once, hung ones included: past it, a 503 without a new thread
 FORMATS = ("json", "atif")
 _READ_ONLY = ("GET",)
 _START = re.compile(r"[0-9]{1,12}")  # ASCII digits: `str.isdigit` takes `²`, which `int` refuses
@@ -59,8 +63,10 @@ def _refusal(message: str, param: str | None, status: int = 400) -> Answer:
 def _unavailable(exc: BaseException, method: str) -> Answer:
     """The 503 of a store that failed, logged with the failure's kind (never its text, which may name a path or an
     address); the answer says nothing more."""
-    if isinstance(exc, TimeoutError) and method == "DELETE":
-        why = "the store's writer had not written the turns queued before the DELETE in 10 s"
+    if isinstance(exc, TimeoutError):  # a store that hangs, or (a DELETE) a writer too stuck to reach its turns
+        why = "the store did not answer in time" + (" (or its writer did not reach the DELETE)" if method == "DELETE" else "")
+    elif isinstance(exc, RuntimeError) and str(exc) == _ALL_RUNNING:
+        why = f"{STORE_THREADS} calls of the store are still running (hung)"
     else:
         why = f"the store failed ({type(exc).__name__})"
     logger.warning("vllm-nvext capture: the read API answered %s with a 503: %s", method, why)
@@ -89,13 +95,14 @@ async def answer(sink: Sink, method: str, path: str, query_string: bytes) -> Ans
         return _refusal("start: expected a non-negative integer (the digits 0-9)", "start")
     try:
         if method == "DELETE":
-            found = await asyncio.to_thread(sink.delete, session_id)  # not the reader: it may wait for the writer
+            # Not the reader: it may wait for the writer. A thread of its own, bounded (a disk that hangs).
+            found = await in_thread(sink.delete, session_id, timeout=STORE_WAIT_S)
             if continuation.MEMORY is not None:  # on the event loop, which owns it: never continued after
                 continuation.MEMORY.forget(session_id)
             if not found:
                 return _refusal(f"session {session_id} not found", "session_id", 404)
             return Answer(200, json.dumps({"session_id": session_id, "deleted": True}).encode())
-        page = await _reading(sink.read_page, session_id, int(raw_start), READ_MAX_BYTES)
+        page = await in_thread(sink.read_page, session_id, int(raw_start), READ_MAX_BYTES, timeout=STORE_WAIT_S)
         if page is None or (fmt == "atif" and not page.turns):
             return _refusal(f"session {session_id} not found", "session_id", 404)
         if fmt == "atif":
@@ -107,7 +114,8 @@ async def answer(sink: Sink, method: str, path: str, query_string: bytes) -> Ans
 
 
 async def _reading(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` in the reads' thread, the event loop free meanwhile."""
+    """`fn(*args)` in the reads' thread, the event loop free meanwhile: the encoding steps, never the store's
+    calls (`in_thread`: a store that hangs never holds the reads' thread)."""
     return await asyncio.get_running_loop().run_in_executor(_READER, fn, *args)
 
 
@@ -187,3 +195,49 @@ async def _atif_pieces(session_id: str, page: Page) -> AsyncIterator[bytes]:
                     yield part[i : i + READ_PIECE_BYTES]
             held.clear()
     yield atif.document_tail(len(page.turns), totals, page.next_index).encode()
+
+
+_T = TypeVar("_T")
+_running = 0  # store calls in their threads now (`in_thread`)
+_ALL_RUNNING = "the capture store's calls are all still running"
+_running_lock = threading.Lock()
+
+
+async def in_thread(fn: Callable[..., _T], *args: Any, timeout: float | None, limited: bool = True) -> _T:
+    """`fn(*args)` in a daemon thread of its own, awaited up to `timeout` (None: no bound; TimeoutError past it, the
+    thread left to end or hang). Not the event loop's executor: a thread of it that hangs on the store (a frozen
+    disk) would stall vLLM's own work queued there and hold the process's exit; a daemon thread holds neither.
+    RuntimeError when STORE_THREADS calls are still running (hung): no thread is started for more (`limited`
+    False: the shutdown's one call, which those never hold back)."""
+    global _running
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not done.done():
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+    def run() -> None:
+        global _running
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except BaseException as exc:
+            error = exc
+        finally:
+            if limited:
+                with _running_lock:
+                    _running -= 1
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for the answer
+            loop.call_soon_threadsafe(settle, result, error)
+
+    if limited:
+        with _running_lock:
+            if _running >= STORE_THREADS:
+                raise RuntimeError(_ALL_RUNNING)
+            _running += 1
+    threading.Thread(target=run, name="vllm-nvext-capture-call", daemon=True).start()
+    return await asyncio.wait_for(done, timeout)

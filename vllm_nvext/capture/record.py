@@ -7,6 +7,8 @@ Pure: no I/O. The tap (the request path) builds a `Turn` without `index`, `exten
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -102,7 +104,7 @@ class Turn:
 
     session_id: str
     route: str
-    request_id: str
+    request_id: str | None  # None: the answer carried no `id` (an upstream that is not vLLM)
     time: float
     session_source: str
     model: str | None = None
@@ -130,6 +132,36 @@ class Turn:
             found = prefix_break(before, self.prompt_token_ids, self.decode)
             extends = found is None
         return dataclasses.replace(self, index=index, extends_previous=extends, break_=found, decode=None)
+
+    def problem(self) -> str | None:
+        """Why no store can keep this turn as the read API shows it (the field and what it expects: never a value),
+        None when one can: every value reads back through `from_json` (the store places a session's next turn by
+        it), every choice's ids are integers and its logprobs finite numbers, and the rest encodes as JSON (no NaN
+        or infinity). The long lists are checked item by item, not encoded twice: the writer encodes them once.
+        An upstream that is not vLLM can answer anything (docs/capture.md, the store)."""
+        try:
+            Turn.from_json(self.to_json())
+            if not math.isfinite(self.time):
+                raise ValueError("time: expected a finite number")
+            _finite("logprobs", self.logprobs)
+            rest: list[Any] = [self.usage, self.spans]
+            for choice in self.choices or ():
+                if not isinstance(choice, Mapping):
+                    raise ValueError("choices: expected objects")
+                ids = choice.get("completion_token_ids")
+                if ids is not None and not (isinstance(ids, list) and all(type(i) is int for i in ids)):
+                    raise ValueError("choices: completion_token_ids: expected a list of integers or null")
+                _finite("choices: logprobs", choice.get("logprobs"))
+                rest.append({k: v for k, v in choice.items() if k not in ("completion_token_ids", "logprobs")})
+        except ValueError as exc:
+            return str(exc)
+        except (OverflowError, RecursionError):  # a number no float holds, JSON nested past the interpreter's depth
+            return "time, usage, spans or choices: a value no store can hold"
+        try:
+            json.dumps(rest, allow_nan=False)
+        except (ValueError, TypeError, RecursionError):
+            return "usage, spans or choices: a value JSON cannot hold (NaN, an infinity, or no JSON value)"
+        return None
 
     def to_json(self) -> dict[str, Any]:
         """The read API's shape of one turn (CAPTURE contract: these keys, in this order)."""
@@ -169,7 +201,7 @@ class Turn:
         return cls(
             session_id=_str(d, "session_id"),
             route=_str(d, "route"),
-            request_id=_str(d, "request_id"),
+            request_id=_opt_str(d, "request_id"),
             time=float(when),
             session_source=_str(d, "session_source"),
             model=_opt_str(d, "model"),
@@ -213,6 +245,16 @@ def _ids(d: Mapping[str, Any], key: str) -> list[int] | None:
     if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
         raise ValueError(f"{key}: expected a list of integers or null")
     return value
+
+
+def _finite(name: str, values: object) -> None:
+    """ValueError naming `name` unless `values` is None or a list of integers, finite floats and nulls."""
+    if values is None:
+        return
+    if not isinstance(values, list) or not all(
+        v is None or type(v) is int or (type(v) is float and math.isfinite(v)) for v in values
+    ):
+        raise ValueError(f"{name}: expected finite numbers or null")
 
 
 def _opt_list(d: Mapping[str, Any], key: str) -> list[Any] | None:

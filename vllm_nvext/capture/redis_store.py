@@ -17,7 +17,7 @@ from typing import Any
 
 from ..config import ConfigError
 from .record import Turn
-from .store import Page, PartlyWritten, StoreFull
+from .store import Page, PartlyWritten, StoreFull, readable
 
 PREFIX = "nvext:capture:"
 SESSIONS = PREFIX + "sessions"
@@ -70,7 +70,7 @@ class RedisBackend:
                     pipe.watch(key)
                     index = int(pipe.llen(key))
                     last = pipe.lindex(key, -1) if index else None
-                    previous = None if last is None else Turn.from_json(json.loads(last))
+                    previous = None if last is None else readable(last)
                     placed = turn.placed(index, previous)
                     pipe.multi()
                     pipe.rpush(key, json.dumps(placed.to_json(), separators=(",", ":"), allow_nan=False))

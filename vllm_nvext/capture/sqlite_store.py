@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 from ..config import ConfigError
 from .record import Turn
-from .store import Page, StoreFull
+from .store import Page, PartlyWritten, StoreFull, readable
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, turns INTEGER NOT NULL, last REAL NOT NULL)",
@@ -58,16 +58,29 @@ class SQLiteBackend:
         self._last: OrderedDict[str, tuple[int, float, array[int] | None]] = OrderedDict()
         self._last_ids = 0
         self._lock = threading.Lock()
-        try:
-            self._writer_conn().close()  # create the file and schema now: a bad path stops start-up
+        try:  # create the file and schema now, and write to it: a bad path or a read-only file stops start-up
+            conn = self._writer_conn()
+            try:
+                conn.execute("BEGIN IMMEDIATE")  # SQLite opens a file it may not write read-only: a write tells
+                conn.execute("INSERT INTO sessions (session_id, turns, last) VALUES ('', 0, 0)")
+                conn.execute("ROLLBACK")
+            finally:
+                conn.close()
         except (OSError, sqlite3.Error):
             raise ConfigError("capture: the SQLite store cannot be opened for writing") from None
         self._conn = None
 
     def _connect(self) -> sqlite3.Connection:
-        # Create the file 0600 before SQLite does (its WAL and shm files take the database file's mode).
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        os.close(fd)
+        # Create the file 0600 before SQLite does (its WAL and shm files take the database file's mode); only a
+        # file this call created is opened and closed here. Closing a descriptor of a file that a connection of
+        # this process holds open drops every POSIX lock the process has on it, so another process would take
+        # this one's live WAL for a stale one and delete it (sqlite.org/howtocorrupt.html, 2.2; docs/capture.md).
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            os.close(fd)
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1e3)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
@@ -106,27 +119,46 @@ class SQLiteBackend:
         conn = self._writer_conn()
         if self._used(conn) >= self.max_bytes:
             raise StoreFull
+        failed: Exception | None = None
+        written = 0
         conn.execute("BEGIN IMMEDIATE")
         try:
-            for turn in turns:
-                sid = turn.session_id
-                row = conn.execute("SELECT turns, last FROM sessions WHERE session_id = ?", (sid,)).fetchone()
-                index, marker = (0, None) if row is None else (int(row[0]), float(row[1]))
-                placed = turn.placed(index, self._previous(conn, sid, index, marker))
-                body = json.dumps(placed.to_json(), separators=(",", ":"), allow_nan=False)
-                conn.execute("INSERT INTO turns (session_id, idx, body) VALUES (?, ?, ?)", (sid, index, body))
-                conn.execute(
-                    "INSERT INTO sessions (session_id, turns, last) VALUES (?, 1, ?) ON CONFLICT (session_id)"
-                    " DO UPDATE SET turns = turns + 1, last = excluded.last",
-                    (sid, now),
-                )
+            for turn in turns:  # each turn its own savepoint: one that fails is rolled back alone, never its batch
+                conn.execute("SAVEPOINT turn")
+                try:
+                    placed = self._place(conn, turn, now)
+                except Exception as exc:
+                    conn.execute("ROLLBACK TO turn")
+                    conn.execute("RELEASE turn")
+                    self._forget(turn.session_id)
+                    failed = exc
+                    continue
+                conn.execute("RELEASE turn")
                 self._remember(placed, now)
+                written += 1
             conn.execute("COMMIT")
         except BaseException:
             self._forget()
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+        if failed is not None:
+            raise PartlyWritten(written) from failed  # those written are recorded, the others dropped
+
+    def _place(self, conn: sqlite3.Connection, turn: Turn, now: float) -> Turn:
+        """Write `turn` as its session's next, in the open transaction; the turn as placed."""
+        sid = turn.session_id
+        row = conn.execute("SELECT turns, last FROM sessions WHERE session_id = ?", (sid,)).fetchone()
+        index, marker = (0, None) if row is None else (int(row[0]), float(row[1]))
+        placed = turn.placed(index, self._previous(conn, sid, index, marker))
+        body = json.dumps(placed.to_json(), separators=(",", ":"), allow_nan=False)
+        conn.execute("INSERT INTO turns (session_id, idx, body) VALUES (?, ?, ?)", (sid, index, body))
+        conn.execute(
+            "INSERT INTO sessions (session_id, turns, last) VALUES (?, 1, ?) ON CONFLICT (session_id)"
+            " DO UPDATE SET turns = turns + 1, last = excluded.last",
+            (sid, now),
+        )
+        return placed
 
     def _previous(self, conn: sqlite3.Connection, sid: str, index: int, marker: float | None) -> Turn | None:
         if index == 0:
@@ -136,7 +168,7 @@ class SQLiteBackend:
             ids = None if cached[2] is None else cached[2].tolist()  # what `Turn.placed` reads of it
             return Turn(sid, "", "", 0.0, "", prompt_token_ids=ids, index=index - 1)
         row = conn.execute("SELECT body FROM turns WHERE session_id = ? AND idx = ?", (sid, index - 1)).fetchone()
-        return None if row is None else Turn.from_json(json.loads(row[0]))
+        return None if row is None else readable(row[0])
 
     def _remember(self, turn: Turn, marker: float) -> None:
         """Keep `turn`'s ids compactly for the session's next turn, within _LAST_TURNS sessions and _LAST_IDS ids;

@@ -19,19 +19,30 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..config import DEFAULT_CAPTURE_MAX_BYTES, DEFAULT_CAPTURE_RETENTION_S, ConfigError, capture_password
+from ..config import (
+    DEFAULT_CAPTURE_MAX_BYTES,
+    DEFAULT_CAPTURE_QUEUE_BYTES,
+    DEFAULT_CAPTURE_RETENTION_S,
+    ConfigError,
+    capture_password,
+)
 from .record import Decode, Turn, valid_session_id
 
 logger = logging.getLogger("vllm_nvext.capture")
 
-QUEUE_SIZE = 4096  # turns waiting for the writer; past this a submit drops its turn
+QUEUE_SIZE = 4096  # turns waiting for the writer; past this a submit drops its turn (and past the queue's bytes)
+ITEM_BYTES = 36  # what one queued id or logprob holds: a Python int or float (24-28 bytes) and its list slot (8)
+TURN_BYTES = 2048  # what a queued turn holds beside its ids and logprobs
 BATCH = 64  # turns written in one transaction at most
 PRUNE_EVERY_S = 60.0  # how often the writer removes sessions past their retention
 READ_MAX_BYTES = 64 * 1024 * 1024  # one page of the read API (at least one turn, however large)
-CLOSE_WAIT_S = 10.0  # how long `close` waits for the writer to flush
+CLOSE_WAIT_S = 10.0  # how long `close` (at shutdown) and a DELETE wait for the writer to reach what was queued
 
-# Why a turn was dropped (the `reason` label of vllm_nvext:capture_turns_dropped_total).
-QUEUE_FULL, STORE_FULL, STORE_ERROR = "queue_full", "store_full", "store_error"
+# Why a turn was dropped (the `reason` label of vllm_nvext:capture_turns_dropped_total); INVALID_TURN: a turn no
+# store can hold (`Turn.problem`), refused alone before its batch is written; SHUTDOWN: queued when the server shut
+# down and not written in CLOSE_WAIT_S (a store that hangs).
+QUEUE_FULL, STORE_FULL, STORE_ERROR, INVALID_TURN = "queue_full", "store_full", "store_error", "invalid_turn"
+SHUTDOWN = "shutdown"
 
 
 class StoreFull(Exception):
@@ -109,7 +120,13 @@ class Tally:
 class Sink:
     """The request path's door to the store (`submit`), and the read API's (`read`, `delete`)."""
 
-    def __init__(self, backend: Backend, counts: Counts | None = None, queue_size: int = QUEUE_SIZE) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        counts: Counts | None = None,
+        queue_size: int = QUEUE_SIZE,
+        queue_bytes: int = DEFAULT_CAPTURE_QUEUE_BYTES,
+    ) -> None:
         self.backend = backend
         self.decode: Decode | None = None  # the server's tokenizer, once the mount found it (a break's texts)
         self.tokenizer_sought = False
@@ -118,8 +135,11 @@ class Sink:
         self._queue: queue.Queue[Turn | None] = queue.Queue(maxsize=queue_size)
         self._queued = 0  # turns queued so far, and of them the writer has handled (written or dropped)
         self._handled = 0
+        self._queue_bytes = queue_bytes  # the bound on what the queued turns hold (`queued_bytes`)
+        self._held_bytes = 0
         self._queued_lock = threading.Lock()
         self._closed = False
+        self._abandoned = False  # `close` gave up on the writer: what it handles after is no longer counted
         self._writer = threading.Thread(target=self._run, name="vllm-nvext-capture", daemon=True)
         self._writer.start()
 
@@ -129,12 +149,14 @@ class Sink:
         recorded: it would be a store key the read API can never be asked for (docs/capture.md)."""
         if not isinstance(turn.session_id, str) or not valid_session_id(turn.session_id):
             return
+        size = queued_bytes(turn)
         try:
-            if self._closed:
-                raise queue.Full
             with self._queued_lock:  # the count in the queue's order: `flush` waits for what was queued before
+                if self._closed or self._held_bytes + size > self._queue_bytes:
+                    raise queue.Full  # a queue of huge turns is full in bytes before it is in turns
                 self._queue.put_nowait(turn)
                 self._queued += 1
+                self._held_bytes += size
         except queue.Full:
             self._count_drop(QUEUE_FULL, 1)
 
@@ -172,18 +194,38 @@ class Sink:
             time.sleep(0.005)
         return self._handled >= target
 
-    def close(self) -> None:
-        """Write what is queued (waiting up to CLOSE_WAIT_S), then close the store."""
-        if self._closed:
-            return
-        self._closed = True
+    def close(self, timeout: float | None = None) -> int:
+        """Write what is queued, waiting up to `timeout` (CLOSE_WAIT_S) in all, then close the store; how many queued
+        turns were not written in that time (counted dropped, reason SHUTDOWN, and logged): a store that hangs never
+        holds the server's exit longer (the writer is a daemon thread). The server's lifespan shutdown calls it
+        (asgi.closing_capture): uvicorn re-raises SIGTERM once it has shut down, and no `atexit` runs then."""
+        with self._queued_lock:
+            if self._closed:
+                return 0
+            self._closed = True
+            waiting = self._queued - self._handled
+        wait = CLOSE_WAIT_S if timeout is None else timeout
+        if waiting:
+            logger.warning("vllm-nvext capture: writing the %d queued turns before exit (at most %g s)", waiting, wait)
+        deadline = time.monotonic() + wait
         with contextlib.suppress(queue.Full):
-            self._queue.put(None, timeout=CLOSE_WAIT_S)
-        self._writer.join(CLOSE_WAIT_S)
+            self._queue.put(None, timeout=wait)
+        self._writer.join(max(0.0, deadline - time.monotonic()))
+        if self._writer.is_alive():
+            with self._queued_lock:
+                self._abandoned = True
+                lost = self._queued - self._handled
+            if lost:
+                logger.warning(
+                    "vllm-nvext capture: %d queued turns not written, the store took none in %g s", lost, wait
+                )
+                self._count_drop(SHUTDOWN, lost)
+            return lost
         try:
             self.backend.close()
         except Exception:
             logger.warning("vllm-nvext capture: the store did not close cleanly")
+        return 0
 
     # --- the writer thread --------------------------------------------------------------------
 
@@ -215,29 +257,52 @@ class Sink:
                 self._prune(now)
             if batch:
                 self._write(batch, now)
-                self._handled += len(batch)
             for _ in range(len(batch) + (1 if stop else 0)):
                 self._queue.task_done()
             if stop:
                 return
 
+    def _storable(self, batch: list[Turn]) -> list[Turn]:
+        """The batch less the turns no store can hold, each counted and logged by its field, never written: one
+        would fail its batch's transaction, or every later turn of its session that reads it back."""
+        kept: list[Turn] = []
+        for turn in batch:
+            problem = turn.problem()
+            if problem is None:
+                kept.append(turn)
+                continue
+            logger.warning("vllm-nvext capture: a turn dropped, no store can hold it (%s)", problem)
+            self._count_drop(INVALID_TURN, 1)
+        return kept
+
     def _write(self, batch: list[Turn], now: float) -> None:
-        written = 0
+        """Write the batch and count how it went, unless `close` gave up on this writer meanwhile (it counted them)."""
+        storable = self._storable(batch)
+        written, dropped, failure = 0, None, None
         try:
-            self.backend.write(batch, now)
-            written = len(batch)
+            if storable:
+                self.backend.write(storable, now)
+            written = len(storable)
         except StoreFull:
-            self._count_drop(STORE_FULL, len(batch))
+            dropped = STORE_FULL
         except Exception as exc:  # a broken store never reaches a request: drop, count, log the kind
             cause: BaseException = exc
             if isinstance(exc, PartlyWritten):
                 written, cause = exc.written, exc.__cause__ or exc
-            lost = len(batch) - written
-            logger.warning("vllm-nvext capture: %d turns dropped, the store failed (%s)", lost, type(cause).__name__)
-            self._count_drop(STORE_ERROR, lost)
-        if written:
-            for report in self._reports:
-                report.recorded(written)
+            dropped, failure = STORE_ERROR, type(cause).__name__
+        lost = len(storable) - written
+        with self._queued_lock:  # counted before `flush` sees the batch handled, never once `close` counted it lost
+            if self._abandoned:
+                return
+            if dropped is not None:
+                self._count_drop(dropped, lost)
+            if written:
+                for report in self._reports:
+                    report.recorded(written)
+            self._handled += len(batch)
+            self._held_bytes -= sum(queued_bytes(turn) for turn in batch)
+        if failure is not None:
+            logger.warning("vllm-nvext capture: %d turns dropped, the store failed (%s)", lost, failure)
         self._report_bytes()
 
     def _prune(self, now: float) -> None:
@@ -258,6 +323,25 @@ class Sink:
         for report in self._reports:
             with contextlib.suppress(Exception):  # a counter never fails the request that submitted
                 report.dropped(reason, n)
+
+
+def queued_bytes(turn: Turn) -> int:
+    """About what `turn` holds while it waits for the writer: its ids and logprobs, the other choices' too."""
+    items = len(turn.prompt_token_ids or ()) + len(turn.completion_token_ids or ()) + len(turn.logprobs or ())
+    for choice in turn.choices or ():
+        for key in ("completion_token_ids", "logprobs"):
+            value = choice.get(key) if isinstance(choice, dict) else None
+            items += len(value) if isinstance(value, list) else 0
+    return TURN_BYTES + ITEM_BYTES * items
+
+
+def readable(body: str | bytes) -> Turn | None:
+    """A stored turn as the writer places the next by it; None for one that does not read back (a store written before
+    `Turn.problem` refused such turns): its session's next turn is then placed as after no reported ids."""
+    try:
+        return Turn.from_json(json.loads(body))
+    except (ValueError, TypeError, RecursionError):
+        return None
 
 
 def open_backend(
@@ -291,6 +375,7 @@ def open_sink(
     max_bytes: int = DEFAULT_CAPTURE_MAX_BYTES,
     retention_s: int = DEFAULT_CAPTURE_RETENTION_S,
     counts: Counts | None = None,
+    queue_bytes: int = DEFAULT_CAPTURE_QUEUE_BYTES,
 ) -> Sink:
     """A Sink on the store `url` names (see `open_backend`); run at start-up, never on a request."""
-    return Sink(open_backend(url, max_bytes=max_bytes, retention_s=retention_s), counts)
+    return Sink(open_backend(url, max_bytes=max_bytes, retention_s=retention_s), counts, queue_bytes=queue_bytes)

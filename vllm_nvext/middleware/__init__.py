@@ -28,6 +28,7 @@ from ..asgi import (
     RequestHeaders,
     Scope,
     Send,
+    closing_capture,
     first_header,
     open_capture,
     replay_body,
@@ -115,6 +116,9 @@ class NvextMiddleware:
             self.app, self.sink, self.settings.capture_api, scope, receive, send
         ):
             return  # the capture's read API (docs/capture.md), after vLLM's key check
+        if self.sink is not None and scope["type"] == "lifespan":
+            await self.app(scope, receive, closing_capture(self.sink, send))  # the queued turns written at shutdown
+            return
         if scope["type"] != "http" or scope.get("method") != "POST" or HANDLED in scope:
             # Codex's WebSocket attempt on /v1/responses gets "use HTTP" (docs/protocol.md §11.4).
             await (websocket.refuse(scope, send) if websocket.refuses(scope) else self.app(scope, receive, send))
