@@ -314,6 +314,8 @@ def _stored_sessions(store: str) -> list[str]:
         return list(backend.sessions(None))
     finally:
         backend.close()
+
+
 def test_sigterm_writes_the_turns_queued_behind_a_busy_store(raw_server, tmp_path):
     """`vllm-nvext proxy --capture` in front of stock vLLM, 10 turns queued behind a busy store (another connection
     holds its write lock) when the proxy is sent SIGTERM: it says it is writing them, and all 10 are in the store

@@ -64,7 +64,9 @@ def _unavailable(exc: BaseException, method: str) -> Answer:
     """The 503 of a store that failed, logged with the failure's kind (never its text, which may name a path or an
     address); the answer says nothing more."""
     if isinstance(exc, TimeoutError):  # a store that hangs, or (a DELETE) a writer too stuck to reach its turns
-        why = "the store did not answer in time" + (" (or its writer did not reach the DELETE)" if method == "DELETE" else "")
+        why = "the store did not answer in time" + (
+            " (or its writer did not reach the DELETE)" if method == "DELETE" else ""
+        )
     elif isinstance(exc, RuntimeError) and str(exc) == _ALL_RUNNING:
         why = f"{STORE_THREADS} calls of the store are still running (hung)"
     else:
