@@ -1,6 +1,6 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
 # `make help` lists every target with the line after its `##`.
-.PHONY: help build-ext test-sanitize setup setup-redis setup-refs setup-refs-main setup-refs-rest test-checks test-from-bare setup-vllm033 setup-vllm034 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-vllm034 test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-vllm034 fixtures-rust033 fixtures-rust034 fixtures-agent
+.PHONY: help build-ext test-sanitize setup setup-redis setup-refs setup-refs-main setup-refs-rest test-checks test-from-bare test-e2e-main test-e2e-parser setup-vllm033 setup-vllm034 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-vllm034 test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-vllm034 fixtures-rust033 fixtures-rust034 fixtures-agent
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -53,17 +53,18 @@ setup-dynamo: setup ## the NVIDIA Dynamo 1.6.1 reference venv, outside the repos
 serve: setup ## vllm-nvext serve on the tiny model (ARGS="..." passes options)
 	$(VENV)/bin/vllm-nvext serve $(ARGS)
 
-# Three phases, each two jobs side by side where one is CPU-bound tests and the other venv builds (mostly
-# downloads and unpacking): the unit tests (with the coverage gate), then the kernel tests under the
-# sanitizers, beside the venvs of the main e2e group and of 0.34; the main e2e group and the parser group
-# beside the venvs of the other groups; then the other e2e groups. Each e2e group is a pytest run of its
+# Three phases, the first two of two jobs side by side, CPU-bound tests beside venv builds (mostly downloads
+# and unpacking): the unit tests (with the coverage gate), then the kernel tests under the sanitizers, beside
+# the venvs of the main e2e group and of 0.34; the main e2e group beside the venvs of the other groups; then
+# the other e2e groups, the parser group first. Each e2e group is a pytest run of its
 # own, its servers never beside another group's. A failing group does not stop the later ones; `make test`
 # fails if any did. Where the minutes go: CONTRIBUTING.md.
 test: setup build-ext setup-redis ## everything CI runs: the unit tests, the kernel tests under ASan + UBSan, then every e2e group
 	@failed=0; \
 	$(MAKE) --no-print-directory -j2 test-checks setup-refs-main || failed=1; \
-	$(MAKE) --no-print-directory -j2 -k test-e2e setup-refs-rest || failed=1; \
-	$(MAKE) --no-print-directory -k test-e2e-scaleout test-e2e-versions test-e2e-vllm034 test-e2e-proxy || failed=1; \
+	$(MAKE) --no-print-directory -j2 -k test-e2e-main setup-refs-rest || failed=1; \
+	$(MAKE) --no-print-directory -j1 -k test-e2e-parser test-e2e-scaleout test-e2e-versions test-e2e-vllm034 \
+		test-e2e-proxy || failed=1; \
 	exit $$failed
 
 test-checks: setup build-ext setup-redis ## the unit tests, then the kernel tests under ASan + UBSan
@@ -100,8 +101,13 @@ build-ext: setup ## build the compiled twins (csrc/, the extension vllm_nvext._s
 	$(VENV)/bin/python setup.py -q build_ext --inplace
 
 # The main group (vLLM 0.32 servers, the 0.33 serving layer, the real Dynamo), then the parser server.
-test-e2e: setup setup-vllm033 setup-dynamo ## the main e2e group on real servers, then the parser and connector group
+test-e2e: ## the main e2e group on real servers, then the parser and connector group (never side by side)
+	$(MAKE) --no-print-directory -j1 -k test-e2e-main test-e2e-parser
+
+test-e2e-main: setup setup-vllm033 setup-dynamo ## the main e2e group (vLLM 0.32, vLLM 0.33's serving code, Dynamo)
 	$(REFS_BUILT) $(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector and not e2e_proxy and not e2e_readme" $(PYTEST_ARGS)
+
+test-e2e-parser: setup setup-vllm033 ## the parser and connector group (reasoning/tool parsers, vLLM's hidden-states connector, capture)
 	$(REFS_BUILT) $(VENV)/bin/python -m pytest tests/e2e -m "e2e_parser or e2e_connector" $(PYTEST_ARGS)
 
 # vLLM 0.30 and 0.31 on their real engines, in a pytest run of their own (their servers never run
