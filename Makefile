@@ -1,6 +1,6 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
 # `make help` lists every target with the line after its `##`.
-.PHONY: help build-ext test-sanitize setup setup-redis setup-refs setup-refs-main setup-refs-rest test-checks test-from-bare test-e2e-main test-e2e-parser setup-vllm033 setup-vllm034 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-vllm034 test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-vllm034 fixtures-rust033 fixtures-rust034 fixtures-agent
+.PHONY: help build-ext test-sanitize setup setup-redis setup-refs setup-refs-main setup-refs-rest test-checks test-from-bare test-e2e-main test-e2e-parser test-beside-unit setup-vllm033 setup-vllm034 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-vllm034 test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-vllm034 fixtures-rust033 fixtures-rust034 fixtures-agent
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -54,18 +54,24 @@ serve: setup ## vllm-nvext serve on the tiny model (ARGS="..." passes options)
 	$(VENV)/bin/vllm-nvext serve $(ARGS)
 
 # Three phases, the first two of two jobs side by side, CPU-bound tests beside venv builds (mostly downloads
-# and unpacking): the unit tests (with the coverage gate), then the kernel tests under the sanitizers, beside
-# the venvs of the main e2e group and of 0.34; the main e2e group beside the venvs of the other groups; then
-# the other e2e groups, the parser group first. Each e2e group is a pytest run of its
-# own, its servers never beside another group's. A failing group does not stop the later ones; `make test`
-# fails if any did. Where the minutes go: CONTRIBUTING.md.
+# and unpacking): the unit tests (with the coverage gate) beside the main group's and 0.34's venvs, then the
+# kernel tests under the sanitizers, then the router's venv; the main e2e group beside 0.30 and 0.31's venvs;
+# then the other e2e groups, the parser group first. Each e2e group is a pytest run of its own, its servers
+# never beside another group's. A failing group does not stop the later ones; `make test` fails if any did.
+# Where the minutes go: CONTRIBUTING.md.
 test: setup build-ext setup-redis ## everything CI runs: the unit tests, the kernel tests under ASan + UBSan, then every e2e group
 	@failed=0; \
-	$(MAKE) --no-print-directory -j2 test-checks setup-refs-main || failed=1; \
+	$(MAKE) --no-print-directory -j2 -k test-unit test-beside-unit || failed=1; \
 	$(MAKE) --no-print-directory -j2 -k test-e2e-main setup-refs-rest || failed=1; \
 	$(MAKE) --no-print-directory -j1 -k test-e2e-parser test-e2e-scaleout test-e2e-versions test-e2e-vllm034 \
 		test-e2e-proxy || failed=1; \
 	exit $$failed
+
+# `make test`'s second job while the unit tests run: a venv build, the sanitizers' run, then more venvs.
+test-beside-unit: setup build-ext
+	$(MAKE) --no-print-directory -j1 setup-refs-main
+	$(MAKE) --no-print-directory -j1 test-sanitize
+	$(MAKE) --no-print-directory -j1 setup-router
 
 test-checks: setup build-ext setup-redis ## the unit tests, then the kernel tests under ASan + UBSan
 	$(MAKE) --no-print-directory -j1 test-unit
