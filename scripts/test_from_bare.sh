@@ -6,8 +6,21 @@
 # when the set-up ended, how long each reference venv took, and when each pytest run ended.
 # Fails when `make test` fails, and when it took more than LIMIT_MIN minutes (60 by default: CI's
 # budget is 90, and a slower machine must still fit).
-# Usage: make test-from-bare [KEEP=1] [LIMIT_MIN=60] [BARE_DIR=/somewhere/with/40-GB/free]
+# Usage: make test-from-bare [KEEP=1] [LIMIT_MIN=60] [BARE_DIR=/somewhere/with/45-GB/free]
+#        bash scripts/test_from_bare.sh --breakdown LOG   (the breakdown of a kept log)
 set -uo pipefail
+# The lines that say when a phase ended (two jobs share the output, so one may sit mid-line): the set-up, each
+# reference venv, each pytest run's summary; each with the seconds since the start its line was logged at.
+breakdown() {
+  awk '{
+    t = $1; line = $0
+    while (match(line, /(setup: vllm [^ ]+ [+] vllm-nvext [^ ]+|setup-[a-z-]+: done in [0-9]+ s|[0-9]+ (passed|failed)[^=]* in [0-9.]+s( [(][0-9:]+[)])?)/)) {
+      printf "%6d s  %s\n", t, substr(line, RSTART, RLENGTH)
+      line = substr(line, RSTART + RLENGTH)
+    }
+  }' "$1"
+}
+[ "${1:-}" = "--breakdown" ] && { breakdown "$2"; exit 0; }
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 LIMIT_MIN="${LIMIT_MIN:-60}"
 BARE="$(mktemp -d "${BARE_DIR:-${TMPDIR:-/tmp}}/vllm-nvext-bare.XXXXXX")"
@@ -30,8 +43,7 @@ total=$((SECONDS - start))
 {
   echo
   echo "test-from-bare: where the minutes went (seconds since the start: what ended then)"
-  grep -E "^ *[0-9]+ (setup: vllm .* \+ vllm-nvext|setup-[a-z-]+: done in|setup-dynamo: done|=+ .*(passed|failed|error).* in [0-9.]+s)" "$LOG" |
-    sed -E 's/^ *([0-9]+) /\1 s  /'
+  breakdown "$LOG"
   printf 'test-from-bare: make test exited %s after %d min %02d s (limit %s min)\n' \
     "$status" $((total / 60)) $((total % 60)) "$LIMIT_MIN"
 } | tee -a "$LOG"
