@@ -5,7 +5,7 @@ One turn is one `agent` step; its ids and logprobs go in the step's `metrics` (v
 The capture keeps ids, not text: a step's `message` (which ATIF requires) is the decoded ids of the
 turn's text spans where the server's tokenizer is at hand (`decode`), else "" (`reasoning_content`: the
 reasoning spans'). The root trajectory holds the turns of the session's first agent (`agent_id`); each
-other agent's turns are one trajectory of `subagent_trajectories` (v1.7). Pure. docs/capture.md "ATIF v1.7".
+other agent's turns are one trajectory of `subagent_trajectories` (v1.7). Pure. docs/capture.md "Trainer formats".
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The record, `cum_len` and `digest` as NeMo Gym's `nemo_gym/token_id_capture/reco
 each line as its `TokenCaptureStore` writes one (compact, keys sorted, every field present). A turn is a record
 only with its prompt ids, its generated ids and one logprob (a number) per generated id: the others are left out
 and counted by reason (`Skipped`), never written with an empty or made-up list. Pure. docs/capture.md
-"NeMo Gym records".
+"Trainer formats".
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     if skipped.total:
         print(
             f"vllm-nvext sessions: {skipped.total} turns left out, no NeMo Gym record: {skipped.describe()}"
-            " (docs/capture.md, NeMo Gym records)",
+            " (docs/capture.md, Trainer formats)",
             file=sys.stderr,
         )
     return 0
