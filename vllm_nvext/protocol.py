@@ -96,6 +96,7 @@ _ERROR_TYPES = {
     404: "NotFoundError",
     405: "Method Not Allowed",
     413: "RequestEntityTooLarge",
+    422: "UnprocessableEntityError",
     502: "BadGatewayError",
     503: "Service Unavailable",
     504: "GatewayTimeoutError",

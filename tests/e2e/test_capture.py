@@ -110,3 +110,29 @@ def test_with_continue_ids_an_answer_sent_back_edited_is_what_the_model_reads(
     brk = second["break"]
     assert brk is not None and brk["index"] >= len(first["prompt_token_ids"]), "where the answer was sent back"
     assert brk["previous_text"] is not None and brk["prompt_text"] is not None, "the server has a tokenizer"
+
+
+def test_atif_steps_carry_the_served_text_and_a_turn_with_logprobs_is_a_valid_gym_record(captured):
+    """docs/capture.md "Trainer formats": on a real server (its tokenizer at hand) an ATIF step's `message` is the
+    text the client got (the ids of its text spans, decoded), and a turn of a request that asked for logprobs is a
+    NeMo Gym `TokenEntry` (the vendored schema) with one logprob per generated id, the client's."""
+    import jsonschema
+
+    formats = Path(__file__).resolve().parents[1] / "fixtures" / "formats"
+    session_id = f"formats-{uuid.uuid4()}"
+    ascii_ids = json.loads((FIXTURES / "chat_unary_ascii.json").read_text())["turns"][0]["request"]["allowed_token_ids"]
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me about token ids."}],
+            "max_tokens": 8, "temperature": 0, "allowed_token_ids": ascii_ids, "logprobs": True}  # fmt: skip
+    with http_client(captured.url) as client:
+        answer = client.post(CHAT, json=body, headers={"x-nvext-session-id": session_id}).json()
+    session_turns(captured, session_id, 1)
+    with http_client(captured.url) as client:
+        atif = client.get(f"/v1/nvext/sessions/{session_id}?format=atif").json()
+        gym = client.get(f"/v1/nvext/sessions/{session_id}?format=nemo-gym")
+    jsonschema.validate(atif, json.loads((formats / "atif-v1.7.schema.json").read_text()))
+    assert atif["steps"][0]["message"] == answer["choices"][0]["message"]["content"]
+    assert gym.status_code == 200 and gym.headers["x-nvext-skipped-turns"] == "0"
+    (record,) = [json.loads(line) for line in gym.text.splitlines()]
+    jsonschema.validate(record, json.loads((formats / "nemo-gym-token-entry-v3.schema.json").read_text()))
+    served = [item["logprob"] for item in answer["choices"][0]["logprobs"]["content"]]
+    assert record["generation_log_probs"] == served and record["parent_resolution"] == "root"

@@ -1,6 +1,6 @@
 """The capture's read API, `GET`/`DELETE /v1/nvext/sessions/{id}`, through the middleware in both mounts,
 under vLLM's own key check (its `AuthenticationMiddleware`): no key, no read. The ATIF export is checked
-against the schema of Harbor's ATIF models (tests/fixtures/atif/)."""
+against the schema of Harbor's ATIF v1.7 models (tests/fixtures/formats/)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ from vllm_nvext.config import ConfigError
 from vllm_nvext.middleware import sessions
 
 KEY = "sk-capture"
-SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "atif" / "trajectory.schema.json").read_text())
+SCHEMA = json.loads(
+    (Path(__file__).resolve().parents[1] / "fixtures" / "formats" / "atif-v1.7.schema.json").read_text()
+)
 
 
 def _mount(kind: str, url: str) -> Any:
@@ -122,7 +124,7 @@ def test_the_atif_export_is_a_valid_trajectory_with_the_ids(app):
     assert answer.status_code == 200, answer.text
     doc = answer.json()
     jsonschema.validate(doc, SCHEMA)
-    assert doc["schema_version"] == "ATIF-v1.4" and doc["session_id"] == "run-1"
+    assert doc["schema_version"] == "ATIF-v1.7" and doc["session_id"] == "run-1"
     steps = doc["steps"]
     assert [s["step_id"] for s in steps] == [1, 2]
     assert steps[0]["metrics"]["prompt_token_ids"] == [1, 2, 3]
@@ -135,7 +137,7 @@ def test_the_atif_export_is_a_valid_trajectory_with_the_ids(app):
 
 def test_the_schema_refuses_what_atif_refuses():
     """The vendored schema has teeth: a step without `source` is not a trajectory."""
-    bad = {"schema_version": "ATIF-v1.4", "agent": {"name": "a", "version": "1"}, "steps": [{"step_id": 1}]}
+    bad = {"schema_version": "ATIF-v1.7", "agent": {"name": "a", "version": "1"}, "steps": [{"step_id": 1}]}
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, SCHEMA)
 
@@ -205,7 +207,7 @@ def test_read_session_follows_the_pages(app, monkeypatch):
         session = read_session(f"http://127.0.0.1:{port}", "run-1", api_key=KEY)
         assert [t["index"] for t in session["turns"]] == [0, 1]
         atif = read_session(f"http://127.0.0.1:{port}", "run-1", api_key=KEY, format="atif")
-        assert atif["schema_version"] == "ATIF-v1.4"
+        assert atif["schema_version"] == "ATIF-v1.7"
         import urllib.error
 
         with pytest.raises(urllib.error.HTTPError) as err:

@@ -127,7 +127,12 @@ def test_an_atif_step_of_a_responses_turn_has_its_token_counts():
     jsonschema.validate(doc, SCHEMA)
     metrics = doc["steps"][0]["metrics"]
     assert (metrics["prompt_tokens"], metrics["completion_tokens"], metrics["cached_tokens"]) == (43, 8, 16)
-    assert doc["final_metrics"] == {"total_steps": 1, "total_prompt_tokens": 43, "total_completion_tokens": 8}
+    assert doc["final_metrics"] == {
+        "total_steps": 1,
+        "total_prompt_tokens": 43,
+        "total_completion_tokens": 8,
+        "total_cached_tokens": 16,
+    }
 
 
 def _completions_batch(stream: bool) -> bytes:

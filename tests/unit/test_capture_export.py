@@ -16,7 +16,7 @@ from vllm_nvext.capture.store import open_sink
 from vllm_nvext.tools import cli
 
 ROOT = Path(__file__).resolve().parents[2]
-SCHEMA = json.loads((ROOT / "tests" / "fixtures" / "atif" / "trajectory.schema.json").read_text())
+SCHEMA = json.loads((ROOT / "tests" / "fixtures" / "formats" / "atif-v1.7.schema.json").read_text())
 
 
 def _fill(url: str) -> None:

@@ -25,14 +25,15 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 from ..protocol import error_body
-from . import atif, continuation
+from . import atif, continuation, nemo_gym
 from .record import SESSION_ID_MAX, valid_session_id
 from .store import READ_MAX_BYTES, Page, Sink
 
 SESSIONS_PATH = "/v1/nvext/sessions/"
 STORE_WAIT_S = 30.0  # how long an answer waits for the store (a disk that hangs): past it, a 503
 STORE_THREADS = 16  # store calls running at once, hung ones included: past it, a 503 without a new thread
-FORMATS = ("json", "atif")
+FORMATS = ("json", "atif", "nemo-gym")
+NDJSON = "application/x-ndjson"
 _READ_ONLY = ("GET",)
 _START = re.compile(r"[0-9]{1,12}")  # ASCII digits: `str.isdigit` takes `²`, which `int` refuses
 READ_PIECE_BYTES = 1024 * 1024  # the stored turns one step of a read decodes and encodes (at least one turn)
@@ -50,6 +51,8 @@ class Answer:
     param: str | None = None  # the request field a refusal names (counted by the caller)
     pieces: AsyncIterator[bytes] | None = None  # a read's body, piece by piece as it is made (`body` is then b"")
     length: int | None = None  # the pieces' total size, where it is known before they are made
+    content_type: str = "application/json"
+    headers: tuple[tuple[str, str], ...] = ()  # more response headers
 
 
 def is_sessions_path(path: str) -> bool:
@@ -105,10 +108,12 @@ async def answer(sink: Sink, method: str, path: str, query_string: bytes) -> Ans
                 return _refusal(f"session {session_id} not found", "session_id", 404)
             return Answer(200, json.dumps({"session_id": session_id, "deleted": True}).encode())
         page = await in_thread(sink.read_page, session_id, int(raw_start), READ_MAX_BYTES, timeout=STORE_WAIT_S)
-        if page is None or (fmt == "atif" and not page.turns):
+        if page is None or (fmt != "json" and not page.turns):
             return _refusal(f"session {session_id} not found", "session_id", 404)
         if fmt == "atif":
-            return Answer(200, b"", pieces=_atif_pieces(session_id, page))
+            return Answer(200, b"", pieces=_atif_pieces(session_id, page, sink.decode))
+        if fmt == "nemo-gym":
+            return await _nemo_gym(session_id, page)
         length = await _reading(_json_length, session_id, page)
         return Answer(200, b"", pieces=_json_pieces(session_id, page), length=length)
     except Exception as exc:  # the store's failure is the operator's to see in the log, never the client's
@@ -160,43 +165,101 @@ async def _json_pieces(session_id: str, page: Page) -> AsyncIterator[bytes]:
     yield _json_tail(page)
 
 
-def _atif_steps(turns: list[str], first_step: int) -> tuple[bytes, str | None, dict[str, int]]:
-    """Some turns' steps (numbered from `first_step`), encoded; the first model they name; their token counts."""
-    encoded: list[str] = []
-    model: str | None = None
-    totals: dict[str, int] = {}
-    for n, text in enumerate(turns):
-        made = atif.step(first_step + n, json.loads(text))
-        model = model or made.get("model_name")
-        for key in ("prompt_tokens", "completion_tokens"):
-            if key in made.get("metrics", {}):
-                totals[key] = totals.get(key, 0) + made["metrics"][key]
-        encoded.append(atif.encode(made))
-    return ",".join(encoded).encode(), model, totals
+def _head_of(text: str) -> dict[str, Any]:
+    """A stored turn's keys before its ids (`index`, `model`, `agent_id`, ...: `Turn.to_json`'s order), read without
+    decoding the ids (the first `,"prompt_token_ids":` is the key's: inside a string a quote is escaped); the whole
+    turn where it is not there."""
+    cut = text.find(',"prompt_token_ids":')
+    head: dict[str, Any] = json.loads(text[:cut] + "}" if cut > 0 else text)
+    return head
 
 
-async def _atif_pieces(session_id: str, page: Page) -> AsyncIterator[bytes]:
-    """The ATIF document of the page's turns (`atif.trajectory`'s, byte for byte), a step of turns at a time; the
-    head, which names the first model a turn names, goes once that turn is read."""
-    held: list[bytes] = []  # the steps made before the first that names a model
-    model: str | None = None
+def _atif_plan(page: Page) -> tuple[int, list[tuple[str | None, list[int], str | None]]]:
+    """The page's first index, and its threads (`atif.threads`): each its agent, its turns' places, the first model
+    they name; the root thread first."""
+    heads = [_head_of(text) for text in page.turns]
+    root, others = atif.threads(heads)
+    threads = [(heads[0].get("agent_id"), root), *others.items()]
+    plan = [
+        (agent, places, next((heads[n]["model"] for n in places if heads[n].get("model")), None))
+        for agent, places in threads
+    ]
+    return int(heads[0].get("index") or 0), plan
+
+
+def _atif_steps(turns: list[str], first_step: int, decode: atif.Decode | None) -> tuple[bytes, dict[str, int]]:
+    """Some turns' steps (numbered from `first_step`), encoded, and their token counts."""
+    made = [atif.step(first_step + n, json.loads(text), decode) for n, text in enumerate(turns)]
     totals: dict[str, int] = {}
-    started = False
-    for start, end in _groups(page.turns):
-        piece, named, counts = await _reading(_atif_steps, page.turns[start:end], start + 1)
+    atif.add_totals(totals, made)
+    return ",".join(atif.encode(m) for m in made).encode(), totals
+
+
+async def _thread_pieces(
+    session_id: str, doc_id: str, texts: list[str], model: str | None, decode: atif.Decode | None
+) -> AsyncIterator[bytes]:
+    """One trajectory of the document (its head, its steps a step of turns at a time, its final metrics), as
+    `atif.trajectory` encodes it; the object left open."""
+    yield atif.document_head(session_id, doc_id, model).encode()
+    totals: dict[str, int] = {}
+    for start, end in _groups(texts):
+        piece, counts = await _reading(_atif_steps, texts[start:end], start + 1, decode)
         for key, value in counts.items():
             totals[key] = totals.get(key, 0) + value
-        model = model or named
-        held.append(b"," + piece if start else piece)
-        if model is not None or end == len(page.turns):
-            if not started:
-                started = True
-                yield atif.document_head(session_id, model).encode()
-            for part in held:
-                for i in range(0, len(part), READ_PIECE_BYTES):
-                    yield part[i : i + READ_PIECE_BYTES]
-            held.clear()
-    yield atif.document_tail(len(page.turns), totals, page.next_index).encode()
+        piece = b"," + piece if start else piece
+        for i in range(0, len(piece), READ_PIECE_BYTES):
+            yield piece[i : i + READ_PIECE_BYTES]
+    yield atif.document_steps_end(len(texts), totals).encode()
+
+
+async def _atif_pieces(session_id: str, page: Page, decode: atif.Decode | None) -> AsyncIterator[bytes]:
+    """The ATIF document of the page's turns (`atif.trajectory`'s, byte for byte): the root thread, then each
+    other agent's in `subagent_trajectories`, a step of turns at a time."""
+    first, plan = await _reading(_atif_plan, page)
+    doc_id = atif.trajectory_id(session_id, first)
+    for n, (agent, places, model) in enumerate(plan):
+        if n == 1:
+            yield b',"subagent_trajectories":['
+        thread_id = doc_id if n == 0 else atif.subagent_id(doc_id, agent)
+        async for piece in _thread_pieces(session_id, thread_id, [page.turns[p] for p in places], model, decode):
+            yield piece
+        if n:
+            yield b"}" + (b"," if n < len(plan) - 1 else b"]")
+    yield atif.document_extra(page.next_index).encode()
+
+
+def _nemo_gym_lines(rollout: nemo_gym.Rollout, turns: list[str]) -> bytes:
+    made = (rollout.add(json.loads(text)) for text in turns)
+    return "".join(nemo_gym.line(record) for record in made if record is not None).encode()
+
+
+async def _nemo_gym(session_id: str, page: Page) -> Answer:
+    """The page's turns as NeMo Gym's records, one JSON line each, made a step of turns at a time in the reads'
+    thread before the answer starts (its headers count the turns left out); a 422 naming `logprobs` (or
+    `prompt_token_ids`) where no turn makes a record."""
+    rollout = nemo_gym.Rollout(session_id, first_page=_head_of(page.turns[0]).get("index") == 0)
+    pieces = [await _reading(_nemo_gym_lines, rollout, page.turns[start:end]) for start, end in _groups(page.turns)]
+    skipped = rollout.skipped
+    if not any(pieces):
+        param = "logprobs" if nemo_gym.NO_LOGPROBS in skipped.reasons else "prompt_token_ids"
+        return _refusal(
+            f"session {session_id} has no turn that makes a NeMo Gym record ({skipped.describe()}): a record needs "
+            "the prompt and generated ids and one logprob per generated id (docs/capture.md)",
+            param,
+            422,
+        )
+    headers = [("x-nvext-skipped-turns", str(skipped.total))]
+    if skipped.total:
+        headers.append(("x-nvext-skipped-reasons", ",".join(f"{r}={n}" for r, n in sorted(skipped.reasons.items()))))
+    if page.next_index is not None:
+        headers.append(("x-nvext-next-index", str(page.next_index)))
+
+    async def sent() -> AsyncIterator[bytes]:
+        for piece in pieces:
+            for i in range(0, len(piece), READ_PIECE_BYTES):
+                yield piece[i : i + READ_PIECE_BYTES]
+
+    return Answer(200, b"", pieces=sent(), length=sum(map(len, pieces)), content_type=NDJSON, headers=tuple(headers))
 
 
 _T = TypeVar("_T")

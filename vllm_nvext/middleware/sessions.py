@@ -54,7 +54,8 @@ async def serve_sessions(app: ASGIApp, sink: Sink, api: CaptureApi, scope: Scope
     answer = await capture_api.answer(sink, scope.get("method", ""), path, scope.get("query_string", b""))
     if answer.status == 400:
         metrics.count_refusal(answer.param, answer.status)
-    headers = [(b"content-type", b"application/json")]
+    headers = [(b"content-type", answer.content_type.encode())]
+    headers += [(name.encode(), value.encode()) for name, value in answer.headers]
     length = len(answer.body) if answer.pieces is None else answer.length
     if length is not None:  # else (ATIF) the server sends the pieces chunked
         headers.append((b"content-length", str(length).encode()))

@@ -2,7 +2,8 @@
 
 Reads the store directly (the same URL the server records to; docs/capture.md), never through the
 server. `--format jsonl`: `{"session_id", "turns": [...]}` a line, the read API's shape; `--format
-atif`: one ATIF trajectory a line. A progress bar goes to stderr on a terminal (or with --progress).
+atif`: one ATIF trajectory a line; `--format nemo-gym`: one NeMo Gym record (`TokenEntry`) a turn, the turns
+that make none counted on stderr. A progress bar goes to stderr on a terminal (or with --progress).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from datetime import datetime
 from typing import IO, Any
 
+from ..capture import nemo_gym
 from ..capture.atif import trajectory
 from ..capture.store import Backend, open_backend
 from ..config import ConfigError
@@ -26,7 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     export.add_argument(
         "--store", required=True, metavar="URL", help="the capture store (sqlite:////... or redis://...)"
     )
-    export.add_argument("--format", choices=("jsonl", "atif"), default="jsonl")
+    export.add_argument(
+        "--format",
+        choices=("jsonl", "atif", "nemo-gym"),
+        default="jsonl",
+        help="jsonl: the read API's shape; atif: ATIF v1.7 trajectories; nemo-gym: NeMo Gym TokenEntry records",
+    )
     export.add_argument(
         "--since",
         type=_since,
@@ -67,8 +74,15 @@ class Progress:
             self.stream.flush()
 
 
-def export(backend: Backend, out: IO[str], fmt: str, since: float | None, progress: Progress | None = None) -> int:
-    """Write the sessions; how many were written."""
+def export(
+    backend: Backend,
+    out: IO[str],
+    fmt: str,
+    since: float | None,
+    progress: Progress | None = None,
+    skipped: nemo_gym.Skipped | None = None,
+) -> int:
+    """Write the sessions; how many were written (`skipped`: adds the turns that made no NeMo Gym record)."""
     written = 0
     for session_id in list(backend.sessions(since)):
         turns: list[dict[str, Any]] = []
@@ -81,7 +95,13 @@ def export(backend: Backend, out: IO[str], fmt: str, since: float | None, progre
             start = page.next_index
         if since is not None:
             turns = [t for t in turns if t["time"] >= since]
-        if turns:
+        if turns and fmt == "nemo-gym":
+            made, left = nemo_gym.records(session_id, turns, first_page=turns[0]["index"] == 0)
+            out.writelines(map(nemo_gym.line, made))
+            written += bool(made)
+            if skipped is not None:
+                skipped.merge(left)
+        elif turns:
             doc = trajectory(session_id, turns) if fmt == "atif" else {"session_id": session_id, "turns": turns}
             out.write(json.dumps(doc, separators=(",", ":")) + "\n")
             written += 1
@@ -102,15 +122,22 @@ def run(args: argparse.Namespace) -> int:
     try:
         total = sum(1 for _ in backend.sessions(args.since))
         progress = Progress(total, sys.stderr, args.progress or sys.stderr.isatty())
+        skipped = nemo_gym.Skipped()
         if args.output == "-":
-            written = export(backend, sys.stdout, args.format, args.since, progress)
+            written = export(backend, sys.stdout, args.format, args.since, progress, skipped)
         else:
             with open(args.output, "w", encoding="utf-8") as out:
-                written = export(backend, out, args.format, args.since, progress)
+                written = export(backend, out, args.format, args.since, progress, skipped)
     except Exception as exc:
         print(f"vllm-nvext sessions: error: the store could not be read ({type(exc).__name__})", file=sys.stderr)
         return EXIT_ERROR
     finally:
         backend.close()
     print(f"vllm-nvext sessions: {written} sessions exported", file=sys.stderr)
+    if skipped.total:
+        print(
+            f"vllm-nvext sessions: {skipped.total} turns left out, no NeMo Gym record: {skipped.describe()}"
+            " (docs/capture.md, Trainer formats)",
+            file=sys.stderr,
+        )
     return 0
