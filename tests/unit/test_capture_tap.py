@@ -151,9 +151,9 @@ def test_session_keys_follow_the_documented_order_and_skip_unusable_values():
     assert header_key([(b"x-dynamo-session-id", b"x" * 257)]).session_id is None
     lineage = [(b"x-claude-code-session-id", b"s"), (b"x-claude-code-agent-id", b"a"),
                (b"x-claude-code-parent-agent-id", b"p")]  # fmt: skip
-    assert header_key(lineage)[1:] == ("x-claude-code-session-id", "p", "a")
+    assert header_key(lineage)[:5] == ("s:a", "x-claude-code-session-id", "p", "a", "s"), "the subagent's thread"
     assert session_key([], {"prompt_cache_key": "conv-9"})[:2] == ("conv-9", "prompt_cache_key")
     assert session_key([], {"metadata": {"user_id": "user_1_session_2"}})[:2] == ("user_1_session_2",
                                                                                  "metadata.user_id")  # fmt: skip
     assert session_key([(b"session_id", b"h")], {"prompt_cache_key": "b"}).session_id == "h", "headers first"
-    assert session_key([], {"prompt_cache_key": 7}) == (None, "request_id", None, None)
+    assert session_key([], {"prompt_cache_key": 7}) == (None, "request_id", None, None, None, None)

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from .. import _json, _vllm_compat, metrics
 from ..asgi import ASGIApp, Receive, Replay, RequestHeaders, Scope, Send, set_header
+from ..capture.keys import URL_SESSION
 from ..capture.store import Sink
 from ..capture.tap import Collector
 from ..config import Mode, Settings
@@ -71,7 +72,10 @@ async def serve(exchange: Exchange, route: AgentRoute, body: bytes, found: bool,
     receive = Replay([body], False, exchange.receive)
     sink = exchange.sink if plan.capture and (not messages or exchange.serve_messages) else None  # --middleware: no ids
     path, data = "/v1/messages" if messages else "/v1/responses", _json.object_as_vllm(body) if sink else None
-    tap = Collector.of(sink, path, scope["headers"], data, exchange.arrived[0], exchange.settings.capture_body_keys)
+    tap = Collector.of(
+        sink, path, scope["headers"], data, exchange.arrived[0], exchange.settings.capture_body_keys,
+        scope.get(URL_SESSION),
+    )  # fmt: skip
     try:
         if isinstance(plan, MessagesPlan):
             if plan.ids or tap is not None:

@@ -30,6 +30,8 @@ _EXTRA = (
     "session_source",
     "parent_id",
     "agent_id",
+    "group_id",
+    "request_kind",
     "finish_reason",
     "usage",
     "spans",

@@ -29,6 +29,11 @@ def valid_session_id(value: str) -> bool:
     return _SESSION_ID.fullmatch(value) is not None
 
 
+# Request kinds that are no turn of their thread's conversation (Codex's `request_kind`): a compaction's prompt is a
+# summary, a prewarm's or a memory request's is no continuation. Such a turn starts a new segment: never compared with
+# the turn before it, nor the turn after it with it (`extends_previous: null`), never continued ids (docs/capture.md).
+SIDE_KINDS = frozenset({"prewarm", "compaction", "memory"})
+
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 
 # The server's tokenizer, ids to text with special tokens as they are (the break's texts): None without one.
@@ -110,6 +115,8 @@ class Turn:
     model: str | None = None
     parent_id: str | None = None
     agent_id: str | None = None
+    group_id: str | None = None
+    request_kind: str | None = None
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None
     logprobs: list[float | None] | None = None
@@ -127,6 +134,8 @@ class Turn:
         """This turn as the store keeps it: its position in the session and how it follows `previous`."""
         extends: bool | None = None
         found: PrefixBreak | None = None
+        if previous is not None and (self.request_kind in SIDE_KINDS or previous.request_kind in SIDE_KINDS):
+            previous = None  # a side request starts a new segment (`SIDE_KINDS`)
         if previous is not None and self.prompt_token_ids is not None and previous.prompt_token_ids is not None:
             before = previous.prompt_token_ids + (previous.completion_token_ids or [])
             found = prefix_break(before, self.prompt_token_ids, self.decode)
@@ -174,7 +183,9 @@ class Turn:
             "model": self.model,
             "parent_id": self.parent_id,
             "agent_id": self.agent_id,
+            "group_id": self.group_id,
             "session_source": self.session_source,
+            "request_kind": self.request_kind,
             "prompt_token_ids": self.prompt_token_ids,
             "completion_token_ids": self.completion_token_ids,
             "logprobs": self.logprobs,
@@ -207,6 +218,8 @@ class Turn:
             model=_opt_str(d, "model"),
             parent_id=_opt_str(d, "parent_id"),
             agent_id=_opt_str(d, "agent_id"),
+            group_id=_opt_str(d, "group_id"),
+            request_kind=_opt_str(d, "request_kind"),
             prompt_token_ids=_ids(d, "prompt_token_ids"),
             completion_token_ids=_ids(d, "completion_token_ids"),
             logprobs=_opt_list(d, "logprobs"),

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from urllib.parse import quote
 
 from ..config import ConfigError
-from .record import Turn
+from .record import SIDE_KINDS, Turn
 from .store import Page, PartlyWritten, StoreFull, readable
 
 _SCHEMA = (
@@ -175,7 +175,7 @@ class SQLiteBackend:
         `marker`: the `last` its session's row holds once it is written."""
         self._forget(turn.session_id)
         ids: array[int] | None = None
-        if turn.prompt_token_ids is not None:
+        if turn.prompt_token_ids is not None and turn.request_kind not in SIDE_KINDS:  # a side turn: a new segment
             try:
                 ids = array("i", turn.prompt_token_ids)
                 ids.extend(turn.completion_token_ids or ())

@@ -21,7 +21,7 @@ from .. import _json
 from ..outbound.sse import EventFramer, data_payload
 from . import continuation
 from .choice import TEXT, TOOL_CALL, Choice, delta_kind, message_kinds, token_logprobs
-from .keys import SessionKey, header_key, session_key
+from .keys import SessionKey, header_key, session_key, side_request
 from .record import Turn
 
 logger = logging.getLogger("vllm_nvext")
@@ -78,18 +78,28 @@ class Collector:
 
     @classmethod
     def of(
-        cls, sink: Sink | None, route: str, headers: Any, data: Any, arrived: float, body_keys: bool = False
+        cls,
+        sink: Sink | None,
+        route: str,
+        headers: Any,
+        data: Any,
+        arrived: float,
+        body_keys: bool = False,
+        url_session: str | None = None,
     ) -> Collector | None:
-        """The tap of one request (None: capture is off), keyed by its session (capture/keys.py) from its ASGI
-        headers, and from its body as read (`data`) where the operator lets body keys name sessions (`body_keys`)."""
+        """The tap of one request (None: capture is off), keyed by its session (capture/keys.py): the URL's
+        (`url_session`), else its ASGI headers', else its body's as read (`data`) where the operator lets body keys
+        name sessions (`body_keys`). A side request (a compaction, ...) never joins its session's continuation."""
         if sink is None:
             return None
-        key = header_key(headers)
+        key = header_key(headers, url_session)
         if key.session_id is None and body_keys:
-            key = session_key((), data)._replace(parent_id=key.parent_id, agent_id=key.agent_id)
+            found = session_key((), data)
+            key = key._replace(session_id=found.session_id, source=found.source)
         tap = cls(sink, route, key, arrived)
         memory = continuation.MEMORY
-        if memory is not None and route in continuation.ROUTES and key.session_id is not None:
+        joins = memory is not None and route in continuation.ROUTES and not side_request(key.request_kind)
+        if memory is not None and joins and key.session_id is not None:
             # VLLM_NVEXT_CONTINUE_IDS: vLLM's renderer, in this request's context, reads the session's last turns.
             tap.joined = (key.session_id, key.agent_id)
             tap.continuation = memory.begin(tap.joined, tap)
@@ -299,7 +309,9 @@ class Collector:
             "model": self.model,
             "parent_id": key.parent_id,
             "agent_id": key.agent_id,
+            "group_id": key.group_id,
             "session_source": key.source,
+            "request_kind": key.request_kind,
             "prompt_token_ids": self.prompt if group is None else prompt,
             **choice,
             "usage": self.usage,

@@ -42,6 +42,7 @@ from ..kernels import pick
 from ..protocol import ENDPOINT_PATHS, Dialect, Endpoint, RequestError
 from .exchange import Exchange
 from .sessions import serve_sessions
+from .url import rewrite
 
 logger = logging.getLogger("vllm_nvext")
 
@@ -112,6 +113,8 @@ class NvextMiddleware:
         if self.sink is not None and not self.sink.tokenizer_sought and scope["type"] == "http":
             self.sink.tokenizer_sought = True  # once: vLLM's tokenizer, for a break's texts (docs/capture.md)
             self.sink.decode = render_hook.vllm_decode(scope.get("app"))
+        if await rewrite(scope, send):
+            return  # `/nvext/sessions/{id}/...`: refused (vLLM's 401, a bad id's 400); else now the route it names
         if self.sink is not None and await serve_sessions(
             self.app, self.sink, self.settings.capture_api, scope, receive, send
         ):

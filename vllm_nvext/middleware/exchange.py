@@ -28,6 +28,7 @@ from ..asgi import (
     set_header,
     too_large,
 )
+from ..capture.keys import URL_SESSION
 from ..capture.requests import plan_for_capture
 from ..capture.store import Sink
 from ..capture.tap import Collector
@@ -211,7 +212,7 @@ class Exchange:
         if plan.capture:  # told what the answer carries (docs/capture.md)
             tap = Collector.of(
                 self.sink, PATHS[plan.endpoint], self.scope["headers"], data, self.arrived[0],
-                self.settings.capture_body_keys,
+                self.settings.capture_body_keys, self.scope.get(URL_SESSION),
             )  # fmt: skip
         return ReshapingSend(plan, Clock(*self.arrived), self.send, self.kernels, endpoint, decode_echo, tap)
 
