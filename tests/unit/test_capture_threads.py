@@ -22,7 +22,7 @@ from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddlew
 from tests.recorded import recording
 from tests.unit.asgi import Upstream, call
 from tests.unit.test_capture_tap import _app, _turns
-from tests.unit.test_proxy import proxy_over
+from tests.unit.test_proxy import _stop_what_started, proxy_over  # noqa: F401 (a fixture: the servers started stop)
 from vllm_nvext import NvextMiddleware
 from vllm_nvext.capture import continuation
 from vllm_nvext.capture.continuation import Memory
