@@ -32,6 +32,7 @@ BUSY_TIMEOUT_MS = 5000
 # How long a batch waits for another process's write lock (a second server's long transaction), a try of
 # BUSY_TIMEOUT_MS at a time: past it the batch fails (dropped, `store_error`); a shutdown waits store.CLOSE_WAIT_S.
 BUSY_WAIT_S = 60.0
+_SQLITE_BUSY = 5  # SQLite's primary result code (an extended one in its low byte: SQLITE_BUSY_RECOVERY, ...)
 PRUNE_CHUNK = 500  # sessions removed per transaction
 _LAST_TURNS = 256  # sessions whose last turn the writer keeps (extends_previous without a re-read)
 _LAST_IDS = 16 * 1024 * 1024  # the ids those turns hold in all (4 bytes each: 64 MiB); past it the least recent go
@@ -306,7 +307,7 @@ def _begin(conn: sqlite3.Connection) -> None:
             conn.execute("BEGIN IMMEDIATE")
             return
         except sqlite3.OperationalError as exc:
-            if getattr(exc, "sqlite_errorcode", 0) & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() >= deadline:
+            if getattr(exc, "sqlite_errorcode", 0) & 0xFF != _SQLITE_BUSY or time.monotonic() >= deadline:
                 raise
 
 
