@@ -441,3 +441,15 @@ def test_large_reads_go_out_piece_by_piece_the_loop_serving_others_between_them(
         sent_at = [t for t, _ in pieces]
         assert len(set(sent_at)) >= 3, f"{path}: the other client's work ran between the pieces: {sent_at}"
     sink.close()
+
+
+def test_a_page_past_a_sessions_end_is_empty_in_json_and_a_404_naming_start_in_atif(app):
+    """`?start=` past the last turn of a session the store holds: JSON answers the empty page; ATIF, whose trajectory
+    holds one step at least, answers 404 naming `start`, never "session not found" for a session that is there."""
+    page = call(app, "GET", "/v1/nvext/sessions/run-1?start=7")
+    assert page.status_code == 200 and page.json() == {"session_id": "run-1", "turns": [], "next_index": None}
+    atif = call(app, "GET", "/v1/nvext/sessions/run-1?start=7&format=atif")
+    assert atif.status_code == 404 and atif.json()["error"]["param"] == "start", atif.text
+    assert "not found" not in atif.json()["error"]["message"] and "start" in atif.json()["error"]["message"]
+    missing = call(app, "GET", "/v1/nvext/sessions/no-such?format=atif")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "session_id"

@@ -157,3 +157,54 @@ def test_session_keys_follow_the_documented_order_and_skip_unusable_values():
                                                                                  "metadata.user_id")  # fmt: skip
     assert session_key([(b"session_id", b"h")], {"prompt_cache_key": "b"}).session_id == "h", "headers first"
     assert session_key([], {"prompt_cache_key": 7}) == (None, "request_id", None, None, None, None)
+
+
+def _chunk(choices: list[Any], **root: Any) -> bytes:
+    body = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": choices}
+    return b"data: " + json.dumps({**body, **root}).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["c", "python"])
+async def test_a_choice_whose_ids_were_never_reported_is_null_never_empty(pure, tmp_path):
+    """An upstream of the proxy that is not vLLM: a stream whose chunks never carry `token_ids` (the server ignores
+    `return_token_ids`), and a body that answers no choice 0 (`choices: []`, or only a choice of another index). The
+    turn's completion ids were not reported: `null` (with its logprobs and spans), never `[]`, which reads as "the
+    model sampled nothing"; the session's next turn is recorded whole."""
+    opening = _chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+    stream = opening + _chunk([{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]) + b"data: [DONE]\n\n"
+    unary = {"id": "chatcmpl-y", "object": "chat.completion", "created": 1, "model": "m", "prompt_token_ids": [1, 2]}
+    answers = [
+        ("text/event-stream", stream, True),
+        ("application/json", json.dumps({**unary, "choices": []}).encode(), False),
+        (
+            "application/json",
+            json.dumps(
+                {
+                    **unary,
+                    "choices": [
+                        {
+                            "index": 3,
+                            "message": {"role": "assistant", "content": "x"},
+                            "token_ids": [9],
+                            "finish_reason": "stop",
+                        }
+                    ],
+                }
+            ).encode(),
+            False,
+        ),  # fmt: skip
+    ]
+    for n, (content_type, body, streamed) in enumerate(answers):
+        upstream = Upstream(content_type=content_type, body=body)
+        app = _app(upstream, tmp_path / f"{pure}-{n}", pure_python=pure)
+        headers = (JSON, (b"x-nvext-session-id", b"s"))
+        request = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": streamed})
+        await call(app, "/v1/chat/completions", request.encode(), headers=headers)
+        upstream.body = json.dumps({**unary, "choices": [{"index": 0, "message": {"role": "assistant", "content": "k"},
+                                    "token_ids": [3], "finish_reason": "stop"}]}).encode()  # fmt: skip
+        upstream.content_type = "application/json"
+        await call(app, "/v1/chat/completions", json.dumps({"model": "m", "messages": []}).encode(), headers=headers)
+        first, second = (t.to_json() for t in _turns(app))
+        assert first["completion_token_ids"] is None, (n, first)
+        assert first["logprobs"] is None and first["spans"] is None, (n, first)
+        assert second["completion_token_ids"] == [3] and second["index"] == 1, (n, second)

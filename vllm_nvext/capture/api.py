@@ -108,8 +108,12 @@ async def answer(sink: Sink, method: str, path: str, query_string: bytes) -> Ans
                 return _refusal(f"session {session_id} not found", "session_id", 404)
             return Answer(200, json.dumps({"session_id": session_id, "deleted": True}).encode())
         page = await in_thread(sink.read_page, session_id, int(raw_start), READ_MAX_BYTES, timeout=STORE_WAIT_S)
-        if page is None or (fmt != "json" and not page.turns):
+        if page is None:
             return _refusal(f"session {session_id} not found", "session_id", 404)
+        if (
+            fmt != "json" and not page.turns
+        ):  # a trajectory (or a record file) holds one step at least: none past the end
+            return _refusal(f"start: session {session_id} has no turn at or after {int(raw_start)}", "start", 404)
         if fmt == "atif":
             return Answer(200, b"", pieces=_atif_pieces(session_id, page, sink.decode))
         if fmt == "nemo-gym":

@@ -11,7 +11,7 @@ TEXT, REASONING, TOOL_CALL = "text", "reasoning", "tool_call"
 class Choice:
     """One choice's record: its ids, logprobs and spans so far."""
 
-    __slots__ = ("ids", "logprobs", "finish_reason", "spans", "withheld", "tools", "prompt")
+    __slots__ = ("ids", "logprobs", "finish_reason", "spans", "withheld", "reported", "tools", "prompt")
 
     def __init__(self) -> None:
         self.ids: list[int] = []
@@ -19,6 +19,7 @@ class Choice:
         self.finish_reason: str | None = None
         self.spans: list[dict[str, Any]] = []
         self.withheld = False  # some chunk said `token_ids: null`: the ids are not reported
+        self.reported = False  # some chunk or body reported ids (a list): never, and they are not reported either
         self.tools: dict[int, tuple[str | None, str | None]] = {}  # tool call index -> (id, name)
         self.prompt: list[int] | None = None  # the prompt it answers, where the choice says (completions)
 
@@ -26,6 +27,7 @@ class Choice:
         if ids is None:
             self.withheld = True
             return
+        self.reported = True
         start = len(self.ids)
         self.ids += ids
         if self.logprobs is not None:
@@ -42,16 +44,21 @@ class Choice:
                 self.spans.append({"kind": kind, "start": start, "end": len(self.ids), "tool_call_id": call_id,
                                    "name": name, "_tool": tool})  # fmt: skip
 
+    @property
+    def known(self) -> bool:
+        """Whether the ids are the choice's: reported, and never withheld (else `null`, never `[]`)."""
+        return self.reported and not self.withheld
+
     def fields(self) -> dict[str, Any]:
         spans = [{k: v for k, v in span.items() if k != "_tool"} for span in self.spans]
         for span, raw in zip(spans, self.spans, strict=True):
             if raw["_tool"] is not None:  # an id or name that came after the span began
                 span["tool_call_id"], span["name"] = self.tools.get(raw["_tool"], (None, None))
         return {
-            "completion_token_ids": None if self.withheld else self.ids,
-            "logprobs": None if self.withheld or not self.ids else self.logprobs,
+            "completion_token_ids": self.ids if self.known else None,
+            "logprobs": self.logprobs if self.known and self.ids else None,
             "finish_reason": self.finish_reason,
-            "spans": None if self.withheld else spans,
+            "spans": spans if self.known else None,
         }
 
 

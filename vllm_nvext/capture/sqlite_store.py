@@ -12,6 +12,7 @@ import json
 import os
 import sqlite3
 import threading
+import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -28,6 +29,10 @@ _SCHEMA = (
     " PRIMARY KEY (session_id, idx)) WITHOUT ROWID",
 )
 BUSY_TIMEOUT_MS = 5000
+# How long a batch waits for another process's write lock (a second server's long transaction), a try of
+# BUSY_TIMEOUT_MS at a time: past it the batch fails (dropped, `store_error`); a shutdown waits store.CLOSE_WAIT_S.
+BUSY_WAIT_S = 60.0
+_SQLITE_BUSY = 5  # SQLite's primary result code (an extended one in its low byte: SQLITE_BUSY_RECOVERY, ...)
 PRUNE_CHUNK = 500  # sessions removed per transaction
 _LAST_TURNS = 256  # sessions whose last turn the writer keeps (extends_previous without a re-read)
 _LAST_IDS = 16 * 1024 * 1024  # the ids those turns hold in all (4 bytes each: 64 MiB); past it the least recent go
@@ -121,7 +126,7 @@ class SQLiteBackend:
             raise StoreFull
         failed: Exception | None = None
         written = 0
-        conn.execute("BEGIN IMMEDIATE")
+        _begin(conn)
         try:
             for turn in turns:  # each turn its own savepoint: one that fails is rolled back alone, never its batch
                 conn.execute("SAVEPOINT turn")
@@ -291,6 +296,19 @@ class SQLiteBackend:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+
+def _begin(conn: sqlite3.Connection) -> None:
+    """`BEGIN IMMEDIATE`, waiting up to BUSY_WAIT_S for the write lock another process holds (nothing is written
+    before it: a try that meets the lock is tried again, never the batch dropped for a store that is only busy)."""
+    deadline = time.monotonic() + BUSY_WAIT_S
+    while True:
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            return
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", 0) & 0xFF != _SQLITE_BUSY or time.monotonic() >= deadline:
+                raise
 
 
 class SQLiteReader(SQLiteBackend):
