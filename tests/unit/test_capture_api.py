@@ -159,7 +159,8 @@ def test_a_session_larger_than_a_page_reads_in_pages(app, monkeypatch):
     assert seen == [0, 1, 2, 3]
 
 
-def test_a_broken_store_is_a_503_without_its_error_or_path(tmp_path, monkeypatch):
+def _app_whose_store_is_gone(tmp_path: Any, monkeypatch: Any) -> NvextMiddleware:
+    """A keyed app capturing into a SQLite file whose folder was removed after start-up (every read fails)."""
     monkeypatch.setenv("VLLM_API_KEY", KEY)
     folder = tmp_path / "store"
     folder.mkdir()
@@ -167,6 +168,11 @@ def test_a_broken_store_is_a_503_without_its_error_or_path(tmp_path, monkeypatch
     for p in folder.iterdir():
         p.unlink()
     folder.rmdir()
+    return app
+
+
+def test_a_broken_store_is_a_503_without_its_error_or_path(tmp_path, monkeypatch):
+    app = _app_whose_store_is_gone(tmp_path, monkeypatch)
     answer = call(app, "GET", "/v1/nvext/sessions/run-1")
     assert answer.status_code == 503
     assert str(tmp_path) not in answer.text and "Error" not in answer.json()["error"]["message"]
@@ -353,13 +359,7 @@ def test_a_start_of_other_digits_than_0_to_9_is_a_400_naming_start(app, start):
 
 
 def test_a_503_of_the_read_api_is_logged_with_the_kind_of_failure(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("VLLM_API_KEY", KEY)
-    folder = tmp_path / "store"
-    folder.mkdir()
-    app = NvextMiddleware(Upstream(), capture=f"sqlite:///{folder / 'c.sqlite3'}")
-    for p in folder.iterdir():
-        p.unlink()
-    folder.rmdir()
+    app = _app_whose_store_is_gone(tmp_path, monkeypatch)
     with caplog.at_level(logging.WARNING, logger="vllm_nvext.capture"):
         assert call(app, "GET", "/v1/nvext/sessions/run-1").status_code == 503
     (line,) = [r.getMessage() for r in caplog.records if "read API" in r.getMessage()]

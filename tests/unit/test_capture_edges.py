@@ -4,7 +4,6 @@ session id, another process or a second request of the same session is not the u
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import pytest
 
 from tests.helpers import sse_events
 from tests.recorded import recording
+from tests.support.capture import hold_writer
 from tests.unit.asgi import Upstream, call
 from tests.unit.test_proxy import _stop_what_started, proxy_over  # noqa: F401 (a fixture: the servers started stop)
 from tests.unit.test_proxy import call as proxy_call
@@ -84,18 +84,6 @@ def _renderer(seen: list[continuation.Continuation | None]) -> type[Upstream]:
             await super().__call__(scope, receive, send)
 
     return Renderer
-
-
-def _hold_writer(sink: Sink) -> threading.Event:
-    """The store's writer thread held before each write until the returned gate is set (a writer behind)."""
-    gate, write = threading.Event(), sink.backend.write
-
-    def held_write(turns: Any, now: float) -> None:
-        gate.wait(10)
-        write(turns, now)
-
-    sink.backend.write = held_write  # type: ignore[method-assign]
-    return gate
 
 
 async def _chat(app: NvextMiddleware, *headers: tuple[bytes, bytes]) -> bytes:
@@ -308,7 +296,7 @@ async def test_a_delete_right_after_a_turn_ends_leaves_no_turn_of_it_behind(tmp_
     sink = app.sink
     assert sink is not None
     await _turn(app, [1, 2], [3])
-    gate, delete, flush = _hold_writer(sink), sink.backend.delete, sink.flush
+    gate, delete, flush = hold_writer(sink), sink.backend.delete, sink.flush
 
     def delete_then_release(session_id: str) -> bool:
         found = delete(session_id)
@@ -342,7 +330,7 @@ async def test_a_delete_the_store_writer_cannot_reach_in_time_is_a_503_and_delet
     sink = app.sink
     assert sink is not None
     await _turn(app, [1, 2], [3])
-    gate = _hold_writer(sink)
+    gate = hold_writer(sink)
     app.app = _answer([1, 2, 3, 4], [5])
     await call(app, "/v1/chat/completions", json.dumps({**CHAT, "stream": False}).encode(), headers=(JSON, SESSION))
     monkeypatch.setattr(store, "CLOSE_WAIT_S", 0.05)

@@ -14,18 +14,17 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.capture import make_turn
+from tests.support.capture import hold_writer, make_turn
 from tests.support.redis_server import free_port
 from tests.unit.asgi import Upstream, call
 from vllm_nvext import NvextMiddleware
 from vllm_nvext.capture import api
 from vllm_nvext.capture.record import Turn
-from vllm_nvext.capture.store import Sink, open_sink
+from vllm_nvext.capture.store import open_sink
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-writer"
@@ -147,25 +146,13 @@ def test_a_store_another_process_holds_busy_past_its_busy_timeout_loses_no_turn(
         sink.close()
 
 
-def _hold_writer(sink: Sink) -> threading.Event:
-    """The store's writer thread held before each write until the returned gate is set (a writer behind)."""
-    gate, write = threading.Event(), sink.backend.write
-
-    def held_write(turns: Any, now: float) -> None:
-        gate.wait(10)
-        write(turns, now)
-
-    sink.backend.write = held_write  # type: ignore[method-assign]
-    return gate
-
-
 def test_a_turn_no_store_can_hold_is_refused_alone_counted_and_logged(store_url, caplog):
     """An upstream that is not vLLM (behind the proxy) answers float ids, a NaN logprob, a time no float holds, or no
     `id`: the first three are refused before they are written (counted `invalid_turn`, the log names the field),
     the turn without an id is recorded with `request_id: null`; the session's later turns and the 200 other
     sessions' turns written with them are all kept."""
     sink = open_sink(store_url)
-    gate = _hold_writer(sink)  # every turn queued first: the bad ones share their batches with the others
+    gate = hold_writer(sink)  # every turn queued first: the bad ones share their batches with the others
     sink.submit(make_turn("poisoned", [1, 2], [3]))
     sink.submit(make_turn("poisoned", [1.0, 2.0], [3]))  # type: ignore[list-item]
     sink.submit(make_turn("poisoned", [1, 2, 3, 4], [5]))
@@ -198,7 +185,7 @@ def test_a_stored_turn_that_does_not_read_back_never_blocks_its_session(store_ur
     turn is placed after it (`extends_previous: null`, its ids unknown) and the turns written with it are kept."""
     sink = open_sink(store_url)
     sink.backend.write([make_turn("legacy", [1.0], [2])], time.time())  # type: ignore[list-item]
-    gate = _hold_writer(sink)
+    gate = hold_writer(sink)
     sink.submit(make_turn("legacy", [1, 2], [3]))
     for n in range(100):
         sink.submit(make_turn(f"other-{n}", [n]))
@@ -227,7 +214,7 @@ def test_a_turn_sqlite_cannot_insert_is_rolled_back_alone(tmp_path):
     db.execute("DELETE FROM sessions WHERE session_id = 'orphan'")
     db.commit()
     db.close()
-    gate = _hold_writer(sink)
+    gate = hold_writer(sink)
     sink.submit(make_turn("orphan", [1, 2]))
     for n in range(100):
         sink.submit(make_turn(f"other-{n}", [n]))
@@ -324,7 +311,7 @@ def test_close_gives_up_on_a_store_that_hangs_and_counts_what_it_did_not_write(t
     """The writer held (a frozen disk): `close` returns after its bound with the 3 queued turns counted dropped
     (`shutdown`) and logged, and the batch the writer settles after that is not counted again."""
     sink = open_sink(f"sqlite:///{tmp_path / 'c.sqlite3'}")
-    gate = _hold_writer(sink)
+    gate = hold_writer(sink)
     for n in range(3):
         sink.submit(make_turn("hung", [n]))
     assert sink.close(0.2) == 3
@@ -354,7 +341,7 @@ async def test_the_queue_is_bounded_in_bytes_and_counts_what_it_drops(tmp_path, 
     app = NvextMiddleware(Upstream(body=json.dumps(answer).encode()), capture=f"sqlite:///{tmp_path / 'c.sqlite3'}")
     sink = app.sink
     assert sink is not None
-    gate = _hold_writer(sink)
+    gate = hold_writer(sink)
     request = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).encode()
     headers = ((b"content-type", b"application/json"), (b"x-nvext-session-id", b"big"))
     for _ in range(10):
