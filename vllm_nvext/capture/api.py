@@ -266,13 +266,12 @@ async def _nemo_gym(session_id: str, page: Page) -> Answer:
     return Answer(200, b"", pieces=sent(), length=sum(map(len, pieces)), content_type=NDJSON, headers=tuple(headers))
 
 
-_T = TypeVar("_T")
 _running = 0  # store calls in their threads now (`in_thread`)
 _ALL_RUNNING = "the capture store's calls are all still running"
 _running_lock = threading.Lock()
 
 
-async def in_thread(fn: Callable[..., _T], *args: Any, timeout: float | None, limited: bool = True) -> _T:
+async def in_thread(fn: Callable[..., T], *args: Any, timeout: float | None, limited: bool = True) -> T:
     """`fn(*args)` in a daemon thread of its own, awaited up to `timeout` (None: no bound; TimeoutError past it, the
     thread left to end or hang). Not the event loop's executor: a thread of it that hangs on the store (a frozen
     disk) would stall vLLM's own work queued there and hold the process's exit; a daemon thread holds neither.
@@ -280,7 +279,7 @@ async def in_thread(fn: Callable[..., _T], *args: Any, timeout: float | None, li
     False: the shutdown's one call, which those never hold back)."""
     global _running
     loop = asyncio.get_running_loop()
-    done: asyncio.Future[_T] = loop.create_future()
+    done: asyncio.Future[T] = loop.create_future()
 
     def settle(result: Any, error: BaseException | None) -> None:
         if not done.done():
