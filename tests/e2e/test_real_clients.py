@@ -83,4 +83,10 @@ def test_each_model_call_is_a_turn_of_the_clis_own_session_that_extends_the_one_
             )
     if name == "codex":
         assert {t["request_kind"] for t in turns} == {"turn"}, "Codex's x-codex-turn-metadata"
+        assert all(t["spans"] is None for t in turns), "/v1/responses reports ids per round, not per item"
+    else:  # each call's ids one span: the tool call (the tags and pieces the parser held back in it), the text
+        for index, turn in enumerate(turns):
+            whole = ("text", None) if index % 2 else ("tool_call", "Bash")
+            spans = [(s["kind"], s["start"], s["end"], s["name"]) for s in turn["spans"]]
+            assert spans == [(whole[0], 0, len(turn["completion_token_ids"]), whole[1])], (index, spans)
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 TEXT, REASONING, TOOL_CALL = "text", "reasoning", "tool_call"
+# A chunk whose delta shows nothing (a parser holding back ids: a tool call's opening tag, its arguments' pieces,
+# `</think>`): its ids belong to the span of what shows next, or of what showed last where nothing follows.
+HELD = "held"
 
 
 class Choice:
     """One choice's record: its ids, logprobs and spans so far."""
 
-    __slots__ = ("ids", "logprobs", "finish_reason", "spans", "withheld", "reported", "tools", "prompt")
+    __slots__ = ("ids", "logprobs", "finish_reason", "spans", "withheld", "reported", "tools", "prompt", "held")
 
     def __init__(self) -> None:
         self.ids: list[int] = []
@@ -22,6 +25,7 @@ class Choice:
         self.reported = False  # some chunk or body reported ids (a list): never, and they are not reported either
         self.tools: dict[int, tuple[str | None, str | None]] = {}  # tool call index -> (id, name)
         self.prompt: list[int] | None = None  # the prompt it answers, where the choice says (completions)
+        self.held: int | None = None  # where the ids of chunks that showed nothing begin, until one shows
 
     def add(self, ids: list[int] | None, logprobs: list[float] | None, kind: str | None, tool: int | None) -> None:
         if ids is None:
@@ -35,7 +39,10 @@ class Choice:
                 self.logprobs = None if ids else self.logprobs  # counts can no longer align
             else:
                 self.logprobs += logprobs
-        if ids and kind is not None:
+        if ids and kind == HELD:
+            self.held = start if self.held is None else self.held
+        elif ids and kind is not None:
+            start, self.held = (start if self.held is None else self.held), None
             call_id, name = self.tools.get(tool, (None, None)) if tool is not None else (None, None)
             last = self.spans[-1] if self.spans else None
             if last is not None and last["kind"] == kind and last["end"] == start and last["_tool"] == tool:
@@ -54,6 +61,12 @@ class Choice:
         for span, raw in zip(spans, self.spans, strict=True):
             if raw["_tool"] is not None:  # an id or name that came after the span began
                 span["tool_call_id"], span["name"] = self.tools.get(raw["_tool"], (None, None))
+        if self.held is not None:  # nothing showed after them: the last span's (a closing tag, EOS), else text
+            if spans and spans[-1]["end"] == self.held:
+                spans[-1]["end"] = len(self.ids)
+            else:
+                spans.append({"kind": TEXT, "start": self.held, "end": len(self.ids), "tool_call_id": None,
+                              "name": None})  # fmt: skip
         return {
             "completion_token_ids": self.ids if self.known else None,
             "logprobs": self.logprobs if self.known and self.ids else None,
@@ -86,7 +99,7 @@ def delta_kind(delta: Any, choice: dict[str, Any]) -> tuple[str | None, int | No
         return TOOL_CALL, index if isinstance(index, int) else 0, calls[-1]
     if delta.get("reasoning") or delta.get("reasoning_content"):
         return REASONING, None, None
-    return TEXT, None, None
+    return (TEXT if delta.get("content") else HELD), None, None
 
 
 def message_kinds(message: Any) -> list[str]:
