@@ -349,7 +349,8 @@ class CaptureCounts:
                         Counter(
                             PREFIX + "capture_turns_dropped",
                             "Turns the capture dropped, by reason: queue_full (the writer fell behind), "
-                            "store_full (the size cap), store_error (the store failed).",
+                            "store_full (the size cap), store_error (the store failed), invalid_turn, shutdown, "
+                            "not_on_this_mount (/v1/messages without the plugin mount).",
                             ["reason"],
                         ),
                         Gauge(

@@ -208,3 +208,24 @@ async def test_a_choice_whose_ids_were_never_reported_is_null_never_empty(pure, 
         assert first["completion_token_ids"] is None, (n, first)
         assert first["logprobs"] is None and first["spans"] is None, (n, first)
         assert second["completion_token_ids"] == [3] and second["index"] == 1, (n, second)
+
+
+@pytest.mark.parametrize("name", ["messages_unary_plain", "messages_stream_plain"])
+async def test_a_messages_request_on_the_middleware_alone_passes_as_sent_and_is_counted_not_captured(
+    name, tmp_path, caplog
+):
+    """docs/capture.md, Mounts: without the plugin, /v1/messages' ids exist only inside vLLM's handler. The request
+    reaches vLLM as the client sent it, the answer (vLLM 0.32's, recorded) the client as vLLM wrote it; no turn is
+    recorded, and each such request counts as dropped (`not_on_this_mount`), the log saying so once."""
+    request, answer, content_type = _rec(name)
+    upstream = Upstream(content_type=content_type, body=answer)
+    app = _app(upstream, tmp_path)
+    body = json.dumps(request).encode()
+    with caplog.at_level("WARNING", logger="vllm_nvext.capture"):
+        for _ in range(2):
+            result = await call(app, "/v1/messages", body, headers=(JSON, (b"x-claude-code-session-id", b"cc-1")))
+            assert (result.status, result.body, upstream.received) == (200, answer, body)
+    assert app.sink is not None and app.sink.tally.dropped_turns == {"not_on_this_mount": 2}
+    told = [r.getMessage() for r in caplog.records if "not captured on this mount" in r.getMessage()]
+    assert len(told) == 1 and "/v1/messages" in told[0] and "VLLM_PLUGINS=nvext" in told[0]
+    assert _turns(app) == []

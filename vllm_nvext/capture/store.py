@@ -40,9 +40,10 @@ CLOSE_WAIT_S = 10.0  # how long `close` (at shutdown) and a DELETE wait for the 
 
 # Why a turn was dropped (the `reason` label of vllm_nvext:capture_turns_dropped_total); INVALID_TURN: a turn no
 # store can hold (`Turn.problem`), refused alone before its batch is written; SHUTDOWN: queued when the server shut
-# down and not written in CLOSE_WAIT_S (a store that hangs).
+# down and not written in CLOSE_WAIT_S (a store that hangs); NOT_ON_THIS_MOUNT: a /v1/messages request where its ids
+# cannot be read (the `--middleware` mount alone, `vllm-nvext proxy`: they exist only inside vLLM's handler).
 QUEUE_FULL, STORE_FULL, STORE_ERROR, INVALID_TURN = "queue_full", "store_full", "store_error", "invalid_turn"
-SHUTDOWN = "shutdown"
+SHUTDOWN, NOT_ON_THIS_MOUNT = "shutdown", "not_on_this_mount"
 
 
 class StoreFull(Exception):
@@ -140,6 +141,7 @@ class Sink:
         self._queued_lock = threading.Lock()
         self._closed = False
         self._abandoned = False  # `close` gave up on the writer: what it handles after is no longer counted
+        self._told_mount = False  # the log said once that a route is not captured on this mount
         self._writer = threading.Thread(target=self._run, name="vllm-nvext-capture", daemon=True)
         self._writer.start()
 
@@ -159,6 +161,18 @@ class Sink:
                 self._held_bytes += size
         except queue.Full:
             self._count_drop(QUEUE_FULL, 1)
+
+    def not_on_this_mount(self, route: str) -> None:
+        """A request of `route` this mount cannot read the ids of: counted as dropped, and said once in the log."""
+        self._count_drop(NOT_ON_THIS_MOUNT, 1)
+        if not self._told_mount:
+            self._told_mount = True
+            logger.warning(
+                "vllm-nvext capture: %s is not captured on this mount: its ids exist only inside vLLM's handler. "
+                "Mount the plugin (VLLM_PLUGINS=nvext) in the vLLM server, capturing into the same store "
+                "(docs/capture.md, Mounts); counted as vllm_nvext:capture_turns_dropped_total{reason=\"%s\"}",
+                route, NOT_ON_THIS_MOUNT,
+            )  # fmt: skip
 
     def read(self, session_id: str) -> list[dict[str, Any]] | None:
         """Every turn of the session (None: no such session). Blocking: call it off the event loop."""
