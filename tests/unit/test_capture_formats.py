@@ -268,3 +268,18 @@ def test_the_read_api_serves_atif_v17_in_pieces_byte_for_byte_with_subagents_and
     check_atif(later)
     assert later["trajectory_id"] == "claude-1@1" and later["extra"] == {"next_index": 2}
     assert later["steps"][0]["extra"]["agent_id"] == "explore" and "subagent_trajectories" not in later
+
+
+def test_the_read_api_gives_a_subagent_threads_document_its_nesting_byte_for_byte(served):
+    app, sink = served
+    turns = [make_turn("cc-2:agent-x", [1, 2], [3], index=n, group_id="cc-2", agent_id="agent-x", parent_id="lead",
+                       session_source="x-claude-code-session-id").to_json() for n in range(2)]  # fmt: skip
+    for turn in turns:
+        sink.submit(Turn.from_json(turn))
+    assert sink.flush()
+    stored = call(app, "GET", "/v1/nvext/sessions/cc-2:agent-x").json()["turns"]  # as the store keeps them
+    answer = call(app, "GET", "/v1/nvext/sessions/cc-2:agent-x?format=atif")
+    assert answer.status_code == 200, answer.text
+    assert answer.content == json.dumps(trajectory("cc-2:agent-x", stored), separators=(",", ":")).encode()
+    check_atif(answer.json())
+    assert answer.json()["extra"] == {"group_id": "cc-2", "parent_session_id": "cc-2:lead"}

@@ -263,3 +263,33 @@ async def test_the_proxy_forwards_a_prefixed_request_to_the_route_it_names_under
     (turn,) = sink.read("roll-9") or []
     assert turn["session_source"] == "url" and turn["prompt_token_ids"] == json.loads(rec.body)["prompt_token_ids"]
     sink.close()
+
+
+async def test_each_threads_atif_document_says_how_it_nests_in_its_run(tmp_path):
+    """docs/trainer-formats.md, Subagents: a thread of its own is a document of its own, whose `extra` names its run
+    (`group_id`) and the session of the thread that spawned it (`parent_session_id`), so a trainer nests them; each
+    valid ATIF v1.7 (its authors' schema, vendored)."""
+    from tests.unit.test_capture_formats import check_atif
+    from vllm_nvext.capture.atif import trajectory
+
+    claude = (b"x-claude-code-session-id", b"cc-9")
+    codex = (b"session-id", b"codex-9")
+    turns = await _send_all(tmp_path, [
+        (claude,),
+        (claude, (b"x-claude-code-agent-id", b"agent-x")),  # spawned by the main agent
+        (claude, (b"x-claude-code-agent-id", b"agent-y"), (b"x-claude-code-parent-agent-id", b"agent-x")),
+        (codex, (b"thread-id", b"thread-root")),
+        (codex, (b"thread-id", b"thread-a"), (b"x-codex-parent-thread-id", b"thread-root")),
+    ])  # fmt: skip
+    docs = {}
+    for session in dict.fromkeys(t.session_id for t in turns):
+        doc = trajectory(session, [t.to_json() for t in turns if t.session_id == session])
+        check_atif(doc)
+        docs[session] = doc.get("extra")
+    assert docs == {
+        "cc-9": None,  # the run's root: nothing to nest in
+        "cc-9:agent-x": {"group_id": "cc-9", "parent_session_id": "cc-9"},
+        "cc-9:agent-y": {"group_id": "cc-9", "parent_session_id": "cc-9:agent-x"},
+        "thread-root": {"group_id": "codex-9"},
+        "thread-a": {"group_id": "codex-9", "parent_session_id": "thread-root"},
+    }

@@ -178,9 +178,9 @@ def _head_of(text: str) -> dict[str, Any]:
     return head
 
 
-def _atif_plan(page: Page) -> tuple[int, list[tuple[str | None, list[int], str | None]]]:
-    """The page's first index, and its threads (`atif.threads`): each its agent, its turns' places, the first model
-    they name; the root thread first."""
+def _atif_plan(page: Page) -> tuple[int, list[tuple[str | None, list[int], str | None]], dict[str, str]]:
+    """The page's first index, its threads (`atif.threads`: each its agent, its turns' places, the first model they
+    name; the root thread first), and how the session nests in its run (`atif.nesting`)."""
     heads = [_head_of(text) for text in page.turns]
     root, others = atif.threads(heads)
     threads = [(heads[0].get("agent_id"), root), *others.items()]
@@ -188,7 +188,7 @@ def _atif_plan(page: Page) -> tuple[int, list[tuple[str | None, list[int], str |
         (agent, places, next((heads[n]["model"] for n in places if heads[n].get("model")), None))
         for agent, places in threads
     ]
-    return int(heads[0].get("index") or 0), plan
+    return int(heads[0].get("index") or 0), plan, atif.nesting(heads[0])
 
 
 def _atif_steps(turns: list[str], first_step: int, decode: atif.Decode | None) -> tuple[bytes, dict[str, int]]:
@@ -219,7 +219,7 @@ async def _thread_pieces(
 async def _atif_pieces(session_id: str, page: Page, decode: atif.Decode | None) -> AsyncIterator[bytes]:
     """The ATIF document of the page's turns (`atif.trajectory`'s, byte for byte): the root thread, then each
     other agent's in `subagent_trajectories`, a step of turns at a time."""
-    first, plan = await _reading(_atif_plan, page)
+    first, plan, nested = await _reading(_atif_plan, page)
     doc_id = atif.trajectory_id(session_id, first)
     for n, (agent, places, model) in enumerate(plan):
         if n == 1:
@@ -229,7 +229,7 @@ async def _atif_pieces(session_id: str, page: Page, decode: atif.Decode | None) 
             yield piece
         if n:
             yield b"}" + (b"," if n < len(plan) - 1 else b"]")
-    yield atif.document_extra(page.next_index).encode()
+    yield atif.document_extra(page.next_index, nested).encode()
 
 
 def _nemo_gym_lines(rollout: nemo_gym.Rollout, turns: list[str]) -> bytes:

@@ -58,6 +58,23 @@ def subagent_id(document_id: str, agent_id: str | None) -> str:
     return f"{document_id}:{agent_id or ''}"
 
 
+def nesting(turn: dict[str, Any]) -> dict[str, str]:
+    """How a session's thread nests in its run, by its first turn (docs/trainer-formats.md, Subagents): `group_id`,
+    the run (Codex's `session-id`, Claude Code's session) where it is not the session itself, and
+    `parent_session_id`, the session of the thread that spawned it (a Claude Code subagent's parent agent is the
+    session `{group}:{parent}`, the main agent `{group}`; other harnesses' `parent_id` names the session)."""
+    session, group, parent = turn.get("session_id"), turn.get("group_id"), turn.get("parent_id")
+    made: dict[str, str] = {}
+    if isinstance(group, str) and group != session:
+        made["group_id"] = group
+        if turn.get("session_source") == "x-claude-code-session-id" and turn.get("agent_id") is not None:
+            made["parent_session_id"] = group if parent is None else f"{group}:{parent}"
+            return made
+    if isinstance(parent, str):
+        made["parent_session_id"] = parent
+    return made
+
+
 def threads(turns: Sequence[dict[str, Any]]) -> tuple[list[int], dict[str | None, list[int]]]:
     """The positions of the root thread's turns (those of the first turn's `agent_id`), and of each other agent's
     (in the order they first appear)."""
@@ -82,6 +99,8 @@ def trajectory(
             _thread(session_id, subagent_id(doc_id, agent), [turns[n] for n in places], version, decode)
             for agent, places in others.items()
         ]
+    if nested := nesting(turns[0]):
+        doc["extra"] = nested
     return doc
 
 
@@ -158,9 +177,10 @@ def document_steps_end(steps: int, totals: dict[str, int]) -> str:
     return '],"final_metrics":' + encode(final_metrics(steps, totals))
 
 
-def document_extra(next_index: int | None) -> str:
-    """The page's `extra.next_index` where another page follows, and the document's end."""
-    return ("" if next_index is None else ',"extra":' + encode({"next_index": next_index})) + "}"
+def document_extra(next_index: int | None, nested: dict[str, str] | None = None) -> str:
+    """The document's `extra` (how it nests: `nesting`; `next_index` where another page follows), and its end."""
+    extra: dict[str, Any] = {**(nested or {}), **({} if next_index is None else {"next_index": next_index})}
+    return ("," + '"extra":' + encode(extra) if extra else "") + "}"
 
 
 def step(step_id: int, turn: dict[str, Any], decode: Decode | None = None) -> dict[str, Any]:
