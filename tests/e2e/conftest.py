@@ -23,6 +23,7 @@ import pytest
 
 from tests.helpers import http_client
 from tests.support import servers
+from tests.support.agent_clis import *  # noqa: F403  (the real-client group's kinds' fixtures)
 from tests.support.refs import APART, CURRENT, PROXY_ONLY, SEPARATE
 from tests.support.servers import *  # noqa: F403  (every kind's `<name>_server` fixture)
 from tests.support.servers import VERSION_KINDS, VERSION_ROLES, Server

@@ -12,6 +12,7 @@ stock's client sees. Marker e2e_clients: a pytest run of its own (`make test-e2e
 from __future__ import annotations
 
 import functools
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,6 @@ import pytest
 
 from tests.e2e.capture_loops import session_turns
 from tests.support.agent_clis import ANSWER, MARKER, TOOL_CALLS, ClaudeCode, Codex
-from tests.support.agent_clis import clients_nvext_server, clients_stock_server  # noqa: F401  (fixtures)
 from tests.support.servers import tiny_model_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_clients]
@@ -45,7 +45,7 @@ def _session(cli: type, server: Any, home: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module", params=list(CLIS))
-def sessions(request, clients_nvext_server, clients_stock_server, tmp_path_factory):  # noqa: F811
+def sessions(request, clients_nvext_server, clients_stock_server, tmp_path_factory):
     """One 3-turn session of the CLI on each server: (name, nvext's turns, stock's turns)."""
     cli = CLIS[request.param][0]
     home = tmp_path_factory.mktemp(request.param)
@@ -90,3 +90,24 @@ def test_each_model_call_is_a_turn_of_the_clis_own_session_that_extends_the_one_
             spans = [(s["kind"], s["start"], s["end"], s["name"]) for s in turn["spans"]]
             assert spans == [(whole[0], 0, len(turn["completion_token_ids"]), whole[1])], (index, spans)
 
+
+def test_codex_on_vllm_nvext_serve_over_vllm_032s_real_engine(clients_serve_server, clients_real_stock_server,
+                                                             tmp_path):  # fmt: skip
+    """`vllm-nvext serve --capture URL --continue-ids` as a user runs it, on vLLM 0.32's real engine: Codex's three
+    turns (the tiny model's bytes, no tool call) are one session, each extending the last, the ids decoding to what
+    Codex printed. Its first turn is what Codex prints against stock `vllm serve` on the same arguments. The later
+    ones are not, by design: the tiny model samples bytes that are no UTF-8, which the text Codex sends back has
+    lost (U+FFFD), so stock re-tokenizes another prompt, where continue ids hand the model the ids it sampled."""
+    # One HOME and folder for both, one after the other: Codex's prompt names them, and the model's bytes follow it.
+    stock = _session(Codex, clients_real_stock_server, tmp_path / "codex")
+    shutil.rmtree(tmp_path / "codex")
+    served = _session(Codex, clients_serve_server, tmp_path / "codex")
+    assert (served[0]["message"], served[0]["commands"]) == (stock[0]["message"], stock[0]["commands"])
+    turns = session_turns(clients_serve_server, served[0]["session"], 3)
+    assert len(turns) == 3 and [t["extends_previous"] for t in turns] == [None, True, True]
+    for turn, printed in zip(turns, served, strict=True):
+        # An answer cut at max_tokens inside a character: vLLM's detokenizer never writes the incomplete bytes,
+        # which decode here as one U+FFFD; the ids are what the model sampled.
+        assert _text(turn["completion_token_ids"]) in (printed["message"], printed["message"] + "\ufffd")
+    lossy = [t for t in turns if "\ufffd" in _text(t["completion_token_ids"])]
+    assert lossy, "the tiny model's bytes: some answer is no UTF-8 (else this test shows less than it says)"

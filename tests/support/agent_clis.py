@@ -19,13 +19,12 @@ import json
 import os
 import re
 import subprocess
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tests.helpers import API_KEY, MODEL_NAME
-from tests.support.servers import TOOL_ARGS, capture_url, register, tiny_vllm
+from tests.support.servers import EAGER_ARGS, TOOL_ARGS, capture_url, make_serve, register, tiny_vllm
 from vllm_nvext.tools.reference_venvs import is_built, refs_dir
 from vllm_nvext.tools.server import MIDDLEWARE
 
@@ -37,15 +36,18 @@ TEMPLATE = Path(__file__).with_name("chatml_tools.jinja")
 ANSWER = "The marker is printed."
 MARKER = "nvext-42"  # what the tool prints: the scripted call is `echo nvext-$((6*7))`
 COMMAND = "echo nvext-$((6*7))"
+
+
+def hermes_call(name: str, arguments: dict[str, str]) -> str:
+    """A tool call as a hermes model writes it, and as tests/support/chatml_tools.jinja renders it back."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
 # Each agent's shell tool, as its own tool list names it, called in hermes's form (and as the template
 # renders it back); the first words name the agent by its system prompt.
 TOOL_CALLS = [
-    ["Codex", '<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "%s"}}\n</tool_call>' % COMMAND],
-    [
-        "Claude Code",
-        '<tool_call>\n{"name": "Bash", "arguments": {"command": "%s", "description": "Print the marker"}}\n</tool_call>'
-        % COMMAND,
-    ],
+    ["Codex", hermes_call("exec_command", {"cmd": COMMAND})],
+    ["Claude Code", hermes_call("Bash", {"command": COMMAND, "description": "Print the marker"})],
 ]
 # Each CLI's first request is ~17-20k tokens of system prompt and tools, one id a byte on the tiny model.
 LONG = ("--max-model-len", "65536", "--hf-overrides", json.dumps({"max_position_embeddings": 65536}))
@@ -64,6 +66,33 @@ clients_nvext_server = _kind(
     "clients_nvext", "--middleware", MIDDLEWARE,
     env={**SERVE_ENV, "VLLM_NVEXT_CAPTURE": capture_url("clients_nvext")},
 )  # fmt: skip
+
+# vLLM 0.32's real engine on the tiny model (random weights: its text is bytes, not words), greedy and short by the
+# server's own defaults, so a CLI's turn is the same on any server: `vllm-nvext serve --capture URL --continue-ids`
+# as a user runs it, and stock `vllm serve` on the same arguments. Codex alone: Claude Code takes a `max_tokens`
+# stop as an error, and only a model's EOS ends the tiny model's answer otherwise.
+SHORT = ("--override-generation-config", json.dumps({"temperature": 0, "max_new_tokens": 24}))
+clients_real_stock_server = register(
+    "clients_real_stock", tiny_vllm("clients_real_stock", "--api-key", API_KEY, *TOOL_ARGS, *LONG, *SHORT)
+)
+clients_serve_server = register(
+    "clients_serve",
+    lambda: make_serve(
+        "--capture",
+        capture_url("clients_serve"),
+        "--continue-ids",
+        "--",
+        "--api-key",
+        API_KEY,
+        "--served-model-name",
+        MODEL_NAME,
+        *TOOL_ARGS,
+        *LONG,
+        *SHORT,
+        *EAGER_ARGS,
+        name="clients_serve",
+    ),  # fmt: skip
+)
 
 
 def versions() -> dict[str, str]:
@@ -112,13 +141,13 @@ class Codex(Run):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        config = tomllib.loads(_docs_block("toml", "Codex"))
-        assert config["model_providers"]["vllm"]["wire_api"] == "responses", "docs/agents.md's provider"
-        text = _docs_block("toml", "Codex").replace(f'"{config["model"]}"', f'"{MODEL_NAME}"', 1)
-        text = text.replace(config["model_providers"]["vllm"]["base_url"], f"{self.url}/v1")
+        text = _docs_block("toml", "Codex")
+        config = dict(re.findall(r'^(\w+) = "([^"]*)"', text, flags=re.M))  # the block's string keys
+        assert config["wire_api"] == "responses" and config["model_provider"] == "vllm", "docs/agents.md's provider"
+        text = text.replace(f'"{config["model"]}"', f'"{MODEL_NAME}"', 1).replace(config["base_url"], f"{self.url}/v1")
         (self.home / ".codex").mkdir(exist_ok=True)
         (self.home / ".codex" / "config.toml").write_text(text)
-        self.env = {"CODEX_HOME": str(self.home / ".codex"), config["model_providers"]["vllm"]["env_key"]: API_KEY}
+        self.env = {"CODEX_HOME": str(self.home / ".codex"), config["env_key"]: API_KEY}
         self.turns = 0
 
     def turn(self, prompt: str) -> dict[str, Any]:
@@ -131,8 +160,11 @@ class Codex(Run):
         (thread,) = {e["thread_id"] for e in events if e["type"] == "thread.started"}
         return {
             "session": thread,
-            "commands": [(i["command"], i["aggregated_output"], i["exit_code"]) for i in items
-                         if i["type"] == "command_execution"],  # fmt: skip
+            "commands": [
+                (i["command"], i["aggregated_output"], i["exit_code"])
+                for i in items
+                if i["type"] == "command_execution"
+            ],  # fmt: skip
             "message": [i["text"] for i in items if i["type"] == "agent_message"][-1],
         }
 
@@ -142,8 +174,10 @@ class ClaudeCode(Run):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        exported = dict(re.findall(r"^export (\w+)=(\S+)", _docs_block("bash", "Claude Code"), flags=re.M))
-        values = {"http://localhost:8000": self.url, '"$VLLM_API_KEY"': API_KEY, "qwen3": MODEL_NAME}
+        exported: dict[str, str] = dict(
+            re.findall(r"^export (\w+)=(\S+)", _docs_block("bash", "Claude Code"), flags=re.M)
+        )
+        values: dict[str, str] = {"http://localhost:8000": self.url, '"$VLLM_API_KEY"': API_KEY, "qwen3": MODEL_NAME}
         self.env = {name: values.get(value, value) for name, value in exported.items()}
         assert set(values.values()) <= set(self.env.values()), f"docs/agents.md's exports changed: {exported}"
         self.turns = 0

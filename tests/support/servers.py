@@ -258,9 +258,9 @@ scale_server = register(
 )
 
 
-def _make_serve() -> Server:
+def make_serve(*args: str, name: str = "serve") -> Server:
     """`vllm-nvext serve` exactly as `make serve` runs it: no arguments but the port (the tiny model,
-    no key); it starts vLLM in a process group of its own and stops it on SIGTERM."""
+    no key) and `args`; it starts vLLM in a process group of its own and stops it on SIGTERM."""
     import sys
 
     from vllm_nvext.tools.server import ServerProcess
@@ -269,14 +269,14 @@ def _make_serve() -> Server:
         LABEL = "vllm-nvext serve"
 
         def __init__(self) -> None:
-            self.name, self.port, self.log_path, self.proc = "serve", listen_port(), None, None
+            self.name, self.port, self.log_path, self.proc = name, listen_port(), None, None
 
         @property
         def url(self) -> str:
             return f"http://127.0.0.1:{self.port}"
 
         def start(self) -> _Serve:
-            command = [sys.executable, "-m", "vllm_nvext.tools.cli", "serve", "--port", str(self.port)]
+            command = [sys.executable, "-m", "vllm_nvext.tools.cli", "serve", "--port", str(self.port), *args]
             self.spawn(command, {**os.environ, "PYTHONUNBUFFERED": "1"})
             return self
 
@@ -284,7 +284,7 @@ def _make_serve() -> Server:
 
 
 # The project's first command (README, tests/e2e/test_readme.py): every README curl against it.
-serve_server = register("serve", _make_serve)
+serve_server = register("serve", lambda: make_serve())
 
 
 def _hidden_states_vllm(
