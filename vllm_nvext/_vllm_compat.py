@@ -316,6 +316,13 @@ def rust_frontend_version(scope: MutableMapping[str, Any]) -> str | None:
     return None if upstream is None else upstream.rust_frontend_version
 
 
+def responses_use_harmony(scope: MutableMapping[str, Any]) -> bool:
+    """vLLM's Responses handler renders with Harmony (gpt-oss models), which refuses output logprobs with a 400;
+    False where no handler is at hand (behind `vllm-nvext proxy`: docs/capture.md, Logprobs)."""
+    handler = getattr(getattr(scope.get("app"), "state", None), "openai_serving_responses", None)
+    return getattr(handler, "use_harmony", False) is True
+
+
 # The upstream's arguments as `vllm-nvext proxy` was told them (its own flags), when the middleware
 # runs outside vLLM's process: read where `app.state.args` would be.
 SERVER_ARGS = "vllm_nvext.server_args"

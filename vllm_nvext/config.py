@@ -21,6 +21,7 @@ ENV_CAPTURE_QUEUE_BYTES = "VLLM_NVEXT_CAPTURE_QUEUE_BYTES"
 ENV_CONTINUE_IDS = "VLLM_NVEXT_CONTINUE_IDS"
 ENV_CAPTURE_API = "VLLM_NVEXT_CAPTURE_API"
 ENV_CAPTURE_BODY_KEYS = "VLLM_NVEXT_CAPTURE_BODY_KEYS"
+ENV_CAPTURE_LOGPROBS = "VLLM_NVEXT_CAPTURE_LOGPROBS"
 ENV_CAPTURE_PASSWORD = "VLLM_NVEXT_CAPTURE_PASSWORD"
 ENV_CAPTURE_PASSWORD_FILE = "VLLM_NVEXT_CAPTURE_PASSWORD_FILE"
 MODE_HEADER = "x-nvext-mode"
@@ -88,6 +89,9 @@ class Settings:
     capture_api: CaptureApi = CaptureApi.KEYED  # who the read API is served to
     # A body's `prompt_cache_key` / `metadata.user_id` name sessions (off: headers alone; docs/capture.md).
     capture_body_keys: bool = False
+    # A captured request asks vLLM for the sampled tokens' logprobs, taken back out of the client's answer
+    # (docs/capture.md, Logprobs); needs capture.
+    capture_logprobs: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _mode(self.mode, "mode"))
@@ -111,10 +115,17 @@ class Settings:
         object.__setattr__(self, "capture_api", _capture_api(self.capture_api, "capture_api"))
         if not isinstance(self.capture_body_keys, bool):
             raise ConfigError(f"capture_body_keys: expected True or False, got {self.capture_body_keys!r}")
+        if not isinstance(self.capture_logprobs, bool):
+            raise ConfigError(f"capture_logprobs: expected True or False, got {self.capture_logprobs!r}")
         if self.continue_ids and self.capture is None:
             raise ConfigError(
                 f"continue_ids ({ENV_CONTINUE_IDS}=1) needs capture on ({ENV_CAPTURE}, or `capture=`): "
                 "it continues the ids of the captured session's last turn (docs/capture.md)"
+            )
+        if self.capture_logprobs and self.capture is None:
+            raise ConfigError(
+                f"capture_logprobs ({ENV_CAPTURE_LOGPROBS}=1) needs capture on ({ENV_CAPTURE}, or `capture=`): "
+                "it asks vLLM for the logprobs of captured requests (docs/capture.md)"
             )
 
     @classmethod
@@ -132,14 +143,19 @@ class Settings:
         continue_ids: bool | None = None,
         capture_api: CaptureApi | str | None = None,
         capture_body_keys: bool | None = None,
+        capture_logprobs: bool | None = None,
         base: Settings | None = None,
     ) -> Settings:
         """Settings from keyword arguments; each one left at None comes from `base` (default: the environment)."""
         if base is None:
-            # The environment's, less continue_ids: checked below with the capture these arguments give.
+            # The environment's, less the settings that need capture: checked below with the capture these
+            # arguments give.
             if continue_ids is None:
                 continue_ids = _parse_bool(os.environ, ENV_CONTINUE_IDS, False)
-            base = cls.from_env({k: v for k, v in os.environ.items() if k != ENV_CONTINUE_IDS})
+            if capture_logprobs is None:
+                capture_logprobs = _parse_bool(os.environ, ENV_CAPTURE_LOGPROBS, False)
+            needs_capture = (ENV_CONTINUE_IDS, ENV_CAPTURE_LOGPROBS)
+            base = cls.from_env({k: v for k, v in os.environ.items() if k not in needs_capture})
         return cls(
             mode=base.mode if mode is None else _mode(mode, "mode"),
             allow_mode_header=base.allow_mode_header if allow_mode_header is None else allow_mode_header,
@@ -155,6 +171,7 @@ class Settings:
             continue_ids=base.continue_ids if continue_ids is None else continue_ids,
             capture_api=base.capture_api if capture_api is None else _capture_api(capture_api, "capture_api"),
             capture_body_keys=base.capture_body_keys if capture_body_keys is None else capture_body_keys,
+            capture_logprobs=base.capture_logprobs if capture_logprobs is None else capture_logprobs,
         )
 
     @classmethod
@@ -178,6 +195,7 @@ class Settings:
             continue_ids=_parse_bool(env, ENV_CONTINUE_IDS, False),
             capture_api=_capture_api(env.get(ENV_CAPTURE_API, "").strip() or CaptureApi.KEYED, ENV_CAPTURE_API),
             capture_body_keys=_parse_bool(env, ENV_CAPTURE_BODY_KEYS, False),
+            capture_logprobs=_parse_bool(env, ENV_CAPTURE_LOGPROBS, False),
         )
 
 
@@ -217,6 +235,7 @@ def capture_environ(settings: Settings) -> dict[str, str]:
         ENV_CONTINUE_IDS: "1" if settings.continue_ids else "0",
         ENV_CAPTURE_API: settings.capture_api.value,
         ENV_CAPTURE_BODY_KEYS: "1" if settings.capture_body_keys else "0",
+        ENV_CAPTURE_LOGPROBS: "1" if settings.capture_logprobs else "0",
     }
 
 

@@ -669,6 +669,19 @@ capture_continue_server = register(
     ),
 )
 
+# VLLM_NVEXT_CAPTURE_LOGPROBS (tests/e2e/test_capture_logprobs.py): both mounts, as `vllm-nvext serve
+# --capture-logprobs` runs them (chat, completions and /v1/responses through --middleware, /v1/messages through
+# the plugin), capture into a store of its own; its clients must get capture_stock's answers.
+capture_logprobs_server = register(
+    "capture_logprobs",
+    lambda: _capture_vllm(
+        "capture_logprobs",
+        "--middleware",
+        MIDDLEWARE,
+        env={"VLLM_PLUGINS": "nvext", "VLLM_NVEXT_CAPTURE_LOGPROBS": "1"},
+    ),
+)
+
 
 # --- capture in a fleet (tests/e2e/test_capture_fleet.py, marker e2e_scaleout: in test_router.py's run) ---
 # One real redis-server, the store of two replicas (the two mounts) behind vllm-router's round_robin, and

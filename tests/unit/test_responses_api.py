@@ -21,13 +21,13 @@ from vllm_nvext import _json as nvjson
 from vllm_nvext.agent.messages import plan_messages
 from vllm_nvext.agent.responses import (
     ResponsesPlan,
-    ResponsesSend,
     ResponsesStream,
     plan_responses,
     reshape_response,
     reshape_unary,
     response_ids,
 )
+from vllm_nvext.agent.route import ResponsesSend
 
 AGENT = Path(__file__).resolve().parents[1] / "fixtures" / "agent-apis"
 RESPONSES = "/v1/responses"

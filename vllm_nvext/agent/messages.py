@@ -211,8 +211,9 @@ def place_ids_in_event(event: str, ids: CapturedIds, vllm_ids: bool, nvext_trio:
     return f"{head}\ndata: {_json.dumps(obj).decode()}\n\n"
 
 
-def _handler_copy(handler: Any, ids: CapturedIds) -> Any:
-    """A per-request copy of vLLM's Anthropic handler: its chat request asks for ids, its chat answer is read."""
+def _handler_copy(handler: Any, ids: CapturedIds, logprobs: bool = False) -> Any:
+    """A per-request copy of vLLM's Anthropic handler: its chat request asks for ids (and with `logprobs`, the
+    capture's, the sampled tokens' logprobs: its Anthropic answer has no place for them), its chat answer is read."""
     proxy = copy.copy(handler)
     convert = handler.to_chat_completion_request
     chat = handler.create_chat_completion
@@ -230,6 +231,8 @@ def _handler_copy(handler: Any, ids: CapturedIds) -> Any:
     def to_chat_completion_request(*args: Any, **kwargs: Any) -> Any:
         request = convert(*args, **kwargs)
         request.return_token_ids = True
+        if logprobs and not request.logprobs:
+            request.logprobs = True  # vLLM's default top_logprobs (0): the sampled token's alone
         return request
 
     async def create_chat_completion(request: Any, raw_request: Any = None) -> Any:
@@ -270,11 +273,13 @@ async def serve(
     data: dict[str, Any],
     placements: IdPlacements,
     tap: Any = None,
+    logprobs: bool = False,
 ) -> bool:
     """Answer one /v1/messages request with ids through vLLM's own Anthropic handler.
 
     `data`: the body `receive` replays, which vLLM is to read, with the client's `nvext` /
-    `return_token_ids` (which vLLM's model ignores, and its errors count: as in the body sent). A body
+    `return_token_ids` (which vLLM's model ignores, and its errors count: as in the body sent); `logprobs`: the
+    capture asks for the sampled tokens' logprobs (VLLM_NVEXT_CAPTURE_LOGPROBS). A body
     that is not a valid Messages request gets vLLM's own 400 from this one validation.
     False, with nothing sent, when this vLLM has no Anthropic handler to serve it with.
     """
@@ -297,7 +302,8 @@ async def serve(
         return True
     ids = CapturedIds(tap=tap)
     # As vLLM's route (`with_cancellation`): a client that goes away cancels the work, nothing outlives it.
-    work = asyncio.ensure_future(_handler_copy(handler, ids).create_messages(request, Request(scope, receive)))
+    served = _handler_copy(handler, ids, logprobs)
+    work = asyncio.ensure_future(served.create_messages(request, Request(scope, receive)))
     gone = asyncio.ensure_future(_until_disconnect(receive))
     await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
     gone.cancel()

@@ -5,19 +5,17 @@ docs/protocol.md §11. On /v1/responses vLLM's own placement is `enable_response
 for a request that opts in, answers the nvext placement from it (a root `nvext` on the response
 object, in a stream on the `response` of the event that ends it), and takes back out whatever
 only it caused. What a body on either route opts into is read here (`opt_in`); /v1/messages' plan
-and answer are in messages.py. Pure except `ResponsesSend`, the ASGI `send` that reshapes vLLM's answer.
+and answer are in messages.py. Pure: `route.ResponsesSend`, the ASGI `send` that reshapes vLLM's answer, runs it.
 """
 
 from __future__ import annotations
 
 import enum
-import logging
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from .. import _json, _vllm_compat
-from ..asgi import Message, Send
 from ..config import Mode
 from ..inbound.fields import DecisionFields
 from ..inbound.nvext_schema import json_type, validate_nvext
@@ -33,8 +31,7 @@ from ..protocol import (
     Placement,
     RequestError,
 )
-
-logger = logging.getLogger("vllm_nvext")
+from .logprobs import STRIPPED_TOKENS, include_with_logprobs, strip_event, strip_response
 
 
 class AgentRoute(str, enum.Enum):
@@ -85,6 +82,8 @@ class ResponsesPlan:
     headers: tuple[tuple[bytes, bytes], ...] = ()
     dialect: Dialect = Dialect.VLLM
     capture: bool = False  # the operator captures it (docs/capture.md): the answer goes past the tap
+    # The capture turned the output text's logprobs on (VLLM_NVEXT_CAPTURE_LOGPROBS): taken back out (logprobs.py).
+    strip_logprobs: bool = False
 
     @property
     def reshapes(self) -> bool:
@@ -179,11 +178,12 @@ def opt_in(body: bytes, mode: Mode, route: str) -> OptIn | None:
 
 
 def plan_responses(
-    body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None, capture: bool = False
+    body: bytes, mode: Mode, *, dp_rank_header: bytes | None = None, capture: bool = False, logprobs: bool = False
 ) -> ResponsesPlan | None:
     """The plan for a /v1/responses body; None means pass it through untouched.
 
-    `capture`: captured, so `enable_response_messages` upstream (taken back out unless the client asked).
+    `capture`: captured, so `enable_response_messages` upstream (taken back out unless the client asked), and
+    with `logprobs` (VLLM_NVEXT_CAPTURE_LOGPROBS) the output text's logprobs (likewise: logprobs.py).
     Raises RequestError for what vLLM reads but cannot be answered with ids.
     """
     opt = opt_in(body, mode, "/v1/responses")
@@ -202,6 +202,9 @@ def plan_responses(
     strip = (opt.nvext_trio or opt.nvext_prompt_ids or captured) and not opt.vllm_placement and not client_enabled
     if (opt.ids or captured) and not client_enabled:
         rewrite.set("enable_response_messages", "true")
+    include = include_with_logprobs(data) if captured and logprobs else None
+    if include is not None:
+        rewrite.set("include", include)
     return ResponsesPlan(
         vllm_placement=opt.vllm_placement,
         nvext_trio=opt.nvext_trio,
@@ -213,6 +216,7 @@ def plan_responses(
         headers=headers,
         dialect=opt.dialect if opt.ids or opt.nvext or "nvext" in data else Dialect.NONE,
         capture=captured,
+        strip_logprobs=include is not None,
     )
 
 
@@ -275,6 +279,8 @@ def reshape_response(response: dict[str, Any], plan: ResponsesPlan) -> bool:
         for key in _VLLM_MESSAGES:
             if key in response:
                 response[key] = None  # what vLLM writes without enable_response_messages
+    if plan.strip_logprobs:
+        strip_response(response)
     return True
 
 
@@ -307,7 +313,9 @@ class ResponsesStream:
 
     def _event(self, event: bytes) -> bytes:
         # Inside a JSON string every quote is escaped: these byte runs are the event's own type.
-        if not any(token in event for token in _TERMINAL_TOKENS):
+        if not any(token in event for token in _TERMINAL_TOKENS) and not (
+            self.plan.strip_logprobs and any(token in event for token in STRIPPED_TOKENS)
+        ):
             return event
         span = data_span(event)
         if span is None:
@@ -319,80 +327,11 @@ class ResponsesStream:
             return event
         response = obj.get("response") if isinstance(obj, dict) else None
         if obj.get("type") not in TERMINAL_EVENTS or not isinstance(response, dict):
-            return event
+            # Any other event changes only where the capture's logprobs are taken out of it.
+            changed = self.plan.strip_logprobs and strip_event(obj)
+            return event[:start] + _json.dumps(obj) + event[end:] if changed else event
         if self.tap is not None:
             self.tap.response(response)
         if not reshape_response(response, self.plan):
             return event
         return event[:start] + _json.dumps(obj) + event[end:]
-
-
-class ResponsesSend:
-    """The `send` handed to vLLM for a /v1/responses request that opts in."""
-
-    __slots__ = ("plan", "send", "_start", "_parts", "_stream", "_unary", "tap")
-
-    def __init__(self, plan: ResponsesPlan, send: Send, tap: Any = None) -> None:
-        self.plan = plan
-        self.send = send
-        self.tap = tap
-        self._start: Message | None = None
-        self._parts: list[bytes] = []
-        self._stream: ResponsesStream | None = None
-        self._unary = False
-
-    async def __call__(self, message: Message) -> None:
-        kind = message["type"]
-        if kind == "http.response.start":
-            headers = message.get("headers", ())
-            content_type = b""
-            encoded = False
-            for name, value in headers:
-                if name.lower() == b"content-type":
-                    content_type = value.lower()
-                elif name.lower() == b"content-encoding":
-                    encoded = True
-            if message["status"] == 200 and not encoded:
-                if content_type.startswith(b"text/event-stream"):
-                    self._stream = ResponsesStream(self.plan, self.tap)
-                    message["headers"] = [(n, v) for n, v in headers if n.lower() != b"content-length"]
-                elif content_type.startswith(b"application/json"):
-                    self._unary = True
-                    self._start = message
-                    return  # held until the body is complete, to fix its length
-            await self.send(message)
-            return
-        if kind != "http.response.body":
-            await self.send(message)
-            return
-        body = bytes(message.get("body", b""))
-        more = bool(message.get("more_body", False))
-        if self._stream is not None:
-            out = self._stream.feed(body) + (b"" if more else self._stream.flush())
-            if out or not more:
-                await self.send({"type": "http.response.body", "body": out, "more_body": more})
-            return
-        if not self._unary:
-            await self.send(message)
-            return
-        self._parts.append(body)
-        if not more:
-            await self._send_unary(b"".join(self._parts))
-
-    async def _send_unary(self, whole: bytes) -> None:
-        """The held JSON answer, reshaped (as it came when it cannot be), with the start it held and its new length."""
-        try:
-            new = reshape_unary(whole, self.plan, self.tap)
-        except ValueError:
-            new = None  # not JSON after all: forwarded unchanged
-        except Exception:  # never turn a good vLLM answer into a 500
-            logger.exception("vllm-nvext could not reshape a response; forwarded unchanged")
-            new = None
-        if new is not None:
-            whole = new
-        start = self._start
-        assert start is not None
-        headers = [(n, v) for n, v in start.get("headers", ()) if n.lower() != b"content-length"]
-        start["headers"] = headers + [(b"content-length", str(len(whole)).encode())]
-        await self.send(start)
-        await self.send({"type": "http.response.body", "body": whole, "more_body": False})

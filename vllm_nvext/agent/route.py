@@ -1,17 +1,19 @@
 """One request on an agent route (/v1/responses, /v1/messages), for the middleware's exchange (docs/protocol.md §11).
 
 Its plan (with the refusals only these routes have), its capture, and vLLM's answer, reshaped on
-/v1/responses and served by the plugin mount on /v1/messages (messages.py). The request's state
+/v1/responses (`ResponsesSend`, the ASGI send over responses.py's reshaping) and served by the plugin mount on
+/v1/messages (messages.py). The request's state
 stays on the exchange that calls it (`middleware.exchange.Exchange`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable
-from typing import Protocol
+from typing import Any, Protocol
 
 from .. import _json, _vllm_compat, metrics
-from ..asgi import ASGIApp, Receive, Replay, RequestHeaders, Scope, Send, set_header
+from ..asgi import ASGIApp, Message, Receive, Replay, RequestHeaders, Scope, Send, set_header
 from ..capture.keys import URL_SESSION
 from ..capture.store import Sink
 from ..capture.tap import Collector
@@ -19,7 +21,16 @@ from ..config import Mode, Settings
 from ..protocol import RequestError
 from .messages import MessagesPlan, anthropic_error_body, plan_messages
 from .messages import serve as serve_messages
-from .responses import AgentRoute, ResponsesPlan, ResponsesSend, plan_responses, rust_frontend_refusal
+from .responses import (
+    AgentRoute,
+    ResponsesPlan,
+    ResponsesStream,
+    plan_responses,
+    reshape_unary,
+    rust_frontend_refusal,
+)
+
+logger = logging.getLogger("vllm_nvext")
 
 
 class Exchange(Protocol):
@@ -41,21 +52,38 @@ class Exchange(Protocol):
     async def send_error(self, error: RequestError, payload: bytes | None = None) -> None: ...
 
 
+def _plan(
+    exchange: Exchange, messages: bool, body: bytes, found: bool, headers: RequestHeaders, mode: Mode
+) -> MessagesPlan | ResponsesPlan | None:
+    """The route's plan (None: to vLLM as sent), with the refusals only these routes have. Raises RequestError."""
+    captured = exchange.sink is not None
+    if not found and not captured:
+        return None
+    if messages:
+        plan: MessagesPlan | ResponsesPlan | None = plan_messages(
+            body, mode, dp_rank_header=headers.dp_rank, capture=captured
+        )
+    else:
+        # The capture's logprobs (VLLM_NVEXT_CAPTURE_LOGPROBS), never where vLLM's Harmony rendering refuses them.
+        logprobs = captured and exchange.settings.capture_logprobs
+        logprobs = logprobs and not _vllm_compat.responses_use_harmony(exchange.scope)
+        plan = plan_responses(body, mode, dp_rank_header=headers.dp_rank, capture=captured, logprobs=logprobs)
+    if isinstance(plan, MessagesPlan) and plan.ids and not exchange.serve_messages:
+        raise plan.refusal()
+    if isinstance(plan, ResponsesPlan) and (rs := _vllm_compat.rust_frontend_version(exchange.scope)):
+        if plan.asks_ids:
+            raise rust_frontend_refusal(plan, rs)  # through the proxy (docs/scaling-out.md)
+        if plan.capture:  # vllm-rs refuses enable_response_messages: not captured, never a 400 for capture
+            plan = plan_responses(body, mode, dp_rank_header=headers.dp_rank) if found else None
+    return plan
+
+
 async def serve(exchange: Exchange, route: AgentRoute, body: bytes, found: bool, headers: RequestHeaders) -> None:
     """/v1/responses and /v1/messages: `found`, the body opts in (else it is read for the capture alone)."""
     messages = route is AgentRoute.MESSAGES
-    captured = exchange.sink is not None
     try:
         mode = exchange.mode(headers.modes) if found else exchange.settings.mode
-        planner = plan_messages if messages else plan_responses
-        plan = planner(body, mode, dp_rank_header=headers.dp_rank, capture=captured) if found or captured else None
-        if isinstance(plan, MessagesPlan) and plan.ids and not exchange.serve_messages:
-            raise plan.refusal()
-        if isinstance(plan, ResponsesPlan) and (rs := _vllm_compat.rust_frontend_version(exchange.scope)):
-            if plan.asks_ids:
-                raise rust_frontend_refusal(plan, rs)  # through the proxy (docs/scaling-out.md)
-            if plan.capture:  # vllm-rs refuses enable_response_messages: not captured, never a 400 for capture
-                plan = plan_responses(body, mode, dp_rank_header=headers.dp_rank) if found else None
+        plan = _plan(exchange, messages, body, found, headers, mode)
     except RequestError as exc:
         await exchange.send_error(exc, anthropic_error_body(exc) if messages else None)
         return
@@ -83,7 +111,9 @@ async def serve(exchange: Exchange, route: AgentRoute, body: bytes, found: bool,
             if plan.ids or tap is not None:
                 data = _json.loads_as_vllm(body)
                 data.update(plan.dropped)  # as sent: vLLM's model ignores them, its errors count them
-                if await serve_messages(exchange.app, scope, receive, exchange.send, data, plan.placements, tap):
+                logprobs = tap is not None and exchange.settings.capture_logprobs
+                if await serve_messages(exchange.app, scope, receive, exchange.send, data, plan.placements, tap,
+                                        logprobs):  # fmt: skip
                     return
                 if plan.ids:
                     await exchange.send_error(plan.refusal(), anthropic_error_body(plan.refusal()))
@@ -95,3 +125,74 @@ async def serve(exchange: Exchange, route: AgentRoute, body: bytes, found: bool,
     finally:
         if tap is not None:
             tap.finish()
+
+
+class ResponsesSend:
+    """The `send` handed to vLLM for a /v1/responses request that opts in."""
+
+    __slots__ = ("plan", "send", "_start", "_parts", "_stream", "_unary", "tap")
+
+    def __init__(self, plan: ResponsesPlan, send: Send, tap: Any = None) -> None:
+        self.plan = plan
+        self.send = send
+        self.tap = tap
+        self._start: Message | None = None
+        self._parts: list[bytes] = []
+        self._stream: ResponsesStream | None = None
+        self._unary = False
+
+    async def __call__(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            headers = message.get("headers", ())
+            content_type = b""
+            encoded = False
+            for name, value in headers:
+                if name.lower() == b"content-type":
+                    content_type = value.lower()
+                elif name.lower() == b"content-encoding":
+                    encoded = True
+            if message["status"] == 200 and not encoded:
+                if content_type.startswith(b"text/event-stream"):
+                    self._stream = ResponsesStream(self.plan, self.tap)
+                    message["headers"] = [(n, v) for n, v in headers if n.lower() != b"content-length"]
+                elif content_type.startswith(b"application/json"):
+                    self._unary = True
+                    self._start = message
+                    return  # held until the body is complete, to fix its length
+            await self.send(message)
+            return
+        if kind != "http.response.body":
+            await self.send(message)
+            return
+        body = bytes(message.get("body", b""))
+        more = bool(message.get("more_body", False))
+        if self._stream is not None:
+            out = self._stream.feed(body) + (b"" if more else self._stream.flush())
+            if out or not more:
+                await self.send({"type": "http.response.body", "body": out, "more_body": more})
+            return
+        if not self._unary:
+            await self.send(message)
+            return
+        self._parts.append(body)
+        if not more:
+            await self._send_unary(b"".join(self._parts))
+
+    async def _send_unary(self, whole: bytes) -> None:
+        """The held JSON answer, reshaped (as it came when it cannot be), with the start it held and its new length."""
+        try:
+            new = reshape_unary(whole, self.plan, self.tap)
+        except ValueError:
+            new = None  # not JSON after all: forwarded unchanged
+        except Exception:  # never turn a good vLLM answer into a 500
+            logger.exception("vllm-nvext could not reshape a response; forwarded unchanged")
+            new = None
+        if new is not None:
+            whole = new
+        start = self._start
+        assert start is not None
+        headers = [(n, v) for n, v in start.get("headers", ()) if n.lower() != b"content-length"]
+        start["headers"] = headers + [(b"content-length", str(len(whole)).encode())]
+        await self.send(start)
+        await self.send({"type": "http.response.body", "body": whole, "more_body": False})

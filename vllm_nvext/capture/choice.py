@@ -89,6 +89,20 @@ def token_logprobs(choice: dict[str, Any]) -> list[float] | None:
     return [float(v) for v in values]
 
 
+def response_logprobs(response: dict[str, Any]) -> list[float] | None:
+    """The sampled tokens' logprobs of a Responses object: its output texts' `logprobs` entries, in order; None
+    where none carries them (vLLM computed none) or an entry holds no number."""
+    values: list[Any] = []
+    for item in response.get("output") or ():
+        for part in (item.get("content") if isinstance(item, dict) else None) or ():
+            entries = part.get("logprobs") if isinstance(part, dict) and part.get("type") == "output_text" else None
+            if isinstance(entries, list):
+                values += [e.get("logprob") if isinstance(e, dict) else None for e in entries]
+    if not values or not all(isinstance(v, (int, float)) for v in values):
+        return None
+    return [float(v) for v in values]
+
+
 def delta_kind(delta: Any, choice: dict[str, Any]) -> tuple[str | None, int | None, Any]:
     """What a chunk's ids became: (kind, tool call index, the tool call) by the delta that carried them."""
     if not isinstance(delta, dict):

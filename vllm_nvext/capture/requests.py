@@ -30,15 +30,16 @@ def read_for_capture(body: bytes, endpoint: Endpoint) -> Request | None:
 
 
 def plan_for_capture(
-    body: bytes, endpoint: Endpoint, mode: Mode, hides_reasoning_ids: bool
+    body: bytes, endpoint: Endpoint, mode: Mode, hides_reasoning_ids: bool, logprobs: bool = False
 ) -> tuple[Request | None, Plan | None]:
-    """A captured request that opts into nothing, planned with ids on for the tap alone; (None, None): one
-    the plan refuses, which goes to vLLM untouched (capture never answers otherwise than vLLM would)."""
+    """A captured request that opts into nothing, planned with ids on for the tap alone (and with `logprobs`,
+    VLLM_NVEXT_CAPTURE_LOGPROBS, the sampled tokens' logprobs); (None, None): one the plan refuses, which goes to
+    vLLM untouched (capture never answers otherwise than vLLM would)."""
     try:
         request = read_for_capture(body, endpoint)
         if request is None:
             return None, None
-        planned = plan(request, mode, hides_reasoning_ids=hides_reasoning_ids, capture=True)
+        planned = plan(request, mode, hides_reasoning_ids=hides_reasoning_ids, capture=True, logprobs=logprobs)
     except RequestError:
         return None, None
     return request, replace(planned, dialect=Dialect.NONE)

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from .. import _json
 from ..outbound.sse import EventFramer, data_payload
 from . import continuation
-from .choice import TEXT, TOOL_CALL, Choice, delta_kind, message_kinds, token_logprobs
+from .choice import TEXT, TOOL_CALL, Choice, delta_kind, message_kinds, response_logprobs, token_logprobs
 from .keys import SessionKey, header_key, session_key, side_request
 from .record import Turn
 
@@ -255,6 +255,9 @@ class Collector:
             for entry in outputs[::2]:  # completions at even positions (agent.responses.response_ids)
                 tokens = entry.get("tokens") if isinstance(entry, dict) else None
                 state.add(tokens if isinstance(tokens, list) else None, None, None, None)
+            # The output texts' logprobs (asked by the client or VLLM_NVEXT_CAPTURE_LOGPROBS), one per id or none.
+            logprobs = response_logprobs(obj)
+            state.logprobs = logprobs if logprobs is not None and len(logprobs) == len(state.ids) else None
         else:
             state.withheld = True
         details = obj.get("incomplete_details")

@@ -108,3 +108,22 @@ def logprobs_requested(fields: DecisionFields, endpoint: Endpoint) -> bool:
     if endpoint is not Endpoint.COMPLETIONS:
         return lp is True
     return lp is not None and lp >= 0
+
+
+# Request fields whose reading by vLLM depends on `logprobs` (`top_logprobs` sizes what is computed, and an
+# invalid one fails the engine only when logprobs are on; `logprob_token_ids` is refused without them; beam
+# search answers them otherwise): a request that sets one gets no logprobs turned on for the capture.
+_LOGPROBS_BOUND = ("top_logprobs", "logprob_token_ids", "use_beam_search")
+
+
+def capture_logprobs(request: Request, fields: DecisionFields) -> str | None:
+    """The `logprobs` value the capture sends vLLM for a request that asked for none (chat: `true`, with vLLM's
+    default `top_logprobs` 0; completions: `0`), encoded; None where it asked for them (any `logprobs` vLLM reads
+    on completions, `true` on chat), or where turning them on could change what vLLM decides or answers beyond
+    them (a field above; completions' `echo`, whose logprobs cover the prompt and turn prompt logprobs on)
+    (docs/capture.md, Logprobs)."""
+    if any(request.data.get(key) is not None for key in _LOGPROBS_BOUND):
+        return None
+    if request.endpoint is Endpoint.COMPLETIONS:
+        return "0" if fields.logprobs is None and fields.echo is not True else None
+    return "true" if request.endpoint is Endpoint.CHAT and fields.logprobs is not True else None

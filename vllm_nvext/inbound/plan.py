@@ -64,6 +64,9 @@ class Plan:
     # The operator captures this request (docs/capture.md): ids are on upstream whatever the client
     # asked, and the response side reports what it saw to the request's capture tap.
     capture: bool = False
+    # The middleware turned vLLM's `logprobs` on for the capture tap (VLLM_NVEXT_CAPTURE_LOGPROBS) and the client
+    # must not see them: each choice's `logprobs` goes back to null, what vLLM writes when not asked.
+    strip_logprobs: bool = False
     # The stream comes from vLLM's Rust frontend (vllm-rs, behind `vllm-nvext proxy`), which leaves a key out
     # where Python vLLM writes null: vLLM's copies of the ids are then deleted, not set back to null
     # (`for_upstream`): the choices' `token_ids`, and the prompt's ids.
@@ -83,6 +86,7 @@ class Plan:
             or self.nvext_only_selectors
             or self.strip_vllm_ids
             or self.echo_prompts
+            or self.strip_logprobs
         )
         members = self.__dict__
         members["reshapes_answer"] = answer

@@ -25,7 +25,7 @@ from ..protocol import (
     Placement,
     RequestError,
 )
-from .choices import choices, conversations, echo_prompts, logprobs_requested
+from .choices import capture_logprobs, choices, conversations, echo_prompts, logprobs_requested
 from .fields import DecisionFields, invocation_route, read_fields, reading_key
 from .nvext_map import apply_nvext_fields as apply_nvext_fields  # re-exported: the agent routes map it too
 from .nvext_schema import json_type, read_nvext
@@ -172,14 +172,16 @@ def plan(
     hides_reasoning_ids: bool = False,
     splice_root: SpliceRoot | None = None,
     capture: bool = False,
+    logprobs: bool = False,
 ) -> Plan:
     """The Plan for a request that opts in. `dp_rank_header` is the client's first `X-data-parallel-rank`;
     `hides_reasoning_ids`: the server withholds the ids of chat requests with `include_reasoning: false`
     (`_vllm_compat.hides_reasoning_ids`); `splice_root`: the compiled splice that may rewrite the body
-    (None: the Python path, as `Settings.pure_python` asks); `capture`: ids on for the capture tap."""
+    (None: the Python path, as `Settings.pure_python` asks); `capture`: ids on for the capture tap, and with
+    `logprobs` (VLLM_NVEXT_CAPTURE_LOGPROBS) the sampled tokens' logprobs too."""
     reading = request.reading
     if reading is None or capture:
-        return _plan(request, mode, dp_rank_header, hides_reasoning_ids, splice_root, capture)[0]
+        return _plan(request, mode, dp_rank_header, hides_reasoning_ids, splice_root, capture, logprobs)[0]
     # Past the body's own bytes (spliced anew each time), the plan follows from the reading (of the
     # fields and of `nvext`, on one endpoint), the mode and the server: one per reading, mode and server
     # (tests/unit/test_request_fidelity.py::test_a_kept_plan_is_the_plan_made_anew and
@@ -210,16 +212,10 @@ def plan(
 _PLANNED_FROM_MORE = ("token_data", "max_thinking_tokens", "dp_rank")
 
 
-def _plan(
-    request: Request,
-    mode: Mode,
-    dp_rank_header: bytes | None,
-    hides_reasoning_ids: bool,
-    splice_root: SpliceRoot | None,
-    capture: bool = False,
-) -> tuple[Plan, BodyRewrite]:
-    """The plan made anew, with the rewrite that made its body."""
-    endpoint, data, fields = request.endpoint, request.data, request.fields
+def _asked(request: Request, mode: Mode) -> tuple[bool, bool, bool, frozenset[str]]:
+    """What the request asks to be answered, in `mode`: (ids in vLLM's placement, the nvext trio, nvext prompt ids
+    alone, the other nvext selectors answered)."""
+    fields = request.fields
     return_token_ids = fields.return_token_ids is True
     requested = set(request.nvext.get("extra_fields") or [])
     # docs/protocol.md §3.4: `return_token_ids: true` is an alias of the completion_token_ids selector.
@@ -231,11 +227,28 @@ def _plan(
     selectors = frozenset(normalized & NVEXT_ONLY_SELECTORS)
     if PROMPT_LOGPROBS in selectors and fields.prompt_logprobs is None:
         selectors = selectors - {PROMPT_LOGPROBS}  # only answered when vLLM's prompt_logprobs is set
+    return vllm_ids, nvext_trio, nvext_prompt_ids, selectors
+
+
+def _plan(
+    request: Request,
+    mode: Mode,
+    dp_rank_header: bytes | None,
+    hides_reasoning_ids: bool,
+    splice_root: SpliceRoot | None,
+    capture: bool = False,
+    logprobs: bool = False,
+) -> tuple[Plan, BodyRewrite]:
+    """The plan made anew, with the rewrite that made its body."""
+    endpoint, data, fields = request.endpoint, request.data, request.fields
+    return_token_ids = fields.return_token_ids is True
+    vllm_ids, nvext_trio, nvext_prompt_ids, selectors = _asked(request, mode)
     prompts, n = choices(request, nvext_trio, selectors | ({PROMPT_TOKEN_IDS} if nvext_prompt_ids else set()))
 
     # timing's ttft_ms is the first chunk carrying a token id: ask for ids to see them.
     needs_ids = vllm_ids or nvext_trio or nvext_prompt_ids or bool(selectors & _TIMED) or capture
-    rewrite, headers = _rewrite(request, needs_ids and not return_token_ids, dp_rank_header)
+    turned_on = capture_logprobs(request, fields) if capture and logprobs else None  # for the capture tap alone
+    rewrite, headers = _rewrite(request, needs_ids and not return_token_ids, dp_rank_header, turned_on)
     echo = endpoint is Endpoint.COMPLETIONS and fields.echo is True
     made = Plan(
         endpoint=endpoint,
@@ -260,18 +273,22 @@ def _plan(
         error_params=tuple(rewrite.sources.items()),
         ids_withheld=hides_reasoning_ids and endpoint is Endpoint.CHAT and fields.include_reasoning is False,
         capture=capture,
+        strip_logprobs=turned_on is not None,
     )
     return made, rewrite
 
 
 def _rewrite(
-    request: Request, turn_ids_on: bool, dp_rank_header: bytes | None
+    request: Request, turn_ids_on: bool, dp_rank_header: bytes | None, logprobs: str | None = None
 ) -> tuple[BodyRewrite, tuple[tuple[bytes, bytes], ...]]:
     """What vLLM receives in place of the client's body and headers: no `nvext`, `return_token_ids`
-    turned on when the plan needs ids the client did not ask vLLM for, the nvext fields mapped."""
+    turned on when the plan needs ids the client did not ask vLLM for, `logprobs` set to `logprobs` (the
+    capture's, encoded) where given, the nvext fields mapped."""
     rewrite = BodyRewrite()
     if "nvext" in request.data:
         rewrite.drop("nvext")
     if turn_ids_on:
         rewrite.set("return_token_ids", "true")
+    if logprobs is not None:
+        rewrite.set("logprobs", logprobs)
     return rewrite, apply_nvext_fields(rewrite, request, dp_rank_header)

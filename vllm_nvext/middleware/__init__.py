@@ -77,6 +77,7 @@ class NvextMiddleware:
         continue_ids: bool | None = None,
         capture_api: str | None = None,
         capture_body_keys: bool | None = None,
+        capture_logprobs: bool | None = None,
         serve_messages: bool = False,
     ) -> None:
         self.app = app
@@ -92,6 +93,7 @@ class NvextMiddleware:
             continue_ids=continue_ids,
             capture_api=capture_api,
             capture_body_keys=capture_body_keys,
+            capture_logprobs=capture_logprobs,
             base=settings,
         )
         self.kernels = pick(self.settings.pure_python)  # the compiled kernels, or their Python twins

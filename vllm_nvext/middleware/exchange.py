@@ -132,13 +132,14 @@ class Exchange:
         client sent it. Raises RequestError for a body vLLM's client gets a 400 for."""
         request = read_request(body, endpoint, scanned=True) if opts_in else None
         if request is None:  # captured alone, or to vLLM as the client sent it
-            mode, hides = self.settings.mode, self.hides_reasoning_ids
-            request, plan = plan_for_capture(body, endpoint, mode, hides) if self.sink else (None, None)
+            mode, hides, logprobs = self.settings.mode, self.hides_reasoning_ids, self.settings.capture_logprobs
+            request, plan = plan_for_capture(body, endpoint, mode, hides, logprobs) if self.sink else (None, None)
         else:
             mode = self.mode(headers.modes) if headers.modes else self.settings.mode  # no header: the setting
             splice = self.kernels.splice_root
             plan = plan_request_for(request, mode, dp_rank_header=headers.dp_rank, capture=self.sink is not None,
-                                    hides_reasoning_ids=self.hides_reasoning_ids, splice_root=splice)  # fmt: skip
+                                    hides_reasoning_ids=self.hides_reasoning_ids, splice_root=splice,
+                                    logprobs=self.settings.capture_logprobs)  # fmt: skip
         if request is None or plan is None:
             return None
         if _vllm_compat.UPSTREAM in self.scope:  # behind `vllm-nvext proxy`: vllm-rs writes its streams otherwise

@@ -23,6 +23,7 @@ from .moves import (
     prompt_ids_in,
     put_back_echo,
     reported_ids,
+    strip_logprobs,
     strip_vllm_ids,
     take_kv,
     take_prompt_logprobs,
@@ -78,6 +79,8 @@ def reshape_unary(obj: Any, plan: Plan, clock: Clock) -> bool:
     )
     if plan.strip_vllm_ids:
         strip_vllm_ids(obj, choices, plan)
+    if plan.strip_logprobs:
+        strip_logprobs(choices)
     if plan.echo_prompts:
         for each in choices:
             if isinstance(each, dict):
@@ -161,9 +164,14 @@ class ChunkReshaper(PromptIds):
         # completed from the usage chunk (`complete_from_usage`) before the chunk goes out.
         self.pending: tuple[dict[str, Any], dict[str, Any] | None] | None = None
         self._echoed: set[Any] = set()  # choice indexes whose echoed prompt was put back
-        # engine_data with logprobs, or with several choices to keep apart, reads every chunk.
-        self.decode_every_chunk = (self.engine and (self.logprobs is not None or not plan.single_choice)) or (
-            plan.stream_ids_absent or plan.stream_prompt_ids_absent  # keys deleted (vllm-rs): the general path's
+        # engine_data with logprobs, or with several choices to keep apart, reads every chunk; so do logprobs the
+        # capture turned on, taken out of every chunk (the byte-level paths keep a delta's other bytes as they came).
+        self.decode_every_chunk = (
+            (self.engine and (self.logprobs is not None or not plan.single_choice))
+            or (
+                plan.stream_ids_absent or plan.stream_prompt_ids_absent  # keys deleted (vllm-rs): the general path's
+            )
+            or plan.strip_logprobs
         )
 
     def delta_ids(self, event: bytes, start: int, end: int) -> None:
@@ -248,6 +256,8 @@ class ChunkReshaper(PromptIds):
                 if put_back_echo(choice, plan):
                     changed = True
         if plan.strip_vllm_ids and strip_vllm_ids(obj, choices, plan):
+            changed = True
+        if plan.strip_logprobs and strip_logprobs(choices):
             changed = True
         if nv:
             obj["nvext"] = nv

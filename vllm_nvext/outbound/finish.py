@@ -78,6 +78,7 @@ def serves(plan: Plan) -> bool:
         and plan.single_choice
         and not plan.nvext_only_selectors
         and not plan.echo_prompts
+        and not plan.strip_logprobs  # the capture's logprobs: taken out by the general path alone
         and not plan.finish_waits_for_usage
         and not plan.stream_ids_absent  # vllm-rs: its keys are deleted, by the general path alone
         and not plan.stream_prompt_ids_absent

@@ -63,6 +63,16 @@ def strip_vllm_ids(obj: dict[str, Any], choices: list[Any], plan: Plan) -> bool:
     return stripped
 
 
+def strip_logprobs(choices: list[Any]) -> bool:
+    """Set each choice's `logprobs` back to null, what vLLM writes when the client asked for none (the capture
+    turned them on: `Plan.strip_logprobs`); True if there was one."""
+    stripped = False
+    for choice in choices:
+        if isinstance(choice, dict):
+            stripped = _strip(choice, "logprobs", False) or stripped
+    return stripped
+
+
 def _strip(owner: dict[str, Any], key: str, absent: bool) -> bool:
     """`owner[key]` deleted (`absent`) or set back to null; True if it changed."""
     if absent:

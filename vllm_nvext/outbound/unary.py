@@ -82,7 +82,7 @@ _LIST = ord("[")
 
 def serves(plan: Plan) -> bool:
     """The plan changes a single-choice body only as `plain_body` does: the trio, nothing else asked."""
-    return plan.nvext_trio and not plan.nvext_only_selectors and not plan.echo_prompts
+    return plan.nvext_trio and not plan.nvext_only_selectors and not plan.echo_prompts and not plan.strip_logprobs
 
 
 def plain_body(body: bytes, plan: Plan, scan: Scanner) -> bytes | None:

@@ -14,13 +14,21 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 from .. import _vllm_compat
 from ..capture.store import open_backend
 from ..config import ENV_MODE, CaptureApi, ConfigError, Mode, Settings, capture_environ
 from ..protocol import COMPLETION_TOKEN_IDS, PATHS, Endpoint
 from . import parity, sessions
+from .capture_flags import (
+    CAPTURE_API_HELP,
+    CAPTURE_HELP,
+    CAPTURE_LOGPROBS_HELP,
+    CONTINUE_IDS_HELP,
+    CONTINUE_IDS_IN_PROXY,
+    capture_settings,
+    warn_password_in_argv,
+)
 from .server import MIDDLEWARE, TINY_ARGS, VllmServer
 
 DEFAULT_PORT = 8000
@@ -33,20 +41,6 @@ VLLM_HOWTO = (
 TINY_MODEL_HOWTO = "pip install 'vllm-nvext[tiny-model]' (vLLM brings both)"
 PROXY_HOWTO = "pip install 'vllm-nvext[proxy]' (vLLM brings both)"
 DEFAULT_PROXY_PORT = 8080
-CAPTURE_HELP = (
-    "record each request's token ids by session in this store: sqlite:////abs/path.sqlite3 or "
-    "redis://host:port/db, its password in $VLLM_NVEXT_CAPTURE_PASSWORD or the file $VLLM_NVEXT_CAPTURE_PASSWORD_FILE "
-    "names, never here (a command line is every local user's to read) (default $VLLM_NVEXT_CAPTURE; docs/capture.md)"
-)
-CAPTURE_API_HELP = (
-    "who the read API /v1/nvext/sessions/{id} is served to: keyed (only behind the server's API key: a server without "
-    "one does not serve it), open (also without a key: anyone who reaches the server), off (never; read the store "
-    "with `vllm-nvext sessions export`) (default $VLLM_NVEXT_CAPTURE_API or keyed; docs/capture.md)"
-)
-PASSWORD_IN_ARGV = (
-    "the store URL on the command line carries a password, which every user of this host reads in the process list; "
-    "give it in VLLM_NVEXT_CAPTURE_PASSWORD, or in a file VLLM_NVEXT_CAPTURE_PASSWORD_FILE names (docs/capture.md)"
-)
 PLUGIN = "nvext"
 # Plugins that load without VLLM_PLUGINS but act only when it names them (remote LoRA downloads).
 NAMED_ONLY = frozenset({"lora_hf_hub_resolver"})
@@ -57,16 +51,6 @@ LOAD_ALL_GROUPS = (
     "vllm.platform_plugins",
     "vllm.io_processor_plugins",
     "vllm.stat_logger_plugins",
-)
-
-
-CONTINUE_IDS_HELP = (
-    "a captured session's next prompt continues its last turn's exact ids (needs --capture; default "
-    "$VLLM_NVEXT_CONTINUE_IDS; docs/capture.md)"
-)
-CONTINUE_IDS_IN_PROXY = (
-    "VLLM_NVEXT_CONTINUE_IDS=1 works only mounted in vLLM's server (`vllm-nvext serve --continue-ids`, "
-    "--middleware or the plugin): the proxy cannot reach vLLM's chat rendering out of process (docs/capture.md)"
 )
 
 
@@ -148,7 +132,13 @@ def cmd_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
     else:
         model = args.model
     mode = Mode.parse(args.mode).value
-    capture = _capture_settings("serve", args.capture, args.capture_api, continue_ids=args.continue_ids or None)
+    capture = capture_settings(
+        "serve",
+        args.capture,
+        args.capture_api,
+        continue_ids=args.continue_ids or None,
+        capture_logprobs=args.capture_logprobs or None,
+    )
     if capture is None:
         return EXIT_MISSING
     server = VllmServer(
@@ -195,7 +185,12 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from .. import proxy
 
     try:
-        settings = Settings.create(mode=args.mode, capture=args.capture, capture_api=args.capture_api)
+        settings = Settings.create(
+            mode=args.mode,
+            capture=args.capture,
+            capture_api=args.capture_api,
+            capture_logprobs=args.capture_logprobs or None,
+        )
         warn_password_in_argv("proxy", args.capture)
         if settings.continue_ids:
             raise ConfigError(CONTINUE_IDS_IN_PROXY)
@@ -262,31 +257,6 @@ def key_mismatch(config: Any) -> str | None:
     return None
 
 
-def warn_password_in_argv(command: str, url: str | None) -> None:
-    """Say so where a store URL given on the command line carries a password (the process list shows it)."""
-    try:
-        password = urlsplit(url).password if url else None
-    except ValueError:
-        password = None
-    if password:
-        print(f"vllm-nvext {command}: warning: {PASSWORD_IN_ARGV}", file=sys.stderr, flush=True)
-
-
-def _capture_settings(
-    command: str, url: str | None, capture_api: str | None, continue_ids: bool | None = None
-) -> Settings | None:
-    """The capture settings of `--capture URL` (else the environment's), the store opened once to check it."""
-    warn_password_in_argv(command, url)
-    try:
-        settings = Settings.create(capture=url, capture_api=capture_api, continue_ids=continue_ids)
-        if settings.capture is not None:
-            open_backend(settings.capture).close()
-    except ConfigError as exc:
-        print(f"vllm-nvext {command}: error: {exc}", file=sys.stderr)
-        return None
-    return settings
-
-
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     if _needs("tiny-model", ["torch", "transformers"], "torch and transformers", TINY_MODEL_HOWTO):
         return EXIT_MISSING
@@ -320,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--startup-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
     serve.add_argument("--capture", default=None, metavar="URL", help=CAPTURE_HELP)
     serve.add_argument("--continue-ids", action="store_true", help=CONTINUE_IDS_HELP)
+    serve.add_argument("--capture-logprobs", action="store_true", help=CAPTURE_LOGPROBS_HELP)
     serve.add_argument("--capture-api", default=None, choices=[a.value for a in CaptureApi], help=CAPTURE_API_HELP)
 
     prox = sub.add_parser(
@@ -335,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     prox.add_argument("--workers", type=_positive, default=1, help="proxy processes (default 1)")
     prox.add_argument("--capture", default=None, metavar="URL", help=CAPTURE_HELP)
     prox.add_argument("--capture-api", default=None, choices=[a.value for a in CaptureApi], help=CAPTURE_API_HELP)
+    prox.add_argument("--capture-logprobs", action="store_true", help=CAPTURE_LOGPROBS_HELP)
     prox.add_argument(
         "--api-key",
         action="append",

@@ -18,6 +18,7 @@ from ..capture import nemo_gym
 from ..capture.atif import trajectory
 from ..capture.store import Backend, open_backend
 from ..config import ConfigError
+from .capture_flags import warn_password_in_argv
 
 EXIT_ERROR = 2
 
@@ -111,8 +112,6 @@ def export(
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import warn_password_in_argv  # the command's module, which imports this one
-
     warn_password_in_argv("sessions", args.store)
     try:
         backend = open_backend(args.store, read_only=True)  # never created nor written: a backup reads as it is
