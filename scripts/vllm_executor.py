@@ -74,7 +74,7 @@ class _Request:
 
 def _rows(ids: list[int], width: int, steps: Sequence[int]) -> tuple[list[list[int]], list[list[float]]]:
     """Logprob rows as the harness scripts them: the chosen id first, then width-1 alternatives."""
-    tok = [[(t + j) % _VOCAB_PRINTABLE for j in range(width)] for t in ids]
+    tok = [[t, *((t + j) % _VOCAB_PRINTABLE for j in range(1, width))] for t in ids]  # the chosen id itself
     lps = [[scripted_logprob(s) - j for j in range(width)] for s in steps]
     return tok, lps
 

@@ -132,7 +132,7 @@ def _install(reply: Callable[[list[int]], list[int]] | None = None) -> None:
 
     def _rows(ids: list[int], width: int, steps: range) -> tuple[Any, Any, Any]:
         """Logprob rows: the chosen id first, then width-1 alternatives."""
-        tok = [[(t + j) % _VOCAB_PRINTABLE for j in range(width)] for t in ids]
+        tok = [[t, *((t + j) % _VOCAB_PRINTABLE for j in range(1, width))] for t in ids]  # the chosen id itself
         lps = [[scripted_logprob(s) - j for j in range(width)] for s in steps]
         return tok, lps, [1] * len(ids)
 

@@ -73,6 +73,12 @@ def test_each_model_call_is_a_turn_of_the_clis_own_session_that_extends_the_one_
     assert len(turns) == 6, "two model calls a turn, nothing else filed under the session"
     assert {(t["route"], t["session_source"], t["group_id"]) for t in turns} == {(route, source, nvext[0]["session"])}
     assert [t["extends_previous"] for t in turns] == [None] + [True] * 5, "every boundary, tool calls included"
+    # With VLLM_NVEXT_CAPTURE_LOGPROBS: one sampled logprob per id on /v1/messages (a chat request inside vLLM), tool
+    # calls included; a /v1/responses stream reports none for the stop token and a function call, so a Codex
+    # turn records `null`, never a list that misses ids (docs/capture.md, Logprobs).
+    logprobs = [None if t["logprobs"] is None else len(t["logprobs"]) for t in turns]
+    expected = [None] * 6 if name == "codex" else [len(t["completion_token_ids"]) for t in turns]
+    assert logprobs == expected
     call = dict(TOOL_CALLS)["Codex" if name == "codex" else "Claude Code"]
     for index, turn in enumerate(turns):
         # The ids decode to what the client acted on: its tool call, then the answer it printed.
@@ -106,8 +112,11 @@ def test_codex_on_vllm_nvext_serve_over_vllm_032s_real_engine(clients_serve_serv
     turns = session_turns(clients_serve_server, served[0]["session"], 3)
     assert len(turns) == 3 and [t["extends_previous"] for t in turns] == [None, True, True]
     for turn, printed in zip(turns, served, strict=True):
-        # An answer cut at max_tokens inside a character: vLLM's detokenizer never writes the incomplete bytes,
-        # which decode here as one U+FFFD; the ids are what the model sampled.
-        assert _text(turn["completion_token_ids"]) in (printed["message"], printed["message"] + "\ufffd")
+        # An answer cut at max_tokens inside a character: vLLM's detokenizer never writes the bytes it still held
+        # back, which decode here as U+FFFD; the ids are what the model sampled.
+        text = _text(turn["completion_token_ids"])
+        held = text.removeprefix(printed["message"])
+        assert text.startswith(printed["message"]) and set(held) <= {"\ufffd"}, (text, printed["message"])
+        assert not held or turn["finish_reason"] == "max_output_tokens"
     lossy = [t for t in turns if "\ufffd" in _text(t["completion_token_ids"])]
     assert lossy, "the tiny model's bytes: some answer is no UTF-8 (else this test shows less than it says)"

@@ -10,7 +10,8 @@ which makes an agent's loop: a request whose last message is not a tool's result
 `<tool_call>` of that agent's shell tool (`echo nvext-$((6*7))`: only a shell that ran it prints
 `nvext-42`), and the request after the tool ran samples ANSWER. The tiny model's ChatML with hermes tool
 calls (tests/support/chatml_tools.jinja) renders a served tool call back to its very text. Two kinds: stock,
-and both mounts with capture and continue ids, as `vllm-nvext serve --capture URL --continue-ids` mounts them.
+and both mounts with capture, continue ids and logprobs, as `vllm-nvext serve --capture URL --continue-ids
+--capture-logprobs` mounts them.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ TOOL_CALLS = [
 # Each CLI's first request is ~17-20k tokens of system prompt and tools, one id a byte on the tiny model.
 LONG = ("--max-model-len", "65536", "--hf-overrides", json.dumps({"max_position_embeddings": 65536}))
 SCRIPT = {"SCRIPTED_TEXT": ANSWER, "SCRIPTED_TOOL_CALLS": json.dumps(TOOL_CALLS)}
-SERVE_ENV = {"VLLM_PLUGINS": "nvext", "VLLM_NVEXT_CONTINUE_IDS": "1"}
+# With the sampled tokens' logprobs recorded too (VLLM_NVEXT_CAPTURE_LOGPROBS): the CLIs must still see stock's answers.
+SERVE_ENV = {"VLLM_PLUGINS": "nvext", "VLLM_NVEXT_CONTINUE_IDS": "1", "VLLM_NVEXT_CAPTURE_LOGPROBS": "1"}
 
 
 def _kind(name: str, *args: str, env: dict[str, str]) -> Any:
@@ -132,7 +134,7 @@ class Run:
         env = {"PATH": os.environ["PATH"], "HOME": str(self.home), "LANG": "C.UTF-8", **self.env}
         done = subprocess.run(argv, cwd=self.work, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                               text=True, timeout=300)  # fmt: skip
-        assert done.returncode == 0, f"{argv[0]} exited {done.returncode}: {done.stderr[-2000:]}"
+        assert done.returncode == 0, f"{argv[0]} exited {done.returncode}: {done.stderr[-2000:]} {done.stdout[-2000:]}"
         return done.stdout
 
 
