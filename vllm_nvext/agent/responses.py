@@ -21,7 +21,8 @@ from ..asgi import Message, Send
 from ..config import Mode
 from ..inbound.fields import DecisionFields
 from ..inbound.nvext_schema import json_type, validate_nvext
-from ..inbound.request import BodyRewrite, Request, apply_nvext_fields, placements
+from ..inbound.reading import Request
+from ..inbound.request import BodyRewrite, apply_nvext_fields, placements
 from ..outbound.sse import EventFramer
 from ..protocol import (
     COMPLETION_TOKEN_IDS,

@@ -15,8 +15,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..config import (
@@ -26,6 +24,7 @@ from ..config import (
     ConfigError,
     capture_password,
 )
+from .base import Backend, Page, PartlyWritten, StoreFull
 from .record import Decode, Turn, valid_session_id
 
 logger = logging.getLogger("vllm_nvext.capture")
@@ -44,45 +43,6 @@ CLOSE_WAIT_S = 10.0  # how long `close` (at shutdown) and a DELETE wait for the 
 # cannot be read (the `--middleware` mount alone, `vllm-nvext proxy`: they exist only inside vLLM's handler).
 QUEUE_FULL, STORE_FULL, STORE_ERROR, INVALID_TURN = "queue_full", "store_full", "store_error", "invalid_turn"
 SHUTDOWN, NOT_ON_THIS_MOUNT = "shutdown", "not_on_this_mount"
-
-
-class StoreFull(Exception):
-    """The store is at its size cap; the batch is dropped."""
-
-
-class PartlyWritten(Exception):
-    """A store that writes turn by turn (Redis) wrote `written` of the batch's turns and failed on the others
-    (the last failure: `__cause__`): those written are recorded, the others dropped."""
-
-    def __init__(self, written: int) -> None:
-        super().__init__(written)
-        self.written = written
-
-
-@dataclass(frozen=True, slots=True)
-class Page:
-    """Some turns of a session, from `start`; `next_index` is where the next page starts (None: the end)."""
-
-    turns: list[str]  # each a turn's JSON text, as stored
-    next_index: int | None
-
-
-class Backend(Protocol):
-    """One kind of store. Every method may raise; the Sink counts and logs, the request path never sees it."""
-
-    def write(self, turns: Sequence[Turn], now: float) -> None: ...
-
-    def read(self, session_id: str, start: int, max_bytes: int) -> Page | None: ...
-
-    def delete(self, session_id: str) -> bool: ...
-
-    def sessions(self, since: float | None) -> Iterator[str]: ...
-
-    def prune(self, now: float) -> int: ...
-
-    def used_bytes(self) -> int: ...
-
-    def close(self) -> None: ...
 
 
 class Counts(Protocol):
@@ -347,15 +307,6 @@ def queued_bytes(turn: Turn) -> int:
             value = choice.get(key) if isinstance(choice, dict) else None
             items += len(value) if isinstance(value, list) else 0
     return TURN_BYTES + ITEM_BYTES * items
-
-
-def readable(body: str | bytes) -> Turn | None:
-    """A stored turn as the writer places the next by it; None for one that does not read back (a store written before
-    `Turn.problem` refused such turns): its session's next turn is then placed as after no reported ids."""
-    try:
-        return Turn.from_json(json.loads(body))
-    except (ValueError, TypeError, RecursionError):
-        return None
 
 
 def open_backend(
