@@ -21,8 +21,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "vllm_nvext"
 LAYERS: dict[str, frozenset[str]] = {
     # What every side shares: the vocabulary (paths, selectors, errors), settings, JSON that never
     # alters a value, the Plan that the request side makes (inbound/plan.py, beside its maker) and hands
-    # the response side; config also holds the bound on what is kept per distinct input.
-    "base": frozenset({"protocol", "config", "_json", "inbound.plan"}),
+    # the response side, the ASGI interface's types (asgi_types); config also holds the bound on what is
+    # kept per distinct input.
+    "base": frozenset({"protocol", "config", "_json", "inbound.plan", "asgi_types"}),
     # Reading a request and planning it (pure, no ASGI).
     "inbound": frozenset({"inbound", "inbound.*"}),
     # Reshaping an answer, unary or streamed, driven by the Plan (pure, no ASGI); its SSE framer
@@ -254,6 +255,34 @@ def circles(sources: Mapping[str, str]) -> list[list[str]]:
         if module not in order:
             visit(module)
     return sorted(found)
+
+
+# The hot path: what every streamed event and every answer runs through, capture on or off.
+HOT_PATH = ("kernels", "send", "outbound.*")
+
+
+def reached(sources: Mapping[str, str], start: str) -> set[str]:
+    """Every module of the package that importing `start` imports, through others too (`start` included)."""
+    known = set(sources) | {"_speedups"}
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module in seen or module not in sources:
+            continue
+        seen.add(module)
+        todo += imported_modules(module, sources[module], known)
+    return seen
+
+
+def test_no_hot_path_module_imports_the_capture_even_for_its_types():
+    """The reshaping `send`, the kernels and the response side pass messages on: they name the ASGI types
+    (asgi_types), never the plumbing that opens a store, so loading or type-checking them loads no capture."""
+    sources = package_sources()
+    hot = [m for m in sources if any(m == p or (p.endswith(".*") and m.startswith(p[:-1])) for p in HOT_PATH)]
+    assert "send" in hot and "kernels" in hot and "outbound.stream" in hot
+    assert {m: sorted(c for c in reached(sources, m) if layer_of(c) == "capture") for m in hot} == {m: [] for m in hot}
+    sources["send"] += "from .middleware import capture\n"
+    assert "capture.store" in reached(sources, "send"), "the check sees an import through others"
 
 
 # Circles left for now, each to be cut at its seam, then removed from here (the tools: scripts, not the server).

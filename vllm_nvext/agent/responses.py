@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _json, _vllm_compat
-from ..asgi import Message, Send
+from ..asgi_types import Message, Send
 from ..config import Mode
 from ..inbound.fields import DecisionFields
 from ..inbound.nvext_schema import json_type, validate_nvext

@@ -11,7 +11,8 @@ from collections.abc import Awaitable
 from typing import Protocol
 
 from .. import _json, _vllm_compat, metrics
-from ..asgi import ASGIApp, Receive, Replay, RequestHeaders, Scope, Send, set_header
+from ..asgi import Replay, RequestHeaders, set_header
+from ..asgi_types import ASGIApp, Receive, Scope, Send
 from ..capture.keys import URL_SESSION
 from ..capture.store import Sink
 from ..capture.tap import Collector

@@ -172,7 +172,8 @@ class Sink:
         """Write what is queued, waiting up to `timeout` (CLOSE_WAIT_S) in all, then close the store; how many queued
         turns were not written in that time (counted dropped, reason SHUTDOWN, and logged): a store that hangs never
         holds the server's exit longer (the writer is a daemon thread). The server's lifespan shutdown calls it
-        (asgi.closing_capture): uvicorn re-raises SIGTERM once it has shut down, and no `atexit` runs then."""
+        (middleware.capture.closing_capture): uvicorn re-raises SIGTERM once it has shut down, and no `atexit` runs
+        then."""
         with self._queued_lock:
             if self._closed:
                 return 0

@@ -1,7 +1,7 @@
 """The ASGI middleware: routes each request and wires its bytes to the pure modules.
 
 Request plumbing lives in `asgi.py`, the reshaping `send` in `send.py`, one request's cycle (its body, plan
-and answer) in `middleware/exchange.py`.
+and answer) in `middleware/exchange.py`, the capture's sink and its shutdown in `middleware/capture.py`.
 
 Only POSTs to the routes of `protocol.ENDPOINT_PATHS` (chat, completions, the chat batch route,
 /invocations) and the agent routes are ever translated (a few more are read for the client values
@@ -20,26 +20,15 @@ from .._vllm_compat import ServerFacts
 from ..agent import websocket
 from ..agent.messages import plugin_serves_messages
 from ..agent.responses import AGENT_PATHS, AgentRoute
-from ..asgi import (
-    HANDLED,
-    ASGIApp,
-    Receive,
-    Replay,
-    RequestHeaders,
-    Scope,
-    Send,
-    closing_capture,
-    first_header,
-    open_capture,
-    replay_body,
-    send_error,
-)
+from ..asgi import HANDLED, Replay, RequestHeaders, first_header, replay_body, send_error
+from ..asgi_types import ASGIApp, Receive, Scope, Send
 from ..capture import render_hook
 from ..config import Mode, Settings
 from ..inbound import client_params, fields
 from ..inbound.optin import opts_in_whole
 from ..kernels import pick
 from ..protocol import ENDPOINT_PATHS, Dialect, Endpoint, RequestError
+from .capture import closing_capture, open_capture
 from .exchange import Exchange
 from .sessions import serve_sessions
 from .url import rewrite
