@@ -122,6 +122,11 @@ class Sink:
         except queue.Full:
             self._count_drop(QUEUE_FULL, 1)
 
+    @property
+    def closed(self) -> bool:
+        """`close` was called: what is submitted since is dropped."""
+        return self._closed
+
     def not_on_this_mount(self, route: str) -> None:
         """A request of `route` this mount cannot read the ids of: counted as dropped, and said once in the log."""
         self._count_drop(NOT_ON_THIS_MOUNT, 1)

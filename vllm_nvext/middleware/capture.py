@@ -1,15 +1,18 @@
-"""The capture's mount in the server: its sink opened at start-up (`open_capture`), its queue written out at
-shutdown (`closing_capture`). The request path hands the sink turns; the read API (sessions.py) reads it.
-docs/capture.md.
+"""The capture of one server process (`CaptureMount`): its sink opened at start-up (`open_capture`), vLLM's
+renderer wrapped where continue ids are on, its queue written out at shutdown (`closing_capture`). The request
+path hands the sink turns; the read API (sessions.py) reads it. docs/capture.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+from typing import ClassVar
 
 from .. import metrics
 from ..asgi_types import Message, Send
 from ..capture import api as capture_api
+from ..capture import render_hook
 from ..capture.store import Sink, open_sink
 from ..config import Settings
 
@@ -45,3 +48,41 @@ def closing_capture(sink: Sink, send: Send) -> Send:
         await send(message)
 
     return lifespan_send
+
+
+class CaptureMount:
+    """The capture of this process for one store: one sink, one writer thread, however many mounts capture into it.
+
+    `vllm-nvext serve` mounts both `--middleware` and the plugin in one API-server process; each mount takes the
+    mount of its settings' store (`start`), so both hand their turns to one queue, one writer writes them, and the
+    lifespan's shutdown writes that queue out once. A mount whose sink was closed (its server shut down) is opened
+    anew by the next `start`."""
+
+    _mounts: ClassVar[dict[tuple[str, int, int, int], CaptureMount]] = {}
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+
+    @classmethod
+    def start(cls, settings: Settings) -> CaptureMount | None:
+        """This process's capture into the store `settings` name, opened on the first call (None: capture off).
+        Run at start-up, never on a request: with continue ids on (`settings.continue_ids`), vLLM's chat rendering
+        is wrapped here, once per process (render_hook.install; ConfigError outside a vLLM server)."""
+        if settings.capture is None:
+            return None
+        if settings.continue_ids:
+            render_hook.install()
+        # The same URL with other bounds is another sink (tests on one Redis server): the bounds are the sink's own.
+        key = (settings.capture, settings.capture_max_bytes, settings.capture_retention_s, settings.capture_queue_bytes)
+        with cls._lock:
+            mount = cls._mounts.get(key)
+            if mount is None or mount.sink.closed:
+                sink = open_capture(settings)
+                assert sink is not None
+                mount = cls._mounts[key] = cls(sink)
+        return mount
+
+    def closing(self, send: Send) -> Send:
+        """The lifespan's `send` of a mount (`closing_capture`): the sink closes once, whichever mount sees it first."""
+        return closing_capture(self.sink, send)
