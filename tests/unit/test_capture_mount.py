@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import MutableMapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -63,10 +64,10 @@ async def _lifespan(app: FastAPI) -> list[str]:
     messages = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
     sent: list[str] = []
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> MutableMapping[str, Any]:
         return messages.pop(0)
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message["type"])
 
     await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
