@@ -29,6 +29,7 @@ from vllm_nvext.capture.store import open_sink
 from vllm_nvext.middleware import sessions
 from vllm_nvext.tools import cli
 from vllm_nvext.tools.server import ProxyServer
+from vllm_nvext.tools.sessions import PASSWORD_IN_ARGV
 
 ROOT = Path(__file__).resolve().parents[2]
 JSON = (b"content-type", b"application/json")
@@ -112,7 +113,7 @@ def test_the_redis_password_comes_from_a_variable_or_a_file_never_the_command_li
         monkeypatch.delenv("VLLM_NVEXT_CAPTURE_PASSWORD_FILE")
         assert cli.main(["sessions", "export", "--store", with_password, "--output", str(tmp_path / "o")]) == 0
         err = capsys.readouterr().err
-        assert f"vllm-nvext sessions: warning: {cli.PASSWORD_IN_ARGV}" in err and PASSWORD not in err
+        assert f"vllm-nvext sessions: warning: {PASSWORD_IN_ARGV}" in err and PASSWORD not in err
 
 
 def _environ_without_password() -> dict[str, str]:

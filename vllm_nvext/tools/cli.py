@@ -14,7 +14,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 from .. import _vllm_compat
 from ..capture.store import open_backend
@@ -22,6 +21,7 @@ from ..config import ENV_MODE, CaptureApi, ConfigError, Mode, Settings, capture_
 from ..protocol import COMPLETION_TOKEN_IDS, PATHS, Endpoint
 from . import parity, sessions
 from .server import MIDDLEWARE, TINY_ARGS, VllmServer
+from .sessions import warn_password_in_argv
 
 DEFAULT_PORT = 8000
 # `pip install vllm-nvext` brings only orjson: each command names what else it needs.
@@ -42,10 +42,6 @@ CAPTURE_API_HELP = (
     "who the read API /v1/nvext/sessions/{id} is served to: keyed (only behind the server's API key: a server without "
     "one does not serve it), open (also without a key: anyone who reaches the server), off (never; read the store "
     "with `vllm-nvext sessions export`) (default $VLLM_NVEXT_CAPTURE_API or keyed; docs/capture.md)"
-)
-PASSWORD_IN_ARGV = (
-    "the store URL on the command line carries a password, which every user of this host reads in the process list; "
-    "give it in VLLM_NVEXT_CAPTURE_PASSWORD, or in a file VLLM_NVEXT_CAPTURE_PASSWORD_FILE names (docs/capture.md)"
 )
 PLUGIN = "nvext"
 # Plugins that load without VLLM_PLUGINS but act only when it names them (remote LoRA downloads).
@@ -260,16 +256,6 @@ def key_mismatch(config: Any) -> str | None:
             "and requests with the upstream's key reach it untranslated (no ids); give the proxy the upstream's key"
         )
     return None
-
-
-def warn_password_in_argv(command: str, url: str | None) -> None:
-    """Say so where a store URL given on the command line carries a password (the process list shows it)."""
-    try:
-        password = urlsplit(url).password if url else None
-    except ValueError:
-        password = None
-    if password:
-        print(f"vllm-nvext {command}: warning: {PASSWORD_IN_ARGV}", file=sys.stderr, flush=True)
 
 
 def _capture_settings(

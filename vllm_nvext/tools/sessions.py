@@ -13,6 +13,7 @@ import json
 import sys
 from datetime import datetime
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 from ..capture import nemo_gym
 from ..capture.atif import trajectory
@@ -21,6 +22,10 @@ from ..capture.store import open_backend
 from ..config import ConfigError
 
 EXIT_ERROR = 2
+PASSWORD_IN_ARGV = (
+    "the store URL on the command line carries a password, which every user of this host reads in the process list; "
+    "give it in VLLM_NVEXT_CAPTURE_PASSWORD, or in a file VLLM_NVEXT_CAPTURE_PASSWORD_FILE names (docs/capture.md)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,9 +116,17 @@ def export(
     return written
 
 
-def run(args: argparse.Namespace) -> int:
-    from .cli import warn_password_in_argv  # the command's module, which imports this one
+def warn_password_in_argv(command: str, url: str | None) -> None:
+    """Say so where a store URL given on the command line carries a password (the process list shows it)."""
+    try:
+        password = urlsplit(url).password if url else None
+    except ValueError:
+        password = None
+    if password:
+        print(f"vllm-nvext {command}: warning: {PASSWORD_IN_ARGV}", file=sys.stderr, flush=True)
 
+
+def run(args: argparse.Namespace) -> int:
     warn_password_in_argv("sessions", args.store)
     try:
         backend = open_backend(args.store, read_only=True)  # never created nor written: a backup reads as it is
