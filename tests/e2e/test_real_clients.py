@@ -18,8 +18,15 @@ from typing import Any
 import pytest
 
 from tests.e2e.capture_loops import session_turns
-from tests.support.agent_clis import ANSWER, MARKER, TOOL_CALLS, ClaudeCode, Codex
-from tests.support.agent_clis import clients_nvext_server, clients_stock_server  # noqa: F401  (fixtures)
+from tests.support.agent_clis import (  # noqa: F401  (fixtures)
+    ANSWER,
+    MARKER,
+    TOOL_CALLS,
+    ClaudeCode,
+    Codex,
+    clients_nvext_server,
+    clients_stock_server,
+)
 from tests.support.servers import tiny_model_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_clients]
@@ -66,7 +73,7 @@ def test_the_client_sees_what_it_sees_on_stock(sessions):
     assert [{k: v for k, v in t.items() if k != "session"} for t in nvext] == strip
 
 
-def test_each_model_call_is_a_turn_of_the_clis_own_session_that_extends_the_one_before(sessions, clients_nvext_server):
+def test_each_model_call_is_a_turn_of_the_clis_own_session_that_extends_the_one_before(sessions, clients_nvext_server):  # noqa: F811
     name, nvext, _ = sessions
     _, source, route = CLIS[name]
     turns = session_turns(clients_nvext_server, nvext[0]["session"], 6)
@@ -89,4 +96,3 @@ def test_each_model_call_is_a_turn_of_the_clis_own_session_that_extends_the_one_
             whole = ("text", None) if index % 2 else ("tool_call", "Bash")
             spans = [(s["kind"], s["start"], s["end"], s["name"]) for s in turn["spans"]]
             assert spans == [(whole[0], 0, len(turn["completion_token_ids"]), whole[1])], (index, spans)
-

@@ -19,10 +19,11 @@ import json
 import os
 import re
 import subprocess
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from tests.helpers import API_KEY, MODEL_NAME
 from tests.support.servers import TOOL_ARGS, capture_url, register, tiny_vllm
@@ -40,11 +41,11 @@ COMMAND = "echo nvext-$((6*7))"
 # Each agent's shell tool, as its own tool list names it, called in hermes's form (and as the template
 # renders it back); the first words name the agent by its system prompt.
 TOOL_CALLS = [
-    ["Codex", '<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "%s"}}\n</tool_call>' % COMMAND],
+    ["Codex", '<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "' + COMMAND + '"}}\n</tool_call>'],
     [
         "Claude Code",
-        '<tool_call>\n{"name": "Bash", "arguments": {"command": "%s", "description": "Print the marker"}}\n</tool_call>'
-        % COMMAND,
+        '<tool_call>\n{"name": "Bash", "arguments": {"command": "' + COMMAND + '", "description": "Print the marker"}}'
+        "\n</tool_call>",
     ],
 ]
 # Each CLI's first request is ~17-20k tokens of system prompt and tools, one id a byte on the tiny model.
@@ -131,8 +132,11 @@ class Codex(Run):
         (thread,) = {e["thread_id"] for e in events if e["type"] == "thread.started"}
         return {
             "session": thread,
-            "commands": [(i["command"], i["aggregated_output"], i["exit_code"]) for i in items
-                         if i["type"] == "command_execution"],  # fmt: skip
+            "commands": [
+                (i["command"], i["aggregated_output"], i["exit_code"])
+                for i in items
+                if i["type"] == "command_execution"
+            ],  # fmt: skip
             "message": [i["text"] for i in items if i["type"] == "agent_message"][-1],
         }
 
@@ -144,7 +148,7 @@ class ClaudeCode(Run):
         super().__post_init__()
         exported = dict(re.findall(r"^export (\w+)=(\S+)", _docs_block("bash", "Claude Code"), flags=re.M))
         values = {"http://localhost:8000": self.url, '"$VLLM_API_KEY"': API_KEY, "qwen3": MODEL_NAME}
-        self.env = {name: values.get(value, value) for name, value in exported.items()}
+        self.env = {name: str(values.get(value, value)) for name, value in exported.items()}
         assert set(values.values()) <= set(self.env.values()), f"docs/agents.md's exports changed: {exported}"
         self.turns = 0
 

@@ -17,12 +17,13 @@ def _call(index: int, **function: str) -> dict[str, Any]:
     return call
 
 
-def _record(*chunks: tuple[dict[str, Any], list[int]]) -> list[dict[str, Any]]:
+def _record(*chunks: tuple[dict[str, Any], list[int]]) -> list[tuple[Any, ...]]:
     """The spans a choice records from these (delta, ids) chunks, fed as the tap feeds them."""
     state = Choice()
     for delta, ids in chunks:
         kind, tool, call = delta_kind(delta, {"delta": delta})
         if call is not None:
+            assert tool is not None, "a tool call's delta names its index"
             state.tools[tool] = (call.get("id") or state.tools.get(tool, (None, None))[0],
                                  call["function"].get("name") or state.tools.get(tool, (None, None))[1])  # fmt: skip
         state.add(ids, None, kind, tool)
@@ -50,7 +51,12 @@ def test_text_then_a_tool_call_splits_where_the_call_shows_and_a_closing_think_g
         ({"tool_calls": [_call(0, name="ls")]}, [7]),
         ({"tool_calls": [_call(1, name="pwd")]}, [8]),
     )
-    assert spans == [("reasoning", 0, 2, None), ("text", 2, 5, None), ("tool_call", 5, 7, "ls"), ("tool_call", 7, 8, "pwd")]
+    assert spans == [
+        ("reasoning", 0, 2, None),
+        ("text", 2, 5, None),
+        ("tool_call", 5, 7, "ls"),
+        ("tool_call", 7, 8, "pwd"),
+    ]
 
 
 def test_ids_of_which_nothing_ever_showed_are_text_and_a_plain_answer_is_one_text_span():
