@@ -7,26 +7,18 @@ Nothing here decides anything about either dialect; `middleware/` wires these to
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import email.message
 import itertools
 import sys
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
 from . import _json, _vllm_compat, metrics
-from .capture import api as capture_api
-from .capture.store import Sink, open_sink
-from .config import MODE_HEADER, Settings, keep
+from .asgi_types import ASGIApp, Message, Receive, Scope, Send
+from .config import MODE_HEADER, keep
 from .inbound.optin import OptInScan
 from .protocol import RequestError, error_body
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Set on the scope by the first instance, so a second mount (plugin and --middleware) is inert.
 HANDLED = "vllm_nvext.handled"
@@ -321,36 +313,3 @@ async def _decode_distinct(
             break  # vLLM, which accepted these ids, answered otherwise: the text stays as vLLM wrote it
         texts[prompt] = decoded["prompt"]
     return texts
-
-
-def open_capture(settings: Settings) -> Sink | None:
-    """The capture sink the settings name (docs/capture.md), opened at start-up; None when capture is off.
-    Closed (its queue written out) in the server's lifespan shutdown (`closing_capture`), else when the process
-    exits."""
-    if settings.capture is None:
-        return None
-    import atexit
-
-    sink = open_sink(
-        settings.capture,
-        max_bytes=settings.capture_max_bytes,
-        retention_s=settings.capture_retention_s,
-        counts=metrics.CAPTURE,
-        queue_bytes=settings.capture_queue_bytes,
-    )
-    atexit.register(sink.close)
-    return sink
-
-
-def closing_capture(sink: Sink, send: Send) -> Send:
-    """The lifespan's `send`, which writes the capture queue out (at most store.CLOSE_WAIT_S: `Sink.close`) before the
-    server hears that the app has shut down: uvicorn re-raises SIGTERM once it has, so `atexit` never runs then. In
-    a daemon thread of its own (`capture_api.in_thread`): a store that hangs never holds the server's exit."""
-
-    async def lifespan_send(message: MutableMapping[str, Any]) -> None:
-        if message.get("type") in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
-            with contextlib.suppress(Exception):  # `close` counts and logs what it did not write; shutdown goes on
-                await capture_api.in_thread(sink.close, timeout=None, limited=False)
-        await send(message)
-
-    return lifespan_send

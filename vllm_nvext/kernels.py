@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from time import perf_counter_ns
 
 from . import _json
-from .asgi import Message, Send
+from .asgi_types import Message, Send
 from .inbound.rewrite import SpliceRoot
 from .outbound.finish import FinishIds, Scanner, finish_ids
 from .outbound.plain import plain_chunk

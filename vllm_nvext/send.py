@@ -22,7 +22,8 @@ from time import perf_counter_ns
 from typing import Any
 
 from . import _json, metrics
-from .asgi import Message, Send, is_event_stream, is_json
+from .asgi import is_event_stream, is_json
+from .asgi_types import Message, Send
 from .inbound.plan import Plan
 from .kernels import Arm, Kernels, pick
 from .outbound.captured import CapturedStreamReshaper

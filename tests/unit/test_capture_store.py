@@ -320,7 +320,7 @@ def test_the_counts_reach_vllms_metrics(tmp_path):
     """`vllm_nvext:capture_turns_recorded_total`, `..._dropped_total{reason}` and `capture_store_bytes`,
     from a sink opened as the middleware opens it."""
     from vllm_nvext import Settings
-    from vllm_nvext.asgi import open_capture
+    from vllm_nvext.middleware.capture import open_capture
 
     recorded = _registry_value("vllm_nvext:capture_turns_recorded_total")
     full = _registry_value("vllm_nvext:capture_turns_dropped_total", reason=STORE_FULL)

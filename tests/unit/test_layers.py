@@ -21,8 +21,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "vllm_nvext"
 LAYERS: dict[str, frozenset[str]] = {
     # What every side shares: the vocabulary (paths, selectors, errors), settings, JSON that never
     # alters a value, the Plan that the request side makes (inbound/plan.py, beside its maker) and hands
-    # the response side; config also holds the bound on what is kept per distinct input.
-    "base": frozenset({"protocol", "config", "_json", "inbound.plan"}),
+    # the response side, the ASGI interface's types (asgi_types); config also holds the bound on what is
+    # kept per distinct input.
+    "base": frozenset({"protocol", "config", "_json", "inbound.plan", "asgi_types"}),
     # Reading a request and planning it (pure, no ASGI).
     "inbound": frozenset({"inbound", "inbound.*"}),
     # Reshaping an answer, unary or streamed, driven by the Plan (pure, no ASGI); its SSE framer
@@ -220,6 +221,82 @@ def test_a_break_of_the_layers_is_reported(module, source, expected):
     sources = package_sources()
     sources[module] = source
     assert expected in violations(sources)
+
+
+def circles(sources: Mapping[str, str]) -> list[list[str]]:
+    """The package's import circles (modules that import each other, through others or straight; imports inside
+    functions and under TYPE_CHECKING count), each sorted, smallest module name first; [] when there is none."""
+    known = set(sources) | {"_speedups"}  # the compiled module: `from . import _speedups` imports it, not the package
+    graph = {
+        module: sorted(imported_modules(module, source, known) & set(sources)) for module, source in sources.items()
+    }
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in graph[module]:
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            component = [stack.pop()]
+            while component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return sorted(found)
+
+
+# The hot path: what every streamed event and every answer runs through, capture on or off.
+HOT_PATH = ("kernels", "send", "outbound.*")
+
+
+def reached(sources: Mapping[str, str], start: str) -> set[str]:
+    """Every module of the package that importing `start` imports, through others too (`start` included)."""
+    known = set(sources) | {"_speedups"}
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module in seen or module not in sources:
+            continue
+        seen.add(module)
+        todo += imported_modules(module, sources[module], known)
+    return seen
+
+
+def test_no_hot_path_module_imports_the_capture_even_for_its_types():
+    """The reshaping `send`, the kernels and the response side pass messages on: they name the ASGI types
+    (asgi_types), never the plumbing that opens a store, so loading or type-checking them loads no capture."""
+    sources = package_sources()
+    hot = [m for m in sources if any(m == p or (p.endswith(".*") and m.startswith(p[:-1])) for p in HOT_PATH)]
+    assert "send" in hot and "kernels" in hot and "outbound.stream" in hot
+    assert {m: sorted(c for c in reached(sources, m) if layer_of(c) == "capture") for m in hot} == {m: [] for m in hot}
+    sources["send"] += "from .middleware import capture\n"
+    assert "capture.store" in reached(sources, "send"), "the check sees an import through others"
+
+
+def test_no_module_imports_itself_through_others():
+    """Each module reads as the ones below it: a circle (the request side's reading and its helpers, the capture
+    store and its backends, as they were) means neither half can be read, tested or moved alone."""
+    assert circles(package_sources()) == []
+
+
+def test_a_circle_is_reported_with_its_modules():
+    sources = package_sources()
+    sources["capture.base"] += "from .sqlite_store import SQLiteBackend\n"
+    sources["brand_new"] = "def f():\n    from .inbound import fields\n"
+    sources["inbound.fields"] += "if TYPE_CHECKING:\n    from ..brand_new import f\n"
+    assert circles(sources) == [["brand_new", "inbound.fields"], ["capture.base", "capture.sqlite_store"]]
 
 
 @pytest.mark.parametrize(

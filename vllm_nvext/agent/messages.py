@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .. import _json
-from ..asgi import ASGIApp, Receive, Scope, Send
+from ..asgi_types import ASGIApp, Receive, Scope, Send
 from ..config import Mode
 from ..protocol import COMPLETION_TOKEN_IDS, ID_SELECTORS, PROMPT_TOKEN_IDS, Dialect, RequestError
 from .responses import opt_in, root_flag

@@ -19,7 +19,8 @@ from .. import _json, _vllm_compat
 from ..config import Mode
 from ..inbound.fields import DecisionFields
 from ..inbound.nvext_schema import json_type, validate_nvext
-from ..inbound.request import BodyRewrite, Request, apply_nvext_fields, placements
+from ..inbound.reading import Request
+from ..inbound.request import BodyRewrite, apply_nvext_fields, placements
 from ..outbound.sse import EventFramer
 from ..protocol import (
     COMPLETION_TOKEN_IDS,

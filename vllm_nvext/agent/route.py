@@ -13,7 +13,8 @@ from collections.abc import Awaitable
 from typing import Any, Protocol
 
 from .. import _json, _vllm_compat, metrics
-from ..asgi import ASGIApp, Message, Receive, Replay, RequestHeaders, Scope, Send, set_header
+from ..asgi import Replay, RequestHeaders, set_header
+from ..asgi_types import ASGIApp, Message, Receive, Scope, Send
 from ..capture.keys import URL_SESSION
 from ..capture.store import Sink
 from ..capture.tap import Collector
@@ -98,14 +99,7 @@ async def serve(exchange: Exchange, route: AgentRoute, body: bytes, found: bool,
         set_header(scope, name, value, replace=False)
     metrics.count_request(route, plan.dialect, mode, metrics.STREAM if plan.stream else metrics.UNARY)
     receive = Replay([body], False, exchange.receive)
-    sink = exchange.sink if plan.capture and (not messages or exchange.serve_messages) else None  # --middleware: no ids
-    if plan.capture and sink is None and exchange.sink is not None:
-        exchange.sink.not_on_this_mount("/v1/messages")
-    path, data = "/v1/messages" if messages else "/v1/responses", _json.object_as_vllm(body) if sink else None
-    tap = Collector.of(
-        sink, path, scope["headers"], data, exchange.arrived[0], exchange.settings.capture_body_keys,
-        scope.get(URL_SESSION),
-    )  # fmt: skip
+    tap = _tap(exchange, plan.capture, messages, body)
     try:
         if isinstance(plan, MessagesPlan):
             if plan.ids or tap is not None:
@@ -125,6 +119,20 @@ async def serve(exchange: Exchange, route: AgentRoute, body: bytes, found: bool,
     finally:
         if tap is not None:
             tap.finish()
+
+
+def _tap(exchange: Exchange, capture: bool, messages: bool, body: bytes) -> Collector | None:
+    """What records this request's turn (None: not captured). On /v1/messages where the plugin does not serve it
+    (`--middleware` alone) the ids are not there to read: counted as not captured on this mount."""
+    sink = exchange.sink if capture and (not messages or exchange.serve_messages) else None
+    if capture and sink is None and exchange.sink is not None:
+        exchange.sink.not_on_this_mount("/v1/messages")
+    path, data = "/v1/messages" if messages else "/v1/responses", _json.object_as_vllm(body) if sink else None
+    scope = exchange.scope
+    return Collector.of(
+        sink, path, scope["headers"], data, exchange.arrived[0], exchange.settings.capture_body_keys,
+        scope.get(URL_SESSION),
+    )  # fmt: skip
 
 
 class ResponsesSend:

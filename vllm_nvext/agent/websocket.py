@@ -10,7 +10,7 @@ retries up to `stream_max_retries` (5) times first. vLLM has no WebSocket route 
 from __future__ import annotations
 
 from .. import _vllm_compat
-from ..asgi import Scope, Send
+from ..asgi_types import Scope, Send
 from ..protocol import error_body
 
 RESPONSES_PATH = "/v1/responses"

@@ -26,8 +26,9 @@ from urllib.parse import parse_qs
 
 from ..protocol import error_body
 from . import atif, continuation, nemo_gym
+from .base import Page
 from .record import SESSION_ID_MAX, valid_session_id
-from .store import READ_MAX_BYTES, Page, Sink
+from .store import READ_MAX_BYTES, Sink
 
 SESSIONS_PATH = "/v1/nvext/sessions/"
 STORE_WAIT_S = 30.0  # how long an answer waits for the store (a disk that hangs): past it, a 503

@@ -16,8 +16,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..config import ConfigError
+from .base import Page, PartlyWritten, StoreFull, readable
 from .record import Turn
-from .store import Page, PartlyWritten, StoreFull, readable
 
 PREFIX = "nvext:capture:"
 SESSIONS = PREFIX + "sessions"

@@ -8,7 +8,8 @@ from .. import _json
 from ..config import Mode
 from ..inbound.fields import invocation_route, read_fields
 from ..inbound.plan import Plan
-from ..inbound.request import Request, plan
+from ..inbound.reading import Request
+from ..inbound.request import plan
 from ..protocol import Dialect, Endpoint, RequestError
 
 

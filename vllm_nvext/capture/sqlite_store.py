@@ -19,8 +19,8 @@ from collections.abc import Iterator, Sequence
 from urllib.parse import quote
 
 from ..config import ConfigError
+from .base import Page, PartlyWritten, StoreFull, readable
 from .record import SIDE_KINDS, Turn
-from .store import Page, PartlyWritten, StoreFull, readable
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, turns INTEGER NOT NULL, last REAL NOT NULL)",

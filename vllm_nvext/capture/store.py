@@ -15,8 +15,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..config import (
@@ -26,6 +24,7 @@ from ..config import (
     ConfigError,
     capture_password,
 )
+from .base import Backend, Page, PartlyWritten, StoreFull
 from .record import Decode, Turn, valid_session_id
 
 logger = logging.getLogger("vllm_nvext.capture")
@@ -44,45 +43,6 @@ CLOSE_WAIT_S = 10.0  # how long `close` (at shutdown) and a DELETE wait for the 
 # cannot be read (the `--middleware` mount alone, `vllm-nvext proxy`: they exist only inside vLLM's handler).
 QUEUE_FULL, STORE_FULL, STORE_ERROR, INVALID_TURN = "queue_full", "store_full", "store_error", "invalid_turn"
 SHUTDOWN, NOT_ON_THIS_MOUNT = "shutdown", "not_on_this_mount"
-
-
-class StoreFull(Exception):
-    """The store is at its size cap; the batch is dropped."""
-
-
-class PartlyWritten(Exception):
-    """A store that writes turn by turn (Redis) wrote `written` of the batch's turns and failed on the others
-    (the last failure: `__cause__`): those written are recorded, the others dropped."""
-
-    def __init__(self, written: int) -> None:
-        super().__init__(written)
-        self.written = written
-
-
-@dataclass(frozen=True, slots=True)
-class Page:
-    """Some turns of a session, from `start`; `next_index` is where the next page starts (None: the end)."""
-
-    turns: list[str]  # each a turn's JSON text, as stored
-    next_index: int | None
-
-
-class Backend(Protocol):
-    """One kind of store. Every method may raise; the Sink counts and logs, the request path never sees it."""
-
-    def write(self, turns: Sequence[Turn], now: float) -> None: ...
-
-    def read(self, session_id: str, start: int, max_bytes: int) -> Page | None: ...
-
-    def delete(self, session_id: str) -> bool: ...
-
-    def sessions(self, since: float | None) -> Iterator[str]: ...
-
-    def prune(self, now: float) -> int: ...
-
-    def used_bytes(self) -> int: ...
-
-    def close(self) -> None: ...
 
 
 class Counts(Protocol):
@@ -162,6 +122,11 @@ class Sink:
         except queue.Full:
             self._count_drop(QUEUE_FULL, 1)
 
+    @property
+    def closed(self) -> bool:
+        """`close` was called: what is submitted since is dropped."""
+        return self._closed
+
     def not_on_this_mount(self, route: str) -> None:
         """A request of `route` this mount cannot read the ids of: counted as dropped, and said once in the log."""
         self._count_drop(NOT_ON_THIS_MOUNT, 1)
@@ -212,7 +177,8 @@ class Sink:
         """Write what is queued, waiting up to `timeout` (CLOSE_WAIT_S) in all, then close the store; how many queued
         turns were not written in that time (counted dropped, reason SHUTDOWN, and logged): a store that hangs never
         holds the server's exit longer (the writer is a daemon thread). The server's lifespan shutdown calls it
-        (asgi.closing_capture): uvicorn re-raises SIGTERM once it has shut down, and no `atexit` runs then."""
+        (middleware.capture.closing_capture): uvicorn re-raises SIGTERM once it has shut down, and no `atexit` runs
+        then."""
         with self._queued_lock:
             if self._closed:
                 return 0
@@ -347,15 +313,6 @@ def queued_bytes(turn: Turn) -> int:
             value = choice.get(key) if isinstance(choice, dict) else None
             items += len(value) if isinstance(value, list) else 0
     return TURN_BYTES + ITEM_BYTES * items
-
-
-def readable(body: str | bytes) -> Turn | None:
-    """A stored turn as the writer places the next by it; None for one that does not read back (a store written before
-    `Turn.problem` refused such turns): its session's next turn is then placed as after no reported ids."""
-    try:
-        return Turn.from_json(json.loads(body))
-    except (ValueError, TypeError, RecursionError):
-        return None
 
 
 def open_backend(

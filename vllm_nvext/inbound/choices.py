@@ -7,13 +7,11 @@ choice or one prompt cannot serve. `echo_prompts` are the prompts vLLM echoes, p
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from ..protocol import COMPLETION_TOKEN_IDS, SINGLE_PROMPT_SELECTORS, Endpoint, RequestError
 from .fields import DecisionFields
-
-if TYPE_CHECKING:
-    from .request import Request
+from .reading import Request
 
 ECHO_EMBEDS = (
     "`echo` of `prompt_embeds` cannot be combined with token ids vllm-nvext turns on (nvext selectors, or an "

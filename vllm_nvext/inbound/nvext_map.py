@@ -7,14 +7,12 @@ routing-only fields are dropped with `nvext`.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import _json, _vllm_compat
 from ..protocol import Endpoint, RequestError
+from .reading import Request
 from .rewrite import BodyRewrite
-
-if TYPE_CHECKING:
-    from .request import Request
 
 logger = logging.getLogger("vllm_nvext")
 

@@ -7,7 +7,6 @@ then receives `return_token_ids: true` and no `nvext`. See docs/protocol.md §1 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _json
@@ -31,35 +30,9 @@ from .nvext_map import apply_nvext_fields as apply_nvext_fields  # re-exported: 
 from .nvext_schema import json_type, read_nvext
 from .optin import might_opt_in
 from .plan import Plan
+from .reading import Reading, Request
 from .rewrite import BodyRewrite as BodyRewrite  # re-exported: the agent routes rewrite bodies too
 from .rewrite import SpliceRoot
-
-
-@dataclass(slots=True, eq=False)
-class Reading:
-    """What `read_request` read from a body whose decision fields and `nvext` are plain values, kept
-    per their values (`fields.reading_key`), with the plans made from it (`plan`)."""
-
-    fields: DecisionFields
-    nvext: dict[str, Any]
-    # By (mode, hides_reasoning_ids): the plan, the rewrite that makes the body (the plan is then a
-    # template without a body; None: vLLM gets the client's bytes) and its `splice_root` arguments.
-    plans: dict[tuple[Mode, bool], tuple[Plan, BodyRewrite | None, tuple[tuple[bytes, ...], bytes]]] = field(
-        default_factory=dict
-    )
-
-
-@dataclass(frozen=True)
-class Request:
-    """A token-endpoint body that opts in, read as vLLM reads it."""
-
-    endpoint: Endpoint
-    body: bytes
-    data: dict[str, Any]
-    fields: DecisionFields
-    nvext: dict[str, Any]
-    # Kept per value: the fields and nvext above are its own (no part of the request's value).
-    reading: Reading | None = field(default=None, compare=False, repr=False)
 
 
 def read_request(body: bytes, endpoint: Endpoint, *, scanned: bool = False) -> Request | None:

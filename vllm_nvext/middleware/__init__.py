@@ -1,7 +1,7 @@
 """The ASGI middleware: routes each request and wires its bytes to the pure modules.
 
 Request plumbing lives in `asgi.py`, the reshaping `send` in `send.py`, one request's cycle (its body, plan
-and answer) in `middleware/exchange.py`.
+and answer) in `middleware/exchange.py`, the capture's sink and its shutdown in `middleware/capture.py`.
 
 Only POSTs to the routes of `protocol.ENDPOINT_PATHS` (chat, completions, the chat batch route,
 /invocations) and the agent routes are ever translated (a few more are read for the client values
@@ -20,26 +20,15 @@ from .._vllm_compat import ServerFacts
 from ..agent import websocket
 from ..agent.messages import plugin_serves_messages
 from ..agent.responses import AGENT_PATHS, AgentRoute
-from ..asgi import (
-    HANDLED,
-    ASGIApp,
-    Receive,
-    Replay,
-    RequestHeaders,
-    Scope,
-    Send,
-    closing_capture,
-    first_header,
-    open_capture,
-    replay_body,
-    send_error,
-)
+from ..asgi import HANDLED, Replay, RequestHeaders, first_header, replay_body, send_error
+from ..asgi_types import ASGIApp, Receive, Scope, Send
 from ..capture import render_hook
 from ..config import Mode, Settings
 from ..inbound import client_params, fields
 from ..inbound.optin import opts_in_whole
 from ..kernels import pick
 from ..protocol import ENDPOINT_PATHS, Dialect, Endpoint, RequestError
+from .capture import CaptureMount
 from .exchange import Exchange
 from .sessions import serve_sessions
 from .url import rewrite
@@ -107,9 +96,10 @@ class NvextMiddleware:
             logging.getLogger("vllm.nvext").info(announce, self.stream_path)
         # The plugin mount serves /v1/messages with ids itself (agent/messages.py).
         self.serve_messages = serve_messages
-        if self.settings.continue_ids:  # VLLM_NVEXT_CONTINUE_IDS: vLLM's chat rendering wrapped (docs/capture.md)
-            render_hook.install()
-        self.sink = open_capture(self.settings)  # docs/capture.md; None: capture off, nothing of it runs
+        # This process's capture (docs/capture.md), shared with the other mount: one sink, one writer; None: capture
+        # off, nothing of it runs. VLLM_NVEXT_CONTINUE_IDS: vLLM's chat rendering wrapped, at start-up.
+        self.capture = CaptureMount.start(self.settings)
+        self.sink = None if self.capture is None else self.capture.sink
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.sink is not None and not self.sink.tokenizer_sought and scope["type"] == "http":
@@ -121,8 +111,8 @@ class NvextMiddleware:
             self.app, self.sink, self.settings.capture_api, scope, receive, send
         ):
             return  # the capture's read API (docs/capture.md), after vLLM's key check
-        if self.sink is not None and scope["type"] == "lifespan":
-            await self.app(scope, receive, closing_capture(self.sink, send))  # the queued turns written at shutdown
+        if self.capture is not None and scope["type"] == "lifespan":
+            await self.app(scope, receive, self.capture.closing(send))  # the queued turns written at shutdown
             return
         if scope["type"] != "http" or scope.get("method") != "POST" or HANDLED in scope:
             # Codex's WebSocket attempt on /v1/responses gets "use HTTP" (docs/protocol.md §11.4).

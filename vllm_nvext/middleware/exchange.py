@@ -14,20 +14,8 @@ from typing import Any
 from .. import _vllm_compat, metrics
 from ..agent import route as agent_route
 from ..agent.responses import AgentRoute
-from ..asgi import (
-    ASGIApp,
-    Message,
-    PassThrough,
-    Receive,
-    RequestHeaders,
-    Scope,
-    Send,
-    decode_echo_prompts,
-    replay_body,
-    send_error,
-    set_header,
-    too_large,
-)
+from ..asgi import PassThrough, RequestHeaders, decode_echo_prompts, replay_body, send_error, set_header, too_large
+from ..asgi_types import ASGIApp, Message, Receive, Scope, Send
 from ..capture.keys import URL_SESSION
 from ..capture.requests import plan_for_capture
 from ..capture.store import Sink

@@ -9,7 +9,7 @@ import logging
 import sys
 
 from .. import _vllm_compat, metrics
-from ..asgi import ASGIApp, Receive, Scope, Send
+from ..asgi_types import ASGIApp, Receive, Scope, Send
 from ..capture import api as capture_api
 from ..capture.store import Sink
 from ..config import ENV_CAPTURE_API, CaptureApi

@@ -15,7 +15,8 @@ check (a keyless client learns nothing of the route).
 from __future__ import annotations
 
 from .. import _vllm_compat
-from ..asgi import Scope, Send, send_error
+from ..asgi import send_error
+from ..asgi_types import Scope, Send
 from ..capture.keys import URL_PREFIX, URL_SESSION
 from ..capture.record import SESSION_ID_MAX, valid_session_id
 from ..protocol import RequestError

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import aiohttp
 
 from .. import _vllm_compat
-from ..asgi import Receive, Scope, Send
+from ..asgi_types import Receive, Scope, Send
 from ..config import ENV_ALLOW_MODE_HEADER, ENV_MAX_BODY_BYTES, ENV_MODE, Settings, capture_environ
 from ..middleware import NvextMiddleware
 from ..protocol import UPSTREAM_RELEASE

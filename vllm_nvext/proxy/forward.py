@@ -20,7 +20,7 @@ import aiohttp
 from yarl import URL
 
 from .. import metrics
-from ..asgi import Message, Receive, Scope, Send
+from ..asgi_types import Message, Receive, Scope, Send
 from ..middleware import prepare as prepare_middleware
 from ..protocol import error_body
 from .config import ProxyConfig

@@ -27,20 +27,16 @@ Exit status: 0 all checks passed (skips allowed), 1 a check failed or a request 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from ..config import MODE_HEADER
 from .parity_checks import (
     BUILTIN_PROMPTS,
-    FAIL,
     NVEXT_DIALECT,
-    PASS,
     REQUESTS,
     SKIP,
     VLLM_DIALECT,
@@ -50,9 +46,6 @@ from .parity_checks import (
     UsageError,
     build_cases,
     builtin_prompts,
-    counts,
-    error_message,
-    format_table,
     judge_case,
     load_prompts,
     outcome_report,
@@ -61,6 +54,7 @@ from .parity_checks import (
     token_data_unsupported,
 )
 from .parity_hidden_states import judge_hidden_states
+from .parity_run import Target, conclude, resolve_model
 
 if TYPE_CHECKING:
     import httpx
@@ -70,13 +64,6 @@ __all__ = ["BUILTIN_PROMPTS", "UsageError", "add_arguments", "run"]
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_MAX_TOKENS = 16
 CLIENT_EXTRA = "pip install 'vllm-nvext[client]'"
-
-
-@dataclass
-class Target:
-    url: str
-    headers: dict[str, str] = field(default_factory=dict)
-    send_mode_header: bool = True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,54 +179,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO, transport: httpx.Ba
     return conclude(session.rows, session.case_reports, summary, report, args.json_report, out)
 
 
-def conclude(
-    rows: list[Row], cases: list[dict[str, Any]], summary: str, report: dict[str, Any], path: Any, out: TextIO
-) -> int:
-    """Print the table and the verdict, write the JSON report when asked; the exit status."""
-    print(format_table(rows), file=out)
-    tally = counts(rows)
-    totals = {"checks": len(rows), "passed": tally[PASS], "failed": tally[FAIL], "skipped": tally[SKIP]}
-    print(f"\n{'FAILED' if tally[FAIL] else 'OK'}: {summary.format(**totals)}", file=out)
-    if path is not None:
-        rows_out = [asdict(r) for r in rows]
-        _write_report(path, {"passed": not tally[FAIL], **report, "summary": totals, "rows": rows_out, "cases": cases})
-    return 1 if tally[FAIL] else 0
-
-
-def _write_report(path: Path, report: dict[str, Any]) -> None:
-    try:
-        path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-    except OSError as exc:
-        raise UsageError(f"cannot write the JSON report: {exc}") from exc
-
-
 # --- requests ----------------------------------------------------------------------------------
-
-
-def resolve_model(http: httpx.Client, target: Target, wanted: str | None) -> str:
-    import httpx
-
-    try:
-        response = http.get(target.url + "/v1/models", headers=target.headers)
-    except httpx.HTTPError as exc:
-        raise UsageError(f"cannot reach {target.url}: {exc}") from exc
-    if response.status_code == 401:
-        raise UsageError(f"{target.url} refused the request (HTTP 401): pass its key with --api-key")
-    if response.status_code != 200:
-        raise UsageError(
-            f"{target.url}/v1/models answered HTTP {response.status_code}: {error_message(response.content)}"
-        )
-    try:
-        served = [m["id"] for m in response.json()["data"]]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise UsageError(f"{target.url}/v1/models did not list models: {exc}") from exc
-    if wanted is None:
-        if not served:
-            raise UsageError(f"{target.url} serves no model")
-        return str(served[0])
-    if wanted not in served:
-        raise UsageError(f"{target.url} does not serve model {wanted!r} (it serves {', '.join(served) or 'nothing'})")
-    return wanted
 
 
 class _Session:

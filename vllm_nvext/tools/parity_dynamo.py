@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from ..config import MODE_HEADER
 from . import dynamo_conformance
-from .parity import Target, UsageError, conclude, resolve_model
-from .parity_checks import FAIL, NVEXT_DIALECT, PASS, Row
+from .parity_checks import FAIL, NVEXT_DIALECT, PASS, Row, UsageError
+from .parity_run import Target, conclude, resolve_model
 
 if TYPE_CHECKING:
     import httpx

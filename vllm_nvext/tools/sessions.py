@@ -16,7 +16,8 @@ from typing import IO, Any
 
 from ..capture import nemo_gym
 from ..capture.atif import trajectory
-from ..capture.store import Backend, open_backend
+from ..capture.base import Backend
+from ..capture.store import open_backend
 from ..config import ConfigError
 from .capture_flags import warn_password_in_argv
 
