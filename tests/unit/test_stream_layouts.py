@@ -133,6 +133,23 @@ def test_vllm_rs_deltas_arm_the_splice_with_every_id_in_nvext(name, vllm, json_d
     assert len(deltas) > 2 and got.count(b'"nvext":{"completion_token_ids":') >= len(deltas)
 
 
+@pytest.mark.parametrize("root", [b'"x":{"choices":[{"index":0}]},', b'"x":[{"choices":[{"index":1,"a":null}]}],'])
+@pytest.mark.parametrize("name", ["chat_stream_ids_long", "completions_stream_ids_long"])
+def test_a_vllm_rs_root_value_holding_choices_of_its_own_is_read_as_the_general_path_reads_it(name, root, kernels):
+    # The root of a chunk without a finish reason is where the scanner finds choice 0 (delta.scanned_root), never a
+    # `"choices":[{"index":` inside a root value before it: the client gets the general path's bytes on every delta.
+    rec = recordings()[f"vllm-0.34-rust/{name}"]
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    events = [e.replace(b'"choices":[', root + b'"choices":[', 1) if e.startswith(b"data: {") else e
+              for e in _events(rec.body)]  # fmt: skip
+    reshaper = StreamReshaper(plan, Clock(), kernels)
+    got = b"".join(reshaper.feed(e) for e in events) + reshaper.flush()
+    general = DecodingStreamReshaper(plan, Clock())
+    want = b"".join(general.feed(e) for e in events) + general.flush()
+    assert got == want, f"{kernels.impl}: " + _first_difference(got, want)
+    assert reshaper.root.endswith(b'"model":"tiny",' + root + b'"choices":['), reshaper.root
+
+
 @pytest.mark.parametrize("vllm", RUST)
 @pytest.mark.parametrize("name", ["chat_stream_ids_long", "completions_stream_ids_long"])
 def test_vllm_rs_deltas_whose_ids_are_deleted_take_the_general_path(name, vllm):
