@@ -23,6 +23,13 @@ FIXTURES = ROOT / "tests" / "fixtures"
 # vLLM version -> its recorded fixture set (tests/recorded.py describes both)
 FIXTURE_DIRS = {"0.32": FIXTURES, "0.33": FIXTURES / "vllm-0.33"}
 VLLM_VERSIONS = tuple(FIXTURE_DIRS)
+# Every recorded layout (tests/recorded.py's FIXTURE_SETS): the two above, 0.34's and vllm-rs's.
+LAYOUT_DIRS = {
+    **FIXTURE_DIRS,
+    "0.34": FIXTURES / "vllm-0.34",
+    "0.33-rust": FIXTURES / "vllm-0.33-rust",
+    "0.34-rust": FIXTURES / "vllm-0.34-rust",
+}
 
 Message = dict[str, Any]
 
@@ -62,7 +69,7 @@ class Case:
 
 
 def load_case(name: str, vllm: str = "0.32") -> Case:
-    directory = FIXTURE_DIRS[vllm]
+    directory = LAYOUT_DIRS[vllm]
     index = json.loads((directory / "index.json").read_text())["cases"]
     meta = index[name]
     return Case(

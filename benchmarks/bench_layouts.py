@@ -13,6 +13,13 @@ Medians over interleaved passes (direct, middleware and floor in rotating order)
 the events the middleware had to decode (`_json.loads`), out of the stream's JSON events: the
 rest took the byte-level path (the request body's own parse is counted too).
 
+Then every recorded layout (0.32, 0.33, 0.34, vLLM 0.33's and 0.34's vllm-rs), long chat and completions
+streams, nvext mode: `python` counts the body messages handed to the general path (`ReshapingSend.__call__`;
+the rest the armed stream send served), `per request` is what the stream costs without its mid-stream deltas
+after the second (the first chunk, the delta that arms, the finish and [DONE] kept), `per delta` the cost of
+each delta removed ((whole - trimmed) / deltas removed): the added cost per event once armed, which a stream
+of few events hides under its per-request cost (0.32's completions stream has 43).
+
 Run: python -m benchmarks.bench_layouts [--quick]
 """
 
@@ -29,8 +36,10 @@ import orjson
 from vllm_nvext import NvextMiddleware
 from vllm_nvext.config import Mode
 from vllm_nvext.outbound import stream as stream_module
+from vllm_nvext.send import ReshapingSend
 
 from ._common import (
+    LAYOUT_DIRS,
     VLLM_VERSIONS,
     Case,
     Sink,
@@ -123,6 +132,83 @@ def measure(case: Case, mode: Mode, passes: int) -> dict[str, float]:
     return {"events": n, "decoded": decoded, "added_ns": added / n, "floor_ns": floor / n, "ratio": added / floor}
 
 
+def _handed_back(app: Any, path: str, body: bytes) -> int:
+    """How many body messages of one request the stream send handed to the general path."""
+    count = 0
+    real = ReshapingSend.__call__
+
+    async def counting(self: ReshapingSend, message: Any) -> None:
+        nonlocal count
+        count += message["type"] == "http.response.body"
+        await real(self, message)
+
+    ReshapingSend.__call__ = counting  # type: ignore[method-assign]
+    try:
+        run_sync(app(http_scope(path, body), receive_body(body), Sink()))
+    finally:
+        ReshapingSend.__call__ = real  # type: ignore[method-assign]
+    return count
+
+
+def _trimmed(events: list[bytes]) -> list[bytes]:
+    """The stream without its mid-stream deltas after the second event: from the finish chunk on, kept."""
+    finish = next(i for i, e in enumerate(events) if e.startswith(b"data: {") and b'"finish_reason":"' in e and i >= 2)
+    return events[:2] + events[finish:]
+
+
+def measure_armed(case: Case, passes: int) -> dict[str, float]:
+    """Per layout, nvext mode: messages handed to the general path, per-request and per-delta added cost."""
+    events = case.events()
+    trimmed = _trimmed(events)
+    apps = [sse_app(events), sse_app(trimmed)]
+    middlewares = [NvextMiddleware(app, mode=Mode.NVEXT) for app in apps]
+    python = _handed_back(middlewares[0], case.path, case.body)
+    times: list[list[int]] = [[], [], [], []]
+    payloads = _payloads(case)
+    floors: list[int] = []
+    jobs: list[tuple[list[int], Callable[[], int]]] = [
+        (times[0], lambda: _request_ns(apps[0], case.path, case.body)),
+        (times[1], lambda: _request_ns(middlewares[0], case.path, case.body)),
+        (times[2], lambda: _request_ns(apps[1], case.path, case.body)),
+        (times[3], lambda: _request_ns(middlewares[1], case.path, case.body)),
+        (floors, lambda: _floor_ns(payloads)),
+    ]
+    gc.collect()
+    for i in range(passes):
+        k = i % len(jobs)
+        for out, job in jobs[k:] + jobs[:k]:
+            out.append(job())
+    whole = median([m - d for m, d in zip(times[1], times[0], strict=True)])
+    request = median([m - d for m, d in zip(times[3], times[2], strict=True)])
+    removed = len(events) - len(trimmed)
+    floor = median(floors) / len(payloads)
+    delta = (whole - request) / removed
+    return {"events": len(payloads), "python": python, "messages": len(events) + 1, "whole_ns": whole / len(payloads),
+            "request_ns": request, "delta_ns": delta, "ratio": delta / floor}  # fmt: skip
+
+
+def run_armed(passes: int) -> None:
+    rows: list[list[str]] = []
+    for vllm in LAYOUT_DIRS:
+        for name in LONG:
+            r = measure_armed(load_case(name, vllm), passes)
+            rows.append([vllm, name, str(int(r["events"])), f"{int(r['python'])}/{int(r['messages'])}",
+                         fmt(r["whole_ns"] / 1e3), fmt(r["request_ns"] / 1e3, 1), fmt(r["delta_ns"] / 1e3),
+                         fmt_ratio(r["ratio"])])  # fmt: skip
+    print_table(
+        "Every recorded layout, nvext: messages the general path served, and the added cost per delta once armed",
+        ["layout", "fixture", "events", "python", "added us/ev", "per request us", "per delta us", "delta x floor"],
+        rows,
+        notes=[
+            "python = body messages handed to the general path / body messages (the rest the armed send served)",
+            "added us/ev = the whole request's added cost / JSON events (the first table's measure)",
+            "per request = the stream without its mid-stream deltas after the second; per delta = (whole - that)"
+            " / deltas removed; x floor: over one orjson loads+dumps of the stream's events",
+            f"{passes} interleaved passes, medians",
+        ],
+    )
+
+
 def run(quick: bool = False) -> list[Target]:
     passes = 60 if quick else 300
     rows: list[list[str]] = []
@@ -155,6 +241,7 @@ def run(quick: bool = False) -> list[Target]:
             f"long streams ~300-400 events, short ones under 10; {passes} interleaved passes, medians",
         ],
     )
+    run_armed(passes)
     return [Target(TARGET_LAYOUTS, worst[0] <= LIMIT, f"worst {worst[1]} {worst[0]:.2f}x")]
 
 

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from tests.recorded import VLLM_VERSIONS, Recording, recordings
 from vllm_nvext import Mode
+from vllm_nvext.inbound.plan import for_upstream
 from vllm_nvext.inbound.request import Plan, plan_request
 from vllm_nvext.outbound.decoding import DecodingStreamReshaper
 from vllm_nvext.outbound.nvext_values import Clock
@@ -85,8 +86,9 @@ def test_recorded_stream_gives_the_general_paths_bytes(name, mode, selectors):
     )
 
 
-# The layouts whose mid-stream deltas the byte-level path splices. vllm-rs (0.33-rust, 0.34-rust) leaves out a
-# delta's `"finish_reason":null`, which the splice anchors on: the general path serves its deltas.
+# The layouts whose mid-stream deltas the byte-level tiers read (`delta.tail_match`, `ids_between`). vllm-rs (0.33-rust,
+# 0.34-rust) leaves out a delta's `"finish_reason":null`, which they anchor on: its splice is armed from a delta read
+# as a first chunk is (`finish.first_chunk`), its root from the scanned first chunk (`delta.scanned_root`).
 RUST = tuple(v for v in VLLM_VERSIONS if v.endswith("-rust"))
 SPLICED = tuple(v for v in VLLM_VERSIONS if v not in RUST)
 
@@ -111,15 +113,56 @@ def test_byte_level_path_serves_every_mid_stream_delta_of_both_layouts(name, vll
 
 @pytest.mark.parametrize("vllm", RUST)
 @pytest.mark.parametrize("name", ["chat_stream_ids_long", "completions_stream_ids_long"])
-def test_vllm_rs_deltas_take_the_general_path_with_every_id_in_nvext(name, vllm):
-    """vllm-rs's recorded stream (no `"finish_reason":null` on a delta): no splice is armed, and every
-    delta still carries its ids in `nvext`, as the general path writes them."""
+def test_vllm_rs_deltas_arm_the_splice_with_every_id_in_nvext(name, vllm, json_decodes):
+    """vllm-rs's recorded stream (no `"finish_reason":null` on a delta): the splice is armed from its first delta,
+    every delta carries its ids in `nvext` as the general path writes them, and only the first, arming and finish
+    chunks are decoded."""
     rec = recordings()[f"vllm-{vllm}/{name}"]
-    reshaper = StreamReshaper(_plan(rec, Mode.NVEXT, ["completion_token_ids"]), Clock())
-    out = b"".join(reshaper.feed(e) for e in _events(rec.body))
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    events = _events(rec.body)
+    decodes_before = len(json_decodes)
+    reshaper = StreamReshaper(plan, Clock())
+    got = b"".join(reshaper.feed(e) for e in events) + reshaper.flush()
+    decoded = len(json_decodes) - decodes_before
+    general = DecodingStreamReshaper(plan, Clock())
+    want = b"".join(general.feed(e) for e in events) + general.flush()
     deltas = [e for e in rec.events() if e["choices"] and e["choices"][0].get("finish_reason") is None]
+    assert got == want, _first_difference(got, want)
+    assert reshaper.splice is not None, "no splice armed"
+    assert decoded <= 3, f"{decoded} events decoded: only the first, the delta that arms and the finish chunk may be"
+    assert len(deltas) > 2 and got.count(b'"nvext":{"completion_token_ids":') >= len(deltas)
+
+
+@pytest.mark.parametrize("root", [b'"x":{"choices":[{"index":0}]},', b'"x":[{"choices":[{"index":1,"a":null}]}],'])
+@pytest.mark.parametrize("name", ["chat_stream_ids_long", "completions_stream_ids_long"])
+def test_a_vllm_rs_root_value_holding_choices_of_its_own_is_read_as_the_general_path_reads_it(name, root, kernels):
+    # The root of a chunk without a finish reason is where the scanner finds choice 0 (delta.scanned_root), never a
+    # `"choices":[{"index":` inside a root value before it: the client gets the general path's bytes on every delta.
+    rec = recordings()[f"vllm-0.34-rust/{name}"]
+    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
+    events = [e.replace(b'"choices":[', root + b'"choices":[', 1) if e.startswith(b"data: {") else e
+              for e in _events(rec.body)]  # fmt: skip
+    reshaper = StreamReshaper(plan, Clock(), kernels)
+    got = b"".join(reshaper.feed(e) for e in events) + reshaper.flush()
+    general = DecodingStreamReshaper(plan, Clock())
+    want = b"".join(general.feed(e) for e in events) + general.flush()
+    assert got == want, f"{kernels.impl}: " + _first_difference(got, want)
+    assert reshaper.root.endswith(b'"model":"tiny",' + root + b'"choices":['), reshaper.root
+
+
+@pytest.mark.parametrize("vllm", RUST)
+@pytest.mark.parametrize("name", ["chat_stream_ids_long", "completions_stream_ids_long"])
+def test_vllm_rs_deltas_whose_ids_are_deleted_take_the_general_path(name, vllm):
+    """Behind `vllm-nvext proxy`, a stream whose ids the client gets without vLLM's copies has vllm-rs's keys deleted
+    (`plan.for_upstream`), by the general path alone: no splice, every id in `nvext`."""
+    rec = recordings()[f"vllm-{vllm}/{name}"]
+    plan = for_upstream(_plan(rec, Mode.NVEXT, ["completion_token_ids"]), vllm.replace("-rust", ".0"))
+    got, want, reshaper = _both_paths(plan, _events(rec.body))
+    deltas = [e for e in rec.events() if e["choices"] and e["choices"][0].get("finish_reason") is None]
+    assert plan.stream_ids_absent and got == want, _first_difference(got, want)
     assert reshaper.splice is None
-    assert len(deltas) > 2 and out.count(b'"nvext":{"completion_token_ids":') >= len(deltas)
+    assert len(deltas) > 2 and got.count(b'"nvext":{"completion_token_ids":') >= len(deltas)
+    assert b'"token_ids"' not in got.replace(b'"completion_token_ids"', b""), "vLLM's copies reached the client"
 
 
 @pytest.mark.parametrize("vllm", VLLM_VERSIONS)

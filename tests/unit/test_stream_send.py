@@ -23,6 +23,8 @@ from tests.recorded import recordings
 from tests.unit.test_metrics import delta, sample, scrape
 from tests.unit.test_stream_layouts import (
     RECORDED_CASES,
+    RUST,
+    STREAMS,
     _events,
     _first_difference,
     _plan,
@@ -83,26 +85,48 @@ def test_recorded_stream_through_the_send_gives_the_general_paths_bytes(name, mo
     )
 
 
-@pytest.mark.parametrize("name", ["chat_stream_ids_long", "vllm-0.33/completions_stream_ids_long"])
-def test_the_armed_send_serves_the_deltas_without_the_general_path(name, kernels, monkeypatch):
+# Every recorded stream with ids of every layout (vLLM 0.32, 0.33 and 0.34, vllm-rs 0.33 and 0.34; chat and
+# completions, short and long, stopped and with kv_transfer_params); with logprobs a delta is not the splice's.
+ARMING_STREAMS = [n for n in STREAMS if "_stream_ids" in n and "logprobs" not in n]
+
+
+@pytest.mark.parametrize("mode", [Mode.NVEXT, Mode.BOTH])
+@pytest.mark.parametrize("name", ARMING_STREAMS)
+def test_every_recorded_layout_arms_the_send_after_its_first_chunks(name, mode, kernels, monkeypatch):
+    # The armed send serves every message after the first chunk and the delta that arms it: each mid-stream delta,
+    # the finish chunk, [DONE] and the end of the stream. Counted, not timed: the messages the send hands back to
+    # the general path (`ReshapingSend.__call__`), whatever the stream's length. A layout that stops arming (every
+    # delta through Python: ~3 µs a delta instead of ~0.2, benchmarks/bench_layouts.py) fails here.
     rec = recordings()[name]
-    plan = _plan(rec, Mode.NVEXT, ["completion_token_ids"])
-    general_calls = []
+    plan = _plan(rec, mode, ["completion_token_ids"])
+    handed_back: list[int] = []
     real = ReshapingSend.__call__
 
     async def counting(self, message):
-        general_calls.append(message["type"])
+        if message["type"] == "http.response.body":
+            handed_back.append(id(message))
         await real(self, message)
 
     monkeypatch.setattr(ReshapingSend, "__call__", counting)
-    events = _events(rec.body)
-    _through_send(plan, events, kernels)
-    escaped = sum(b"\\" in e for e in events)
-    assert escaped, "the recording has texts with escapes (quotes, backslashes): the splice serves those too"
-    # start, first chunk, the delta that arms, finish, [DONE], end of stream
-    assert len(general_calls) <= 6, (
-        f"{kernels.impl}: {len(general_calls)} of {len(events) + 2} messages went through the general path"
+    sink = _Sink()
+    reshaping = ReshapingSend(plan, Clock(), sink, kernels)
+    _drive(reshaping.app_send(dict(START)))
+    messages = [{"type": "http.response.body", "body": e, "more_body": True} for e in _events(rec.body)]
+    messages.append({"type": "http.response.body", "body": b"", "more_body": False})
+    for message in messages:
+        _drive(reshaping.app_send(message))
+    python = [i for i, message in enumerate(messages) if id(message) in handed_back]
+    deltas = sum(e["choices"][0].get("finish_reason") is None for e in rec.events() if e["choices"])
+    finish = next(i for i, e in enumerate(rec.events()) if e["choices"] and e["choices"][0].get("finish_reason"))
+    # The first chunk and the delta that arms; the finish chunk too where it moves kv_transfer_params, and vllm-rs's
+    # (its deltas teach no finish chunk's bytes: no finish reason before their ids).
+    moved = b'"kv_transfer_params":{' in rec.body or rec.vllm in RUST
+    allowed = {0, 1, finish} if moved else {0, 1}
+    assert deltas >= 2 and set(python) <= allowed, (
+        f"{kernels.impl}: {len(python)} of {len(messages)} messages went through the general path (at {python[:8]}),"
+        f" not only the first chunk and the delta that arms the send"
     )
+    assert b"".join(sink.bodies) == _general(plan, _events(rec.body)), "the armed send gave other bytes"
 
 
 def test_the_metrics_count_every_event_whichever_path_serves_it(kernels):

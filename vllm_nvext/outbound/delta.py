@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 
 from .chunks import ChunkReshaper
+from .finish import Scanner
 from .splice import kept_json
 
 _FINISH_KEY = b'"finish_reason":'
@@ -54,6 +55,25 @@ def chunk_root(event: bytes) -> bytes | None:
     if end < 0 or event[_JSON_AT : _JSON_AT + 1] != b"{":
         return None
     root = event[: end + len(_CHOICES)]
+    if _ROOT_REWRITTEN[0] in root or _ROOT_REWRITTEN[1] in root:
+        return None
+    return root
+
+
+_CHOICE_0 = b'"choices":[{"index":'
+
+
+def scanned_root(event: bytes, scan: Scanner) -> bytes | None:
+    """`chunk_root` for a chunk without a finish reason (vllm-rs writes none on a delta), read by the plain-chunk
+    scanner (`plain.plain_chunk` or its compiled twin): the bytes up to the root's `"choices":[`, found where
+    choice 0's `index` is its first key; None if the chunk is not plain or its choice 0 starts otherwise."""
+    spans = scan(event)
+    if spans is None or spans[0] < 1:
+        return None
+    at = spans[5] - len(_CHOICE_0)  # choice 0's index value, which the root's `"choices":[{"index":` precedes
+    if at <= _JSON_AT or not event.startswith(_CHOICE_0, at):
+        return None
+    root = event[: at + len(_CHOICES)]
     if _ROOT_REWRITTEN[0] in root or _ROOT_REWRITTEN[1] in root:
         return None
     return root

@@ -16,9 +16,10 @@ from typing import Any, Protocol
 from .. import _json
 from ..inbound.plan import Plan
 from .chunks import ChunkReshaper
-from .delta import chunk_root, delta_bytes, ids_between, tail_match
+from .delta import chunk_root, delta_bytes, ids_between, scanned_root, tail_match
 from .finish import Scanner, finish_chunk, finishes, first_chunk, reshape_single, serves
 from .nvext_values import Clock
+from .plain import plain_chunk
 from .splice import FinishArm, Learner, Splice, SpliceArm, learn_splice
 from .sse import EventFramer, data_payload
 
@@ -30,6 +31,7 @@ _JSON_AT = len(_DATA)  # where the chunk's JSON object starts
 _EVENT_END = b"\n\n"
 _LIST = ord("[")
 _NOT_JSON = object()
+_FINISH_KEY = b'"finish_reason":'  # vllm-rs writes none on a delta
 
 
 class StreamKernels(Protocol):
@@ -71,7 +73,7 @@ class StreamReshaper:
 
     __slots__ = ("chunks", "_framer", "_fast", "_strip", "_trio", "root", "splice", "_armings", "_head", "_tail",
                  "_held", "_waiting", "framed", "framed_events", "unchanged", "_renames", "_finishes",
-                 "_scan", "_learn", "_finish_head")  # fmt: skip
+                 "_scan", "_learn", "_finish_head", "_arm_scan")  # fmt: skip
 
     def __init__(self, plan: Plan, clock: Clock, kernels: StreamKernels | None = None) -> None:
         self.chunks = ChunkReshaper(plan, clock)
@@ -80,6 +82,10 @@ class StreamReshaper:
         # the learner learns and checks the splice a delta teaches.
         self._scan = kernels.plain_chunk if kernels is not None and kernels.scans_plain and finishes else None
         self._learn = learn_splice if kernels is None else kernels.learn_splice
+        # What reads a chunk the splice is armed from where nothing else can (vllm-rs writes no finish reason on a
+        # delta: no byte-level tier matches it) and its root from the first chunk: the scanner, or its Python twin
+        # (a decode, once or twice a stream); None: the plan's chunks are not served so (`serves`).
+        self._arm_scan = (self._scan or plain_chunk) if finishes else None
         self._framer: EventFramer | None = None  # made for the first message that is not one whole event
         self._strip = plan.strip_vllm_ids  # plan flags the per-event path reads, as plain slots
         self._trio = plan.nvext_trio
@@ -205,6 +211,11 @@ class StreamReshaper:
             return out
         m = tail_match(event, self.root)
         if m is None:
+            # A delta without a finish reason (vllm-rs's), which no byte-level tier reads: on the Python path, read as
+            # a first chunk is, by the scanner's twin, and the splice armed from it.
+            scan = self._arm_scan if arms and self._scan is None else None
+            if scan is not None and event.find(_FINISH_KEY) < 0 and (out := self._first_delta(event, scan)) is not None:
+                return out
             return self._decoded_event(event)
         start, end = m.span(1)
         if event[start] == _LIST:  # learn the bytes around a list of ids
@@ -305,6 +316,10 @@ class StreamReshaper:
         """Learn the root bytes before `choices` from a decoded chunk (`delta.chunk_root`); False if deltas must
         stay decoded."""
         root = chunk_root(event)
+        if root is None and self._arm_scan is not None and event.find(_FINISH_KEY) < 0:
+            root = scanned_root(event, self._arm_scan)  # a chunk without a finish reason (vllm-rs)
+            if root is None:
+                self._arm_scan = None  # tried once a stream: its chunks are decoded
         if root is not None:
             self.root = root
         return root is not None
