@@ -86,8 +86,16 @@ CAPTURE_SINKS: list[Any] = []
 
 
 class CaptureNvextMiddleware(NvextMiddleware):
+    LOGPROBS = False
+
     def __init__(self, app: Any) -> None:
         folder = tempfile.mkdtemp(prefix="bench-capture-")
         atexit.register(shutil.rmtree, folder, True)
-        super().__init__(app, capture=f"sqlite:///{folder}/capture.sqlite3")
+        super().__init__(app, capture=f"sqlite:///{folder}/capture.sqlite3", capture_logprobs=self.LOGPROBS)
         CAPTURE_SINKS.append(self.sink)
+
+
+class CaptureLogprobsMiddleware(CaptureNvextMiddleware):
+    """Capture with VLLM_NVEXT_CAPTURE_LOGPROBS: the sampled tokens' logprobs asked of vLLM, taken back out."""
+
+    LOGPROBS = True

@@ -108,6 +108,7 @@ MIDDLEWARES = {
     "calibration": "benchmarks._middlewares.CalibrationMiddleware",
     "spread": "benchmarks._middlewares.SpreadMiddleware",
     "capture": "benchmarks._middlewares.CaptureNvextMiddleware",
+    "capture_logprobs": "benchmarks._middlewares.CaptureLogprobsMiddleware",
 }
 
 ARMS = (
@@ -124,8 +125,11 @@ ARMS = (
     # Capture on (docs/capture.md, "Cost"), into SQLite, for a client that asks for nothing: vs stock, the
     # same request. The writer thread's work is in the window (each request waits for its turn's write).
     Arm("capture (SQLite)", "plain", "plain", "capture"),
+    # The same with VLLM_NVEXT_CAPTURE_LOGPROBS: vLLM computes and writes the logprobs, the middleware takes them out.
+    Arm("capture + logprobs (SQLite)", "plain", "plain", "capture_logprobs"),
 )
-REFERENCE_ARMS = ("floor", "calibration", "spread", "capture")  # read beside the targets, never targets themselves
+# Read beside the targets, never targets themselves.
+REFERENCE_ARMS = ("floor", "calibration", "spread", "capture", "capture_logprobs")
 # The cross-process table's arms: its middleware server runs NvextMiddleware as installed.
 SERVER_ARMS = tuple(arm for arm in ARMS if arm.middleware == "default")
 
@@ -432,7 +436,7 @@ async def measure_in_process(rounds: int, profile: bool) -> list[Target]:
                 s_body, m_body = bodies[case.name, arm.stock_opt], bodies[case.name, arm.mw_opt]
                 pairs = results[case.name, arm.label]
                 mw_app = mw_apps[arm.middleware]
-                sinks = CAPTURE_SINKS if arm.middleware == "capture" else ()
+                sinks = CAPTURE_SINKS if arm.middleware.startswith("capture") else ()
                 if (r + i) % 2:
                     _, s_cpu = await exchange(stock_app, s_body)
                     _, m_cpu = await exchange(mw_app, m_body, sinks)
@@ -482,6 +486,7 @@ def warm_fixed_costs(answers: dict[tuple[str, str], Exchange], bodies: dict[tupl
     """
     from benchmarks._middlewares import (
         CalibrationMiddleware,
+        CaptureLogprobsMiddleware,
         CaptureNvextMiddleware,
         FloorMiddleware,
         PurePythonNvextMiddleware,
@@ -493,6 +498,7 @@ def warm_fixed_costs(answers: dict[tuple[str, str], Exchange], bodies: dict[tupl
         "default": NvextMiddleware, "python": PurePythonNvextMiddleware, "floor": FloorMiddleware,
         "calibration": CalibrationMiddleware,
         "spread": SpreadMiddleware, "capture": CaptureNvextMiddleware,
+        "capture_logprobs": CaptureLogprobsMiddleware,
     }  # fmt: skip
 
     async def sink(message: dict[str, Any]) -> None:
