@@ -115,12 +115,12 @@ def strip_volatile(obj: Any) -> Any:
 AGENT_VOLATILE = frozenset({"id", "created_at", "created", "completed_at"})
 
 
-def without_agent_volatile(obj: Any) -> Any:
-    """`obj` without AGENT_VOLATILE keys at any depth: what two answers to one request share."""
+def without_agent_volatile(obj: Any, volatile: frozenset[str] = AGENT_VOLATILE) -> Any:
+    """`obj` without `volatile` keys at any depth: what two answers to one request share."""
     if isinstance(obj, list):
-        return [without_agent_volatile(o) for o in obj]
+        return [without_agent_volatile(o, volatile) for o in obj]
     if isinstance(obj, dict):
-        return {k: without_agent_volatile(v) for k, v in obj.items() if k not in AGENT_VOLATILE}
+        return {k: without_agent_volatile(v, volatile) for k, v in obj.items() if k not in volatile}
     return obj
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import COMPLETIONS, sse_events
+from tests.helpers import COMPLETIONS, sse_events, without_agent_volatile
 from tests.recorded import recording
 from tests.unit.asgi import Upstream, call
 from tests.unit.test_capture_tap import JSON, _app, _turns, _without_ids
@@ -117,15 +117,12 @@ def test_the_setting_needs_capture_and_is_refused_without_it():
 # The same request recorded with `include: ["message.output_text.logprobs"]` (what the capture sends) and without
 # (what the client gets from stock vLLM), both with enable_response_messages (the capture's ids).
 
+# Two recordings' per-request values (their item ids too: recorded apart).
 _VOLATILE = frozenset({"id", "item_id", "created_at", "completed_at"})
 
 
 def _stable(obj: Any) -> Any:
-    if isinstance(obj, list):
-        return [_stable(o) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _stable(v) for k, v in obj.items() if k not in _VOLATILE}
-    return obj
+    return without_agent_volatile(obj, _VOLATILE)
 
 
 def _stock(final: dict[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ what is taken back out of the answer so the client gets what vLLM writes when no
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from .. import _json
@@ -17,16 +18,27 @@ _INCLUDE = frozenset({
 _DELTA = "response.output_text.delta"
 
 
-def _valid_include(value: Any) -> bool:
-    """Does vLLM's model take `value` as `include`: its own field where vLLM is loaded, else 0.32's Literal."""
+@functools.cache
+def _include_field() -> Any:
+    """vLLM's own validator of `ResponsesRequest.include`, built once; None where vLLM is not loaded."""
     try:
-        from pydantic import TypeAdapter, ValidationError
+        from pydantic import TypeAdapter
         from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
     except ImportError:
-        return isinstance(value, list) and all(isinstance(entry, str) and entry in _INCLUDE for entry in value)
+        return None
     annotation: Any = ResponsesRequest.model_fields["include"].annotation
+    return TypeAdapter(annotation)
+
+
+def _valid_include(value: Any) -> bool:
+    """Does vLLM's model take `value` as `include`: its own field where vLLM is loaded, else 0.32's Literal."""
+    field = _include_field()
+    if field is None:
+        return isinstance(value, list) and all(isinstance(entry, str) and entry in _INCLUDE for entry in value)
+    from pydantic import ValidationError
+
     try:
-        TypeAdapter(annotation).validate_python(value)
+        field.validate_python(value)
     except ValidationError:
         return False
     return True
